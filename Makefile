@@ -1,0 +1,62 @@
+# Ferry: everything a fresh machine needs is installed by these targets, into a cache outside the repo.
+SHELL := /bin/bash
+FERRY_CACHE ?= $(HOME)/.cache/ferry
+VENV ?= $(FERRY_CACHE)/venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+export FERRY_CACHE
+export UCX_NET_DEVICES := lo
+
+.PHONY: help deps venv bins crds proto lint fmt test test-unit demo bench clean
+
+help:
+	@echo "make demo   - start a local cluster + S3 + operator and walk through the weight lifecycle"
+	@echo "make test   - install everything needed and run the whole test suite (unit, cluster, e2e)"
+	@echo "make bench  - run the benchmarks under bench/ (JSON + markdown into bench/results/)"
+	@echo "make crds   - regenerate crds/*.yaml from the pydantic models"
+	@echo "make lint   - ruff check + format check"
+
+deps: venv bins
+
+venv: $(VENV)/.ferry-installed
+
+$(VENV)/.ferry-installed: pyproject.toml
+	bash hack/setup-venv.sh "$(VENV)"
+	@touch $@
+
+bins:
+	bash hack/build-bins.sh all
+
+crds: venv
+	$(PY) -m ferry.api.crdgen crds
+
+proto: venv
+	bash hack/gen-proto.sh "$(PY)"
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# The suite runs in a loopback-only network namespace: NIXL/UCX and every server we start see only `lo`.
+test: deps
+	$(VENV)/bin/pip install -q --no-deps -e .
+	$(MAKE) --no-print-directory lint
+	bash hack/netns.sh $(VENV)/bin/pytest -m "unit or cluster or e2e" $(PYTEST_ARGS)
+
+test-unit: venv
+	$(VENV)/bin/pytest -m unit $(PYTEST_ARGS)
+
+demo: deps
+	$(VENV)/bin/pip install -q --no-deps -e .
+	$(PY) -m ferry.demo $(DEMO_ARGS)
+
+bench: deps
+	$(VENV)/bin/pip install -q --no-deps -e .
+	bash hack/netns.sh $(PY) -m bench.run_all
+
+clean:
+	rm -rf bench/results .pytest_cache .ruff_cache

@@ -1,0 +1,78 @@
+"""Kubernetes-convention conditions: lastTransitionTime moves only when status flips."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def now_rfc3339() -> str:
+    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def set_condition(
+    conditions: Iterable[Mapping[str, Any]] | None,
+    type_: str,
+    status: bool | str,
+    reason: str,
+    message: str = "",
+    *,
+    generation: int | None = None,
+    now: str | None = None,
+) -> list[dict[str, Any]]:
+    """Return a new condition list with `type_` set; other conditions are kept in order."""
+    status_text = status if isinstance(status, str) else ("True" if status else "False")
+    result: list[dict[str, Any]] = []
+    found = False
+    for existing in conditions or ():
+        if existing.get("type") != type_:
+            result.append(dict(existing))
+            continue
+        found = True
+        flipped = existing.get("status") != status_text
+        result.append(
+            _condition(
+                type_,
+                status_text,
+                reason,
+                message,
+                generation,
+                (now or now_rfc3339()) if flipped else existing.get("lastTransitionTime") or now or now_rfc3339(),
+            )
+        )
+    if not found:
+        result.append(_condition(type_, status_text, reason, message, generation, now or now_rfc3339()))
+    return result
+
+
+def _condition(type_: str, status: str, reason: str, message: str, generation: int | None, when: str) -> dict:
+    cond: dict[str, Any] = {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": when,
+    }
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond
+
+
+def get_condition(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> Mapping[str, Any] | None:
+    return next((c for c in conditions or () if c.get("type") == type_), None)
+
+
+def is_true(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> bool:
+    cond = get_condition(conditions, type_)
+    return cond is not None and cond.get("status") == "True"
+
+
+def human_bytes(n: int) -> str:
+    """Binary units, like kubectl quantities: 512Mi, 1.5Gi."""
+    value = float(n)
+    for unit in ("", "Ki", "Mi", "Gi", "Ti", "Pi"):
+        if value < 1024 or unit == "Pi":
+            return f"{int(value)}{unit}" if value == int(value) else f"{value:.1f}{unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

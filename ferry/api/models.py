@@ -1,0 +1,351 @@
+"""The ferry.dev/v1alpha1 API. These pydantic models are the source of truth; `make crds` renders the CRDs."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GROUP = "ferry.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+CATEGORY = "ferry"
+MAX_CHAIN_LENGTH = 64
+
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+S3_INDEX_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/([^/]+/)*[^/]+\.index\.json$"
+HTTP_ENDPOINT = r"^https?://[^\s/]+(:[0-9]+)?/?$"
+CONDITION_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+INT64_MAX = 2**63 - 1
+
+ObjectName = Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, use_enum_values=True)
+
+
+class CelRule(_Model):
+    """One `x-kubernetes-validations` entry."""
+
+    rule: str
+    message: str
+    reason: str | None = None
+    fieldPath: str | None = None
+
+
+# ---------------------------------------------------------------- shared parts
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(_Model):
+    """metav1.Condition, as the Kubernetes API conventions define it."""
+
+    type: str = Field(max_length=316, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$")
+    status: ConditionStatus
+    reason: str = Field(min_length=1, max_length=1024, pattern=CONDITION_REASON)
+    message: str = Field(default="", max_length=32768)
+    observedGeneration: int | None = Field(default=None, ge=0)
+    lastTransitionTime: str = Field(json_schema_extra={"format": "date-time"})
+
+
+Conditions = Annotated[
+    list[Condition],
+    Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    ),
+]
+
+
+class SourceKind(StrEnum):
+    PEER = "Peer"
+    OBJECT_STORAGE = "ObjectStorage"
+
+
+class SelectorKind(StrEnum):
+    RENDEZVOUS_HASH = "rendezvousHash"
+    RANDOM = "random"
+    LOAD_AWARE = "loadAware"
+
+
+class Device(StrEnum):
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+class TransferSpec(_Model):
+    timeoutSeconds: int = Field(default=300, ge=1, le=86400, description="Per-candidate transfer timeout.")
+    maxSourceAttempts: int = Field(default=3, ge=1, le=16, description="Peers tried before falling back.")
+    selector: SelectorKind = SelectorKind.RENDEZVOUS_HASH
+    stallSeconds: int = Field(default=60, ge=1, le=86400, description="No progress for this long is a stall.")
+
+
+# ---------------------------------------------------------------- WeightVersion
+
+
+class WeightFormat(StrEnum):
+    FULL_CHECKPOINT = "FullCheckpoint"
+    XOR_DELTA = "XorDelta"
+    PEER_ONLY = "PeerOnly"
+
+
+class StorageLocation(_Model):
+    uri: str = Field(
+        max_length=2048,
+        pattern=S3_INDEX_URI,
+        description="s3://bucket/key/model.safetensors.index.json; shards live beside the index.",
+    )
+    endpoint: str | None = Field(default=None, max_length=512, pattern=HTTP_ENDPOINT)
+    region: str | None = Field(default=None, max_length=64)
+    credentialsSecret: ObjectName | None = Field(
+        default=None, description="Secret in the same namespace with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."
+    )
+
+
+class WeightVersionSpec(_Model):
+    cel_rules: ClassVar[list[CelRule]] = [
+        CelRule(rule="self == oldSelf", message="spec is immutable: publish a new WeightVersion instead"),
+        CelRule(
+            rule="self.format != 'XorDelta' || has(self.baseVersion)",
+            message="an XorDelta needs spec.baseVersion",
+            reason="FieldValueRequired",
+            fieldPath=".baseVersion",
+        ),
+        CelRule(
+            rule="self.format == 'XorDelta' || !has(self.baseVersion)",
+            message="only an XorDelta may set spec.baseVersion",
+            reason="FieldValueForbidden",
+            fieldPath=".baseVersion",
+        ),
+        CelRule(
+            rule="self.format == 'PeerOnly' || has(self.storage)",
+            message="FullCheckpoint and XorDelta need spec.storage",
+            reason="FieldValueRequired",
+            fieldPath=".storage",
+        ),
+    ]
+
+    modelName: str = Field(min_length=1, max_length=253)
+    format: WeightFormat
+    baseVersion: ObjectName | None = Field(default=None, description="WeightVersion this delta applies to.")
+    storage: StorageLocation | None = None
+    layoutSignature: str | None = Field(default=None, max_length=256)
+
+
+class WeightVersionPhase(StrEnum):
+    PENDING = "Pending"
+    VERIFYING = "Verifying"
+    READY = "Ready"
+    FAILED = "Failed"
+    RELEASING = "Releasing"
+
+
+class WeightVersionStatus(_Model):
+    phase: WeightVersionPhase | None = None
+    conditions: Conditions
+    observedGeneration: int | None = Field(default=None, ge=0)
+    chain: list[str] | None = Field(default=None, max_length=MAX_CHAIN_LENGTH, description="Root to self.")
+    chainDepth: int | None = Field(default=None, ge=0, le=MAX_CHAIN_LENGTH)
+    totalBytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    size: str | None = Field(default=None, max_length=32, description="totalBytes for humans, e.g. 1.5Gi.")
+    tensorCount: int | None = Field(default=None, ge=0)
+    readyTime: str | None = None
+    holders: int | None = Field(default=None, ge=0)
+    releaseBlockers: list[str] | None = Field(default=None, description="What keeps a deleted version alive.")
+
+
+class WeightVersion(_Model):
+    kind: ClassVar[str] = "WeightVersion"
+    plural: ClassVar[str] = "weightversions"
+    short_names: ClassVar[list[str]] = ["wv"]
+    cel_rules: ClassVar[list[CelRule]] = [
+        CelRule(
+            rule="!has(self.spec.baseVersion) || self.spec.baseVersion != self.metadata.name",
+            message="a WeightVersion cannot be its own base",
+            reason="FieldValueInvalid",
+            fieldPath=".spec.baseVersion",
+        )
+    ]
+    printer_columns: ClassVar[list[dict]] = [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+        {"name": "Model", "type": "string", "jsonPath": ".spec.modelName"},
+        {"name": "Base", "type": "string", "jsonPath": ".spec.baseVersion"},
+        {"name": "Depth", "type": "integer", "jsonPath": ".status.chainDepth"},
+        {"name": "Size", "type": "string", "jsonPath": ".status.size"},
+        {
+            "name": "Reason",
+            "type": "string",
+            "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+            "priority": 1,
+        },
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+    spec: WeightVersionSpec
+    status: WeightVersionStatus | None = None
+
+
+# ---------------------------------------------------------------- ModelLoad
+
+
+class ModelLoadSpec(_Model):
+    modelName: str = Field(min_length=1, max_length=253)
+    desiredVersion: ObjectName = Field(description="Name of the WeightVersion to make resident.")
+    nodeSelector: dict[str, str] = Field(default_factory=dict)
+    replicas: int = Field(default=1, ge=0, le=4096)
+    ranksPerReplica: int = Field(default=1, ge=1, le=1024)
+    device: Device = Device.CUDA
+    sourceOrder: list[SourceKind] = Field(
+        default_factory=lambda: [SourceKind.PEER, SourceKind.OBJECT_STORAGE],
+        min_length=1,
+        max_length=2,
+        json_schema_extra={"x-kubernetes-list-type": "set", "default": ["Peer", "ObjectStorage"]},
+    )
+    # `{}` lets the apiserver fill the nested defaults.
+    transfer: TransferSpec = Field(default_factory=TransferSpec, json_schema_extra={"default": {}})
+
+
+class ModelLoadStatus(_Model):
+    phase: str | None = Field(default=None, max_length=64)
+    replicas: int | None = Field(default=None, ge=0)
+    readyReplicas: int | None = Field(default=None, ge=0)
+    ready: str | None = Field(default=None, max_length=32, description="readyReplicas/replicas, for kubectl.")
+    loadedVersion: str | None = None
+    conditions: Conditions
+    observedGeneration: int | None = Field(default=None, ge=0)
+
+
+class ModelLoad(_Model):
+    kind: ClassVar[str] = "ModelLoad"
+    plural: ClassVar[str] = "modelloads"
+    short_names: ClassVar[list[str]] = ["ml"]
+    cel_rules: ClassVar[list[CelRule]] = []
+    printer_columns: ClassVar[list[dict]] = [
+        {"name": "Model", "type": "string", "jsonPath": ".spec.modelName"},
+        {"name": "Desired", "type": "string", "jsonPath": ".spec.desiredVersion"},
+        {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Loaded", "type": "string", "jsonPath": ".status.loadedVersion", "priority": 1},
+        {
+            "name": "Reason",
+            "type": "string",
+            "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+            "priority": 1,
+        },
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+    spec: ModelLoadSpec
+    status: ModelLoadStatus | None = None
+
+
+# ---------------------------------------------------------------- WeightReplica
+
+
+class WeightReplicaSpec(_Model):
+    cel_rules: ClassVar[list[CelRule]] = [
+        CelRule(rule="self.nodeName == oldSelf.nodeName", message="spec.nodeName is immutable"),
+    ]
+
+    modelLoad: ObjectName
+    modelName: str = Field(min_length=1, max_length=253)
+    version: ObjectName
+    nodeName: ObjectName
+    ranks: int = Field(default=1, ge=1, le=1024)
+    device: Device = Device.CUDA
+    sourceOrder: list[SourceKind] = Field(
+        default_factory=lambda: [SourceKind.PEER, SourceKind.OBJECT_STORAGE],
+        min_length=1,
+        max_length=2,
+        json_schema_extra={"x-kubernetes-list-type": "set", "default": ["Peer", "ObjectStorage"]},
+    )
+    # `{}` lets the apiserver fill the nested defaults.
+    transfer: TransferSpec = Field(default_factory=TransferSpec, json_schema_extra={"default": {}})
+
+
+class ReplicaPhase(StrEnum):
+    PENDING = "Pending"
+    LOADING = "Loading"
+    LOADED = "Loaded"
+    SERVING = "Serving"
+    FAILED = "Failed"
+    STALE = "Stale"
+
+
+class AttemptOutcome(StrEnum):
+    LOADED = "Loaded"
+    FAILED = "Failed"
+    SKIPPED = "Skipped"
+
+
+class LoadAttempt(_Model):
+    source: str = Field(max_length=512)
+    outcome: AttemptOutcome
+    reason: str = Field(default="", max_length=128)
+    message: str = Field(default="", max_length=4096)
+    time: str | None = None
+
+
+class RankState(StrEnum):
+    READY = "Ready"
+    DRAINING = "Draining"
+
+
+class RankEndpoint(_Model):
+    rank: int = Field(ge=0)
+    agentName: str = Field(max_length=253)
+    metadataEndpoint: str = Field(default="", max_length=512)
+    grpcEndpoint: str = Field(max_length=512)
+    tensorCount: int = Field(ge=0)
+    manifestDigest: str = Field(max_length=128)
+    state: RankState = RankState.READY
+
+
+class WeightReplicaStatus(_Model):
+    phase: ReplicaPhase | None = None
+    version: str | None = None
+    source: str | None = Field(default=None, description="peer/<replica> or s3.")
+    bytesDone: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    bytesTotal: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    startedTime: str | None = None
+    completedTime: str | None = None
+    lastProgressTime: str | None = None
+    attempts: list[LoadAttempt] | None = Field(default=None, max_length=64)
+    ranks: Annotated[
+        list[RankEndpoint] | None,
+        Field(default=None, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["rank"]}),
+    ]
+    activeLeases: int | None = Field(default=None, ge=0)
+    message: str | None = Field(default=None, max_length=4096)
+    conditions: Conditions
+    observedGeneration: int | None = Field(default=None, ge=0)
+
+
+class WeightReplica(_Model):
+    kind: ClassVar[str] = "WeightReplica"
+    plural: ClassVar[str] = "weightreplicas"
+    short_names: ClassVar[list[str]] = ["wr"]
+    cel_rules: ClassVar[list[CelRule]] = []
+    printer_columns: ClassVar[list[dict]] = [
+        {"name": "Node", "type": "string", "jsonPath": ".spec.nodeName"},
+        {"name": "Version", "type": "string", "jsonPath": ".spec.version"},
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Source", "type": "string", "jsonPath": ".status.source"},
+        {"name": "Done", "type": "integer", "jsonPath": ".status.bytesDone", "priority": 1},
+        {"name": "Total", "type": "integer", "jsonPath": ".status.bytesTotal", "priority": 1},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+    spec: WeightReplicaSpec
+    status: WeightReplicaStatus | None = None
+
+
+RESOURCES: list[type[_Model]] = [WeightVersion, ModelLoad, WeightReplica]

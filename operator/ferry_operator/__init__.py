@@ -1,0 +1,1 @@
+"""The Ferry operator: kopf handlers over pure domain modules."""

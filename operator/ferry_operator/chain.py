@@ -1,0 +1,200 @@
+"""Replay-chain resolution for WeightVersions (ModelExpress §5.5 semantics, on Kubernetes objects).
+
+A FullCheckpoint or PeerOnly version is its own chain. An XorDelta is replayed from a FullCheckpoint root through its
+`baseVersion` links; the whole chain must be structurally sound before the direct base's readiness is even considered, so
+that a permanent defect (a cycle, a model mismatch) is reported as such and not masked by a transient one.
+
+Pure: the caller supplies `lookup` (for example over a kopf index or an informer cache), so this module does no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from ferry.api.conditions import is_true
+from ferry.api.models import MAX_CHAIN_LENGTH, WeightFormat
+
+
+class ChainReason(StrEnum):
+    """Reasons of the WeightVersion `ChainResolved` condition. The list is fixed: dashboards and alerts key on it."""
+
+    Resolved = "Resolved"  # the chain is sound and the direct base (if any) is Ready
+    BaseNotFound = "BaseNotFound"  # a baseVersion names a WeightVersion that does not exist (yet)
+    BaseNotReady = "BaseNotReady"  # the direct base exists but is not Ready, or is being released
+    ModelMismatch = "ModelMismatch"  # a version in the chain is for a different modelName
+    ChainCycle = "ChainCycle"  # baseVersion links loop back on themselves
+    ChainTooLong = "ChainTooLong"  # more versions than the replay limit (64 by default)
+    LayoutMismatch = "LayoutMismatch"  # two non-empty layoutSignatures in the chain differ
+    UnsupportedFormat = "UnsupportedFormat"  # PeerOnly base, FullCheckpoint with a base, delta without one, unknown
+
+
+@dataclass(frozen=True)
+class VersionView:
+    """What chain resolution needs from one WeightVersion object."""
+
+    name: str
+    model_name: str
+    format: str  # FullCheckpoint | XorDelta | PeerOnly; kept as str so an unknown value is reportable, not a crash
+    base_version: str | None
+    layout_signature: str | None
+    ready: bool
+    deleting: bool
+    has_storage: bool
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> VersionView:
+        """From a Kubernetes object dict (or a kopf Body); `ready` is the status `Ready` condition being True."""
+        metadata = body.get("metadata") or {}
+        spec = body.get("spec") or {}
+        status = body.get("status") or {}
+        storage = spec.get("storage") or {}
+        return cls(
+            name=metadata.get("name", ""),
+            model_name=spec.get("modelName", ""),
+            format=spec.get("format", ""),
+            base_version=spec.get("baseVersion") or None,
+            layout_signature=spec.get("layoutSignature") or None,
+            ready=is_true(status.get("conditions"), "Ready"),
+            deleting=bool(metadata.get("deletionTimestamp")),
+            has_storage=bool(storage.get("uri")),
+        )
+
+
+@dataclass(frozen=True)
+class ChainResult:
+    ok: bool
+    reason: ChainReason
+    message: str
+    chain: tuple[str, ...] = ()  # root → self; () unless ok
+
+    @property
+    def depth(self) -> int:
+        return len(self.chain)
+
+
+def _fail(reason: ChainReason, message: str) -> ChainResult:
+    return ChainResult(ok=False, reason=reason, message=message)
+
+
+def _no_storage(name: str, fmt: str) -> str:
+    # Replay downloads every link from object storage (ModelExpress: "no legal source").
+    return f"{fmt} {name} has no spec.storage, so it cannot be replayed from object storage."
+
+
+def _path(names: Iterable[str], limit: int = 8) -> str:
+    """`a → b → c`, elided in the middle so a long cycle still fits a condition message."""
+    items = list(names)
+    if len(items) > limit:
+        half = limit // 2
+        items = [*items[:half], f"… ({len(items) - limit} more) …", *items[-half:]]
+    return " → ".join(items)
+
+
+def resolve_chain(
+    name: str, lookup: Callable[[str], VersionView | None], max_length: int = MAX_CHAIN_LENGTH
+) -> ChainResult:
+    """Resolve the replay chain of WeightVersion `name`, root first.
+
+    At most `max_length + 1` lookups happen, so a very long or cyclic chain is cut off without an unbounded walk.
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length must be at least 1, got {max_length}")
+    target = lookup(name)
+    if target is None:
+        return _fail(ChainReason.BaseNotFound, f"WeightVersion {name} does not exist.")
+
+    walked: list[VersionView] = [target]  # self → root while walking
+    position = {target.name: 0}
+    layout_owner = target if target.layout_signature else None
+    current = target
+    while True:
+        if current.format == WeightFormat.FULL_CHECKPOINT:
+            if current.base_version is not None:
+                return _fail(
+                    ChainReason.UnsupportedFormat,
+                    f"FullCheckpoint {current.name} sets baseVersion {current.base_version}; "
+                    "a full checkpoint must be the root of its chain.",
+                )
+            if current is not target and not current.has_storage:
+                return _fail(ChainReason.UnsupportedFormat, _no_storage(current.name, "FullCheckpoint"))
+            break
+        if current.format == WeightFormat.PEER_ONLY:
+            if current is target:
+                break
+            return _fail(
+                ChainReason.UnsupportedFormat,
+                f"{walked[-2].name} is a delta on {current.name}, which is PeerOnly and has no stored weights "
+                "to replay from; a delta's base must be a FullCheckpoint or XorDelta.",
+            )
+        if current.format != WeightFormat.XOR_DELTA:
+            return _fail(
+                ChainReason.UnsupportedFormat,
+                f"WeightVersion {current.name} has unsupported format {current.format!r}; "
+                "expected FullCheckpoint, XorDelta or PeerOnly.",
+            )
+        if current.base_version is None:
+            return _fail(ChainReason.UnsupportedFormat, f"XorDelta {current.name} has no baseVersion.")
+        if not current.has_storage:
+            return _fail(ChainReason.UnsupportedFormat, _no_storage(current.name, "XorDelta"))
+
+        base_name = current.base_version
+        if base_name in position:
+            cycle = [v.name for v in walked[position[base_name] :]] + [base_name]
+            return _fail(ChainReason.ChainCycle, f"baseVersion links form a cycle: {_path(cycle)}.")
+        if len(walked) >= max_length:
+            # Adding the base would exceed the limit, and the root is still further away.
+            return _fail(
+                ChainReason.ChainTooLong,
+                f"the replay chain of {name} has more than {max_length} versions "
+                f"(gave up at {current.name} → {base_name}); publish a new FullCheckpoint to start a fresh chain.",
+            )
+        base = lookup(base_name)
+        if base is None:
+            where = "" if current is target else f", in the chain {_path([v.name for v in walked] + [base_name])}"
+            return _fail(
+                ChainReason.BaseNotFound,
+                f"base version {base_name} of {current.name} does not exist{where}.",
+            )
+        if base.model_name != target.model_name:
+            return _fail(
+                ChainReason.ModelMismatch,
+                f"{name} is for model {target.model_name!r} but its chain includes {base.name}, "
+                f"which is for model {base.model_name!r}.",
+            )
+        if base.layout_signature:
+            if layout_owner is None:
+                layout_owner = base
+            elif base.layout_signature != layout_owner.layout_signature:
+                return _fail(
+                    ChainReason.LayoutMismatch,
+                    f"layoutSignature of {layout_owner.name} ({layout_owner.layout_signature!r}) differs from "
+                    f"that of {base.name} ({base.layout_signature!r}); a delta chain needs one parameter layout.",
+                )
+        position[base.name] = len(walked)
+        walked.append(base)
+        current = base
+
+    if len(walked) > 1:
+        direct = walked[1]
+        if direct.deleting:
+            return _fail(
+                ChainReason.BaseNotReady,
+                f"base version {direct.name} is being released (deletionTimestamp is set); "
+                "a delta cannot depend on it.",
+            )
+        if not direct.ready:
+            return _fail(ChainReason.BaseNotReady, f"base version {direct.name} is not Ready yet.")
+    chain = tuple(v.name for v in reversed(walked))
+    if len(chain) == 1:
+        message = f"{name} is a {target.format} and needs no base."
+    else:
+        message = f"replay chain of {len(chain)} versions: {_path(chain)}."
+    return ChainResult(ok=True, reason=ChainReason.Resolved, message=message, chain=chain)
+
+
+def dependents(name: str, all_views: Iterable[VersionView]) -> list[str]:
+    """Names (sorted) of non-deleting versions whose baseVersion is `name`: they block releasing it."""
+    return sorted(v.name for v in all_views if v.base_version == name and not v.deleting)
