@@ -160,7 +160,9 @@ def _key() -> ec.EllipticCurvePrivateKey:
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
     path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption())
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+        )
     )
     path.chmod(0o600)
 
@@ -254,8 +256,16 @@ class Pki:
         _write_key(key_path, key)
 
 
-def write_kubeconfig(path: Path, server: str, ca: Path, *, cert: Path | None = None, key: Path | None = None,
-                     token: str | None = None, user: str = "admin") -> Path:
+def write_kubeconfig(
+    path: Path,
+    server: str,
+    ca: Path,
+    *,
+    cert: Path | None = None,
+    key: Path | None = None,
+    token: str | None = None,
+    user: str = "admin",
+) -> Path:
     user_entry: dict[str, str] = {}
     if cert and key:
         user_entry = {"client-certificate": str(cert), "client-key": str(key)}
@@ -317,6 +327,7 @@ class S3Server:
             f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=50",
             f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
             "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={config}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-metricsPort=0",
         ]  # fmt: skip
         self.process = ManagedProcess("seaweedfs", argv, self.workdir / "weed.log").start()
@@ -347,10 +358,8 @@ class S3Server:
 
     def create_bucket(self, name: str) -> None:
         s3 = self.client()
-        try:
+        with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou):
             s3.create_bucket(Bucket=name)
-        except s3.exceptions.BucketAlreadyOwnedByYou:
-            pass
 
     def env(self) -> dict[str, str]:
         return {
@@ -363,7 +372,7 @@ class S3Server:
 
     def stop(self) -> None:
         if self.process:
-            self.process.stop()
+            self.process.stop(grace=3)
 
 
 # ---------------------------------------------------------------- Kubernetes
@@ -485,8 +494,9 @@ class LocalCluster:
 
 
 @contextlib.contextmanager
-def local_stack(workdir: Path | None = None, *, s3: bool = True, controller_manager: bool = True,
-                keep: bool = False) -> Iterator[tuple[LocalCluster, S3Server | None]]:
+def local_stack(
+    workdir: Path | None = None, *, s3: bool = True, controller_manager: bool = True, keep: bool = False
+) -> Iterator[tuple[LocalCluster, S3Server | None]]:
     """Start the cluster (and S3), yield them, and tear everything down even on error."""
     own_dir = workdir is None
     root = Path(tempfile.mkdtemp(prefix="ferry-local-")) if own_dir else workdir
@@ -503,3 +513,20 @@ def local_stack(workdir: Path | None = None, *, s3: bool = True, controller_mana
         cluster.stop()
         if own_dir and not keep:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def start_operator(
+    cluster: LocalCluster, workdir: Path, *, env: dict[str, str] | None = None, name: str = "operator"
+) -> ManagedProcess:
+    """The real operator: `kopf run` in its own process, against the local cluster."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    full_env = {
+        **os.environ,
+        **cluster.env(),
+        "FERRY_METRICS_ADDRESS": "127.0.0.1",
+        "FERRY_METRICS_PORT": "0",
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    argv = [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "-m", "ferry_operator.main"]
+    return ManagedProcess(name, argv, workdir / f"{name}.log", env=full_env).start()

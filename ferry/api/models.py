@@ -17,7 +17,6 @@ DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?
 S3_INDEX_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/([^/]+/)*[^/]+\.index\.json$"
 HTTP_ENDPOINT = r"^https?://[^\s/]+(:[0-9]+)?/?$"
 CONDITION_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
-INT64_MAX = 2**63 - 1
 
 ObjectName = Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
 
@@ -47,7 +46,10 @@ class ConditionStatus(StrEnum):
 class Condition(_Model):
     """metav1.Condition, as the Kubernetes API conventions define it."""
 
-    type: str = Field(max_length=316, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$")
+    type: str = Field(
+        max_length=316,
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
+    )
     status: ConditionStatus
     reason: str = Field(min_length=1, max_length=1024, pattern=CONDITION_REASON)
     message: str = Field(default="", max_length=32768)
@@ -153,7 +155,7 @@ class WeightVersionStatus(_Model):
     observedGeneration: int | None = Field(default=None, ge=0)
     chain: list[str] | None = Field(default=None, max_length=MAX_CHAIN_LENGTH, description="Root to self.")
     chainDepth: int | None = Field(default=None, ge=0, le=MAX_CHAIN_LENGTH)
-    totalBytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    totalBytes: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
     size: str | None = Field(default=None, max_length=32, description="totalBytes for humans, e.g. 1.5Gi.")
     tensorCount: int | None = Field(default=None, ge=0)
     readyTime: str | None = None
@@ -313,15 +315,17 @@ class WeightReplicaStatus(_Model):
     phase: ReplicaPhase | None = None
     version: str | None = None
     source: str | None = Field(default=None, description="peer/<replica> or s3.")
-    bytesDone: int | None = Field(default=None, ge=0, le=INT64_MAX)
-    bytesTotal: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    bytesDone: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
+    bytesTotal: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
     startedTime: str | None = None
     completedTime: str | None = None
     lastProgressTime: str | None = None
     attempts: list[LoadAttempt] | None = Field(default=None, max_length=64)
     ranks: Annotated[
         list[RankEndpoint] | None,
-        Field(default=None, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["rank"]}),
+        Field(
+            default=None, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["rank"]}
+        ),
     ]
     activeLeases: int | None = Field(default=None, ge=0)
     message: str | None = Field(default=None, max_length=4096)

@@ -1,10 +1,11 @@
 """Replay-chain resolution for WeightVersions (ModelExpress §5.5 semantics, on Kubernetes objects).
 
-A FullCheckpoint or PeerOnly version is its own chain. An XorDelta is replayed from a FullCheckpoint root through its
-`baseVersion` links; the whole chain must be structurally sound before the direct base's readiness is even considered, so
-that a permanent defect (a cycle, a model mismatch) is reported as such and not masked by a transient one.
+A FullCheckpoint or PeerOnly version is its own chain. An XorDelta is replayed from a FullCheckpoint root
+through its `baseVersion` links; the whole chain must be structurally sound before the direct base's readiness
+is even considered, so that a permanent defect (a cycle, a model mismatch) is reported as such and not
+masked by a transient one.
 
-Pure: the caller supplies `lookup` (for example over a kopf index or an informer cache), so this module does no I/O.
+Pure: the caller supplies `lookup` (for example over a kopf index or an informer cache); no I/O here.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ferry.api.models import MAX_CHAIN_LENGTH, WeightFormat
 
 
 class ChainReason(StrEnum):
-    """Reasons of the WeightVersion `ChainResolved` condition. The list is fixed: dashboards and alerts key on it."""
+    """Reasons of the WeightVersion `ChainResolved` condition; a fixed list that alerts may key on."""
 
     Resolved = "Resolved"  # the chain is sound and the direct base (if any) is Ready
     BaseNotFound = "BaseNotFound"  # a baseVersion names a WeightVersion that does not exist (yet)
@@ -37,7 +38,7 @@ class VersionView:
 
     name: str
     model_name: str
-    format: str  # FullCheckpoint | XorDelta | PeerOnly; kept as str so an unknown value is reportable, not a crash
+    format: str  # FullCheckpoint | XorDelta | PeerOnly; a str so an unknown value is reported, not a crash
     base_version: str | None
     layout_signature: str | None
     ready: bool
@@ -46,7 +47,7 @@ class VersionView:
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> VersionView:
-        """From a Kubernetes object dict (or a kopf Body); `ready` is the status `Ready` condition being True."""
+        """From a Kubernetes object dict (or a kopf Body); `ready` = the status `Ready` condition is True."""
         metadata = body.get("metadata") or {}
         spec = body.get("spec") or {}
         status = body.get("status") or {}
@@ -98,7 +99,7 @@ def resolve_chain(
 ) -> ChainResult:
     """Resolve the replay chain of WeightVersion `name`, root first.
 
-    At most `max_length + 1` lookups happen, so a very long or cyclic chain is cut off without an unbounded walk.
+    At most `max_length` lookups happen, so a very long or cyclic chain is cut off without an unbounded walk.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be at least 1, got {max_length}")
@@ -126,8 +127,8 @@ def resolve_chain(
                 break
             return _fail(
                 ChainReason.UnsupportedFormat,
-                f"{walked[-2].name} is a delta on {current.name}, which is PeerOnly and has no stored weights "
-                "to replay from; a delta's base must be a FullCheckpoint or XorDelta.",
+                f"{walked[-2].name} is a delta on {current.name}, which is PeerOnly and has no stored "
+                "weights to replay from; a delta's base must be a FullCheckpoint or XorDelta.",
             )
         if current.format != WeightFormat.XOR_DELTA:
             return _fail(
@@ -143,20 +144,21 @@ def resolve_chain(
         base_name = current.base_version
         if base_name in position:
             cycle = [v.name for v in walked[position[base_name] :]] + [base_name]
-            return _fail(ChainReason.ChainCycle, f"baseVersion links form a cycle: {_path(cycle)}.")
+            return _fail(ChainReason.ChainCycle, f"The baseVersion links form a cycle: {_path(cycle)}.")
         if len(walked) >= max_length:
             # Adding the base would exceed the limit, and the root is still further away.
             return _fail(
                 ChainReason.ChainTooLong,
-                f"the replay chain of {name} has more than {max_length} versions "
-                f"(gave up at {current.name} → {base_name}); publish a new FullCheckpoint to start a fresh chain.",
+                f"The replay chain of {name} has more than {max_length} versions "
+                f"(gave up at {current.name} → {base_name}); "
+                "publish a new FullCheckpoint to start a fresh chain.",
             )
         base = lookup(base_name)
         if base is None:
             where = "" if current is target else f", in the chain {_path([v.name for v in walked] + [base_name])}"
             return _fail(
                 ChainReason.BaseNotFound,
-                f"base version {base_name} of {current.name} does not exist{where}.",
+                f"Base version {base_name} of {current.name} does not exist{where}.",
             )
         if base.model_name != target.model_name:
             return _fail(
@@ -170,10 +172,11 @@ def resolve_chain(
             elif base.layout_signature != layout_owner.layout_signature:
                 return _fail(
                     ChainReason.LayoutMismatch,
-                    f"layoutSignature of {layout_owner.name} ({layout_owner.layout_signature!r}) differs from "
-                    f"that of {base.name} ({base.layout_signature!r}); a delta chain needs one parameter layout.",
+                    f"The layoutSignature of {layout_owner.name} ({layout_owner.layout_signature!r}) differs "
+                    f"from that of {base.name} ({base.layout_signature!r}); "
+                    "a delta chain needs one parameter layout.",
                 )
-        position[base.name] = len(walked)
+        position[base_name] = len(walked)
         walked.append(base)
         current = base
 
@@ -182,16 +185,16 @@ def resolve_chain(
         if direct.deleting:
             return _fail(
                 ChainReason.BaseNotReady,
-                f"base version {direct.name} is being released (deletionTimestamp is set); "
+                f"Base version {direct.name} is being released (deletionTimestamp is set); "
                 "a delta cannot depend on it.",
             )
         if not direct.ready:
-            return _fail(ChainReason.BaseNotReady, f"base version {direct.name} is not Ready yet.")
+            return _fail(ChainReason.BaseNotReady, f"Base version {direct.name} is not Ready yet.")
     chain = tuple(v.name for v in reversed(walked))
     if len(chain) == 1:
         message = f"{name} is a {target.format} and needs no base."
     else:
-        message = f"replay chain of {len(chain)} versions: {_path(chain)}."
+        message = f"Replay chain of {len(chain)} versions: {_path(chain)}."
     return ChainResult(ok=True, reason=ChainReason.Resolved, message=message, chain=chain)
 
 

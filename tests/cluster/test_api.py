@@ -71,8 +71,12 @@ def test_defaults_are_applied_by_the_apiserver(cluster, namespace):
     spec = json.loads(cluster.kubectl("get", "ml", "defaults", "-n", namespace, "-o", "json").stdout)["spec"]
     assert spec["replicas"] == 1
     assert spec["sourceOrder"] == ["Peer", "ObjectStorage"]
-    assert spec["transfer"] == {"timeoutSeconds": 300, "maxSourceAttempts": 3, "selector": "rendezvousHash",
-                                "stallSeconds": 60}
+    assert spec["transfer"] == {
+        "timeoutSeconds": 300,
+        "maxSourceAttempts": 3,
+        "selector": "rendezvousHash",
+        "stallSeconds": 60,
+    }
 
 
 def test_spec_is_immutable(cluster, namespace):
@@ -186,13 +190,20 @@ def test_kubectl_get_shows_the_columns(cluster, namespace):
                 "chainDepth": 2,
                 "size": "1.5Gi",
                 "conditions": [
-                    {"type": "Ready", "status": "True", "reason": "Verified", "message": "",
-                     "lastTransitionTime": "2026-01-01T00:00:00Z"}
+                    {
+                        "type": "Ready",
+                        "status": "True",
+                        "reason": "Verified",
+                        "message": "",
+                        "lastTransitionTime": "2026-01-01T00:00:00Z",
+                    }
                 ],
             }
         }
     )
-    cluster.kubectl("patch", "wv", "llama-tiny-v2", "-n", namespace, "--subresource=status", "--type=merge", "-p", patch)
+    cluster.kubectl(
+        "patch", "wv", "llama-tiny-v2", "-n", namespace, "--subresource=status", "--type=merge", "-p", patch
+    )
     out = cluster.kubectl("get", "wv", "-n", namespace).stdout.splitlines()
     assert out[0].split() == ["NAME", "PHASE", "READY", "MODEL", "BASE", "DEPTH", "SIZE", "AGE"]
     row = next(line.split() for line in out if line.startswith("llama-tiny-v2"))

@@ -1,0 +1,187 @@
+"""The load strategy chain, with ModelExpress `execute_load_strategies` semantics (reference §2).
+
+- `is_available` is evaluated for every strategy up front, outside any try: an exception there escapes.
+- `StrategyFailed` → rollback; plus `reinit` when `mutated` (the target may hold partial bytes).
+- `StrategyRecoveryError` → rollback, then re-raise: the chain stops, since trying another loader on a
+  model we could not restore would hide the original failure.
+- Any other `Exception` → rollback and continue, without reinit.
+- First success → `publish` and return its result. None → `RuntimeError` naming every strategy's failure.
+
+Every step is recorded as an `Attempt` on the context so the caller can copy it into status.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+log = logging.getLogger(__name__)
+
+# WeightReplica status.attempts[] bounds (ferry.api.models.LoadAttempt).
+_MAX_REASON = 128
+_MAX_MESSAGE = 4096
+
+
+class StrategyFailed(RuntimeError):
+    """An expected miss. `mutated=True` means target weights may have changed: rollback + reinit."""
+
+    def __init__(self, message: str, *, mutated: bool = False) -> None:
+        super().__init__(message)
+        self.mutated = mutated
+
+
+class StrategyRecoveryError(RuntimeError):
+    """The strategy cannot restore a safe state; the chain must stop."""
+
+
+class SourceTransferError(RuntimeError):
+    """A failure that is demonstrably the source's (a data-plane error), as opposed to a target-local one."""
+
+
+class Outcome(StrEnum):
+    LOADED = "Loaded"
+    FAILED = "Failed"
+    SKIPPED = "Skipped"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One tried source: a strategy (`Peer`) or a peer (`peer/<replica>`)."""
+
+    source: str
+    outcome: Outcome
+    reason: str
+    message: str = ""
+    time: str = field(default_factory=_now)
+
+    def to_status(self) -> dict[str, str]:
+        """The WeightReplica `status.attempts[]` item, truncated to the CRD's bounds."""
+        return {
+            "source": self.source,
+            "outcome": str(self.outcome),
+            "reason": self.reason[:_MAX_REASON],
+            "message": self.message[:_MAX_MESSAGE],
+            "time": self.time,
+        }
+
+
+@dataclass
+class LoadContext:
+    """What one load of one rank is about. Strategies hold their own dependencies."""
+
+    model: str
+    version: str
+    rank: int
+    target_id: str  # this replica's name: the rendezvous-hash key of the target
+    device: str = "cpu"
+    expected_manifest_digest: str | None = None  # when known, every source must match it
+    attempts: list[Attempt] = field(default_factory=list)
+
+    def record(self, source: str, outcome: Outcome, reason: str, message: str = "") -> Attempt:
+        attempt = Attempt(source=source, outcome=outcome, reason=reason, message=message)
+        self.attempts.append(attempt)
+        return attempt
+
+
+@runtime_checkable
+class LoadStrategy(Protocol):
+    name: str
+
+    def is_available(self, ctx: LoadContext) -> bool: ...
+
+    def load(self, ctx: LoadContext) -> Any: ...
+
+    def rollback(self, ctx: LoadContext) -> None:
+        """Undo strategy-owned state only; it must not decide whether the target is dirty."""
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _clear_tracebacks(exc: BaseException) -> None:
+    """Drop frame locals along the exception chain so device tensors they hold can be freed before reinit."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        cur = todo.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if cur.__traceback__ is not None:
+            traceback.clear_frames(cur.__traceback__)  # skips frames that are still executing
+        todo.extend((cur.__cause__, cur.__context__))
+
+
+def _rollback(strategy: LoadStrategy, ctx: LoadContext) -> None:
+    try:
+        strategy.rollback(ctx)
+    except Exception as exc:
+        # A strategy that cannot clean up its own state leaves the target in an unknown state.
+        raise StrategyRecoveryError(f"rollback of {strategy.name} failed: {_describe(exc)}") from exc
+
+
+def run_strategy_chain(
+    strategies: Sequence[LoadStrategy],
+    ctx: LoadContext,
+    *,
+    reinit: Callable[[LoadContext], None],
+    publish: Callable[[Any, LoadContext], None],
+) -> Any:
+    """Run `strategies` in order until one loads; publish and return its result."""
+    eligible: list[LoadStrategy] = []
+    failures: list[str] = []
+    for strategy in strategies:
+        if strategy.is_available(ctx):
+            eligible.append(strategy)
+        else:
+            ctx.record(strategy.name, Outcome.SKIPPED, "Unavailable")
+            failures.append(f"{strategy.name}: unavailable")
+
+    for strategy in eligible:
+        try:
+            result = strategy.load(ctx)
+        except StrategyRecoveryError as exc:
+            ctx.record(strategy.name, Outcome.FAILED, "RecoveryFailed", _describe(exc))
+            log.error("strategy %s cannot recover, stopping the chain: %s", strategy.name, exc)
+            _rollback(strategy, ctx)
+            raise
+        except StrategyFailed as exc:
+            reason = "FailedMutated" if exc.mutated else "Failed"
+            ctx.record(strategy.name, Outcome.FAILED, reason, _describe(exc))
+            failures.append(f"{strategy.name}: {_describe(exc)}")
+            log.warning("strategy %s failed (mutated=%s): %s", strategy.name, exc.mutated, exc)
+            _rollback(strategy, ctx)
+            if exc.mutated:
+                _clear_tracebacks(exc)
+                try:
+                    reinit(ctx)
+                except Exception as reinit_exc:
+                    raise StrategyRecoveryError(
+                        f"reinit after {strategy.name} failed: {_describe(reinit_exc)}"
+                    ) from reinit_exc
+            continue
+        except Exception as exc:
+            # Unexpected: the strategy did not claim a mutation, so (as in ModelExpress) no reinit.
+            ctx.record(strategy.name, Outcome.FAILED, "UnexpectedError", _describe(exc))
+            failures.append(f"{strategy.name}: {_describe(exc)}")
+            log.warning("strategy %s raised unexpectedly: %s", strategy.name, exc, exc_info=True)
+            _rollback(strategy, ctx)
+            continue
+        ctx.record(strategy.name, Outcome.LOADED, "Loaded")
+        publish(result, ctx)
+        return result
+
+    detail = "; ".join(failures) if failures else "no strategies configured"
+    raise RuntimeError(
+        f"No load strategy succeeded for model {ctx.model!r} version {ctx.version!r} rank {ctx.rank}: {detail}"
+    )

@@ -1,0 +1,367 @@
+"""The per-rank Worker gRPC service (manifest + tensor read leases), and its client helpers.
+
+Semantics follow ModelExpress `worker_server.py` (reference §3.4): identity validated on every call,
+UNAVAILABLE while draining, NOT_FOUND for an unknown or expired lease, lease TTL
+ceil(2*max(120, transfer timeout) + 30) seconds, lazy expiry, and `drain(timeout)` that re-opens the
+source and raises `TimeoutError` when readers do not finish in time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import grpc
+
+from ferry_agent.nixl_transfer import ManifestMismatchError, RemoteTensor, describe
+from ferry_agent.proto import worker_pb2, worker_pb2_grpc
+from ferry_agent.resident import ResidentWeights, TensorSpec, manifest_digest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRANSFER_TIMEOUT_S = 300.0
+DEFAULT_RPC_TIMEOUT_S = 5.0
+# NIXL metadata grows with registered regions (~180 kB for 4096); manifests of big models are larger still.
+_MAX_MESSAGE = 64 << 20
+_GRPC_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)]
+
+
+def lease_ttl_seconds(transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S) -> int:
+    """One metadata handshake plus one bounded receive, with slack."""
+    return math.ceil(2 * max(120.0, transfer_timeout_s) + 30)
+
+
+@dataclass(frozen=True)
+class SourceIdentity:
+    agent_name: str
+    instance_id: str = ""
+
+    def to_proto(self) -> worker_pb2.SourceIdentity:
+        return worker_pb2.SourceIdentity(agent_name=self.agent_name, instance_id=self.instance_id)
+
+
+class SourceDraining(RuntimeError):
+    """The source is draining and grants no new reads."""
+
+
+class TensorReadLeases:
+    """Read leases of one rank. `clock` is the lease time source (injectable for tests)."""
+
+    def __init__(self, ttl_s: float | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = float(ttl_s) if ttl_s is not None else float(lease_ttl_seconds())
+        if not self.ttl_s > 0:
+            raise ValueError(f"lease TTL must be positive, got {ttl_s!r}")
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._deadlines: dict[str, float] = {}
+        self._accepting = True
+
+    def _prune(self) -> None:
+        now = self._clock()
+        for lease_id in [k for k, deadline in self._deadlines.items() if deadline <= now]:
+            del self._deadlines[lease_id]
+            log.warning("tensor read lease %s expired without release", lease_id)
+        self._cond.notify_all()
+
+    @property
+    def accepting(self) -> bool:
+        with self._cond:
+            return self._accepting
+
+    def acquire(self) -> str:
+        with self._cond:
+            if not self._accepting:
+                raise SourceDraining("source is draining")
+            self._prune()
+            lease_id = uuid.uuid4().hex
+            self._deadlines[lease_id] = self._clock() + self.ttl_s
+            return lease_id
+
+    def release(self, lease_id: str) -> bool:
+        """False when the lease is unknown or already expired."""
+        with self._cond:
+            self._prune()
+            found = self._deadlines.pop(lease_id, None) is not None
+            self._cond.notify_all()
+            return found
+
+    def active_count(self) -> int:
+        with self._cond:
+            self._prune()
+            return len(self._deadlines)
+
+    def drain(self, timeout_s: float) -> None:
+        """Stop granting leases and wait (real time) until none is active; leaves the source closed.
+
+        On timeout the source accepts reads again and `TimeoutError` is raised: the caller must not
+        mutate tensors that readers may still be copying.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._accepting = False
+            while True:
+                self._prune()
+                if not self._deadlines:
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._accepting = True
+                    raise TimeoutError(f"{len(self._deadlines)} tensor read lease(s) still active after {timeout_s:g}s")
+                self._cond.wait(min(remaining, 0.05))  # short slices so lazy expiry is noticed
+
+    def resume(self) -> None:
+        """Accept reads again after a completed drain (e.g. the tensors were not changed after all)."""
+        with self._cond:
+            self._accepting = True
+
+
+def build_manifest(
+    resident: ResidentWeights, *, identity: SourceIdentity, rank: int, nixl_metadata: bytes
+) -> worker_pb2.TensorManifest:
+    return worker_pb2.TensorManifest(
+        source=identity.to_proto(),
+        rank=rank,
+        manifest_digest=resident.digest,
+        total_bytes=resident.total_bytes,
+        nixl_metadata=nixl_metadata,
+        tensors=[
+            worker_pb2.TensorDescriptor(
+                name=t.name,
+                addr=t.addr,
+                nbytes=t.nbytes,
+                dtype=t.dtype,
+                shape=list(t.shape),
+                mem_type=t.mem_type,
+                device_id=t.device_id,
+            )
+            for t in describe(resident)
+        ],
+    )
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, manifest: worker_pb2.TensorManifest, leases: TensorReadLeases) -> None:
+        self._manifest = manifest
+        self._leases = leases
+
+    def _validate(self, request_source: worker_pb2.SourceIdentity, context: grpc.ServicerContext) -> None:
+        own = self._manifest.source
+        if not request_source.agent_name:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "source identity (agent_name) is required")
+        if request_source.agent_name != own.agent_name or (
+            request_source.instance_id and request_source.instance_id != own.instance_id
+        ):
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this endpoint serves {own.agent_name}/{own.instance_id}, "
+                f"not {request_source.agent_name}/{request_source.instance_id}",
+            )
+
+    def GetTensorManifest(
+        self, request: worker_pb2.GetTensorManifestRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.GetTensorManifestResponse:
+        self._validate(request.source, context)
+        if not self._leases.accepting:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "source is draining")
+        return worker_pb2.GetTensorManifestResponse(manifest=self._manifest)
+
+    def PrepareTensorRead(
+        self, request: worker_pb2.PrepareTensorReadRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.PrepareTensorReadResponse:
+        self._validate(request.source, context)
+        try:
+            lease_id = self._leases.acquire()
+        except SourceDraining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "source is draining")
+        log.info("tensor read lease %s granted to %s", lease_id, request.reader or "?")
+        return worker_pb2.PrepareTensorReadResponse(
+            lease_id=lease_id, ttl_seconds=self._leases.ttl_s, manifest=self._manifest
+        )
+
+    def ReleaseTensorRead(
+        self, request: worker_pb2.ReleaseTensorReadRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.ReleaseTensorReadResponse:
+        self._validate(request.source, context)
+        if not self._leases.release(request.lease_id):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no active tensor read lease {request.lease_id!r}")
+        return worker_pb2.ReleaseTensorReadResponse()
+
+
+class WorkerServer:
+    """Serves one rank's Worker service on 127.0.0.1 (port 0 picks a free port)."""
+
+    def __init__(
+        self,
+        manifest: worker_pb2.TensorManifest,
+        *,
+        leases: TensorReadLeases | None = None,
+        port: int = 0,
+        max_workers: int = 4,
+    ) -> None:
+        self.leases = leases or TensorReadLeases()
+        self.identity = SourceIdentity(manifest.source.agent_name, manifest.source.instance_id)
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_GRPC_OPTIONS)
+        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(manifest, self.leases), self._server)
+        # Loopback only; a cluster deployment binds the pod IP through its own wiring.
+        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        if not self.port:
+            raise OSError(f"cannot bind the worker service to 127.0.0.1:{port}")
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> int:
+        self._server.start()
+        return self.port
+
+    def drain(self, timeout_s: float) -> None:
+        self.leases.drain(timeout_s)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self._server.stop(grace_s).wait()
+
+
+# ---------------------------------------------------------------------------------------------- client
+
+
+@dataclass(frozen=True)
+class SourceManifest:
+    """A source's manifest as the target sees it."""
+
+    identity: SourceIdentity
+    rank: int
+    digest: str
+    total_bytes: int
+    nixl_metadata: bytes
+    tensors: tuple[RemoteTensor, ...]
+
+    @classmethod
+    def from_proto(cls, msg: worker_pb2.TensorManifest) -> SourceManifest:
+        manifest = cls(
+            identity=SourceIdentity(msg.source.agent_name, msg.source.instance_id),
+            rank=msg.rank,
+            digest=msg.manifest_digest,
+            total_bytes=msg.total_bytes,
+            nixl_metadata=bytes(msg.nixl_metadata),
+            tensors=tuple(
+                RemoteTensor(
+                    name=t.name,
+                    addr=t.addr,
+                    nbytes=t.nbytes,
+                    dtype=t.dtype,
+                    shape=tuple(t.shape),
+                    mem_type=t.mem_type,
+                    device_id=t.device_id,
+                )
+                for t in msg.tensors
+            ),
+        )
+        specs = [TensorSpec(t.name, t.dtype, t.shape, t.nbytes) for t in manifest.tensors]
+        if manifest_digest(specs) != manifest.digest:
+            raise ManifestMismatchError("source manifest does not match its own digest")
+        return manifest
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        return [TensorSpec(t.name, t.dtype, t.shape, t.nbytes) for t in self.tensors]
+
+
+@contextmanager
+def _stub(endpoint: str) -> Iterator[worker_pb2_grpc.WorkerStub]:
+    # A fresh channel per call: a reused channel would keep talking to a dead or replaced source.
+    channel = grpc.insecure_channel(endpoint, options=_GRPC_OPTIONS)
+    try:
+        yield worker_pb2_grpc.WorkerStub(channel)
+    finally:
+        channel.close()
+
+
+def _check_identity(manifest: SourceManifest, expected: SourceIdentity) -> None:
+    got = manifest.identity
+    if got.agent_name != expected.agent_name or (expected.instance_id and got.instance_id != expected.instance_id):
+        raise RuntimeError(f"source answered as {got.agent_name}/{got.instance_id}, expected {expected.agent_name}")
+
+
+def get_tensor_manifest(
+    endpoint: str, identity: SourceIdentity, *, timeout_s: float = DEFAULT_RPC_TIMEOUT_S
+) -> SourceManifest:
+    with _stub(endpoint) as stub:
+        response = stub.GetTensorManifest(
+            worker_pb2.GetTensorManifestRequest(source=identity.to_proto()), timeout=timeout_s
+        )
+    manifest = SourceManifest.from_proto(response.manifest)
+    _check_identity(manifest, identity)
+    return manifest
+
+
+def release_tensor_read(
+    endpoint: str, identity: SourceIdentity, lease_id: str, *, timeout_s: float = DEFAULT_RPC_TIMEOUT_S
+) -> None:
+    with _stub(endpoint) as stub:
+        stub.ReleaseTensorRead(
+            worker_pb2.ReleaseTensorReadRequest(source=identity.to_proto(), lease_id=lease_id), timeout=timeout_s
+        )
+
+
+class TensorReadLease:
+    """A granted read lease. `close()` releases it once; later calls do nothing."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        identity: SourceIdentity,
+        lease_id: str,
+        ttl_s: float,
+        manifest: SourceManifest,
+        *,
+        release_timeout_s: float,
+    ) -> None:
+        self.endpoint = endpoint
+        self.identity = identity
+        self.lease_id = lease_id
+        self.ttl_s = ttl_s
+        self.manifest = manifest
+        self._release_timeout_s = release_timeout_s
+        self._closed = False
+
+    def close(self) -> None:
+        """Release the lease; raises `grpc.RpcError` if the source cannot be told (it then expires by TTL)."""
+        if self._closed:
+            return
+        self._closed = True
+        release_tensor_read(self.endpoint, self.identity, self.lease_id, timeout_s=self._release_timeout_s)
+
+
+def prepare_tensor_read(
+    endpoint: str,
+    identity: SourceIdentity,
+    *,
+    reader: str = "",
+    timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+    release_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+) -> TensorReadLease:
+    with _stub(endpoint) as stub:
+        response = stub.PrepareTensorRead(
+            worker_pb2.PrepareTensorReadRequest(source=identity.to_proto(), reader=reader), timeout=timeout_s
+        )
+    try:
+        manifest = SourceManifest.from_proto(response.manifest)
+        _check_identity(manifest, identity)
+    except BaseException:
+        # A lease granted with a response we reject must not be left to expire.
+        try:
+            release_tensor_read(endpoint, identity, response.lease_id, timeout_s=release_timeout_s)
+        except Exception as exc:
+            log.warning("releasing rejected lease %s at %s failed: %s", response.lease_id, endpoint, exc)
+        raise
+    return TensorReadLease(
+        endpoint, identity, response.lease_id, response.ttl_seconds, manifest, release_timeout_s=release_timeout_s
+    )

@@ -1,0 +1,202 @@
+"""P2P throughput: a full PeerStrategy load between two processes vs a raw NIXL READ of the same buffers vs
+an in-process memcpy (torch `copy_`), in one run, for 256 MiB and 1 GiB.
+
+    unshare -n bash -c 'ip link set lo up; UCX_NET_DEVICES=lo ~/.cache/ferry/venv/bin/python bench/bench_p2p.py'
+
+- peer: lease + manifest (gRPC) + add_remote + connection set-up + READ + sync + remove_remote + release,
+  into a pre-faulted target that the strategy reuses (the same buffers the raw READ uses).
+- raw: only `NixlPeer.read` on an already connected pair.
+- memcpy: `dst.copy_(src)` of the same size in this process.
+Writes bench/results/p2p.json and p2p.md. GB/s means 1e9 bytes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from ferry_agent.candidate import SourceCandidate
+from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
+from ferry_agent.resident import ResidentWeights, TensorSpec
+from ferry_agent.source_main import READY_MARKER
+from ferry_agent.strategy import LoadContext
+from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest
+
+MIB = 1 << 20
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+
+
+def start_source(name: str, tensors: int, tensor_bytes: int) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    cmd = [sys.executable, "-m", "ferry_agent.source_main", "--agent-name", name, "--tensors", str(tensors),
+           "--tensor-bytes", str(tensor_bytes)]  # fmt: skip
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(READY_MARKER):
+            return proc, json.loads(line[len(READY_MARKER) :])
+    raise RuntimeError(f"source {name} exited with {proc.wait()} before it was ready")
+
+
+def timed(fn: Callable[[], Any], reps: int) -> list[float]:
+    fn()  # warm-up, not counted
+    out = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def summary(nbytes: int, seconds: Sequence[float]) -> dict[str, Any]:
+    rates = [nbytes / s / 1e9 for s in seconds]
+    return {
+        "seconds": [round(s, 5) for s in seconds],
+        "gbps_median": round(statistics.median(rates), 3),
+        "gbps_best": round(max(rates), 3),
+    }
+
+
+def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int) -> dict[str, Any]:
+    tensors = max(1, size // tensor_bytes)
+    proc, info = start_source(f"bench-src-{uuid.uuid4().hex[:6]}", tensors, tensor_bytes)
+    try:
+        identity = SourceIdentity(info["agent_name"], info["instance_id"])
+        manifest = get_tensor_manifest(info["endpoint"], identity, timeout_s=30)
+        target = ResidentWeights.allocate(manifest.specs, "cpu")
+        for t in target.tensors.values():
+            t.zero_()  # fault the pages in before timing
+        peer.register(target)
+
+        def reuse(specs: Sequence[TensorSpec], device: str) -> ResidentWeights:
+            return target
+
+        cand = SourceCandidate(
+            replica="bench-source", rank=0, agent_name=info["agent_name"], grpc_endpoint=info["endpoint"],
+            manifest_digest=info["manifest_digest"], tensor_count=info["tensor_count"],
+            instance_id=info["instance_id"],
+        )  # fmt: skip
+        strategy = PeerStrategy(
+            peer=peer, candidates=lambda _: [cand], settings=TransferSettings(timeout_s=120), allocate=reuse
+        )
+        ctx = LoadContext(model="bench", version="v", rank=0, target_id="bench-target")
+        peer_s = timed(lambda: strategy.load(ctx), reps)
+        verified = target.content_sha256() == info["content_sha256"]
+
+        remote = peer.add_remote(manifest.nixl_metadata)
+        try:
+            raw_s = timed(lambda: peer.read(remote, manifest.tensors, target, 120), reps)
+        finally:
+            peer.remove_remote(remote)
+        verified = verified and target.content_sha256() == info["content_sha256"]
+        peer.deregister(target)
+
+        total = info["total_bytes"]
+        src = torch.empty(total, dtype=torch.uint8).random_(0, 256)
+        dst = torch.zeros(total, dtype=torch.uint8)
+        copy_s = timed(lambda: dst.copy_(src), reps)
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(30)
+
+    peer_r, raw_r, copy_r = summary(total, peer_s), summary(total, raw_s), summary(total, copy_s)
+    return {
+        "bytes": total,
+        "tensors": info["tensor_count"],
+        "verified_sha256": verified,
+        "peer_strategy": peer_r,
+        "raw_nixl_read": raw_r,
+        "memcpy": copy_r,
+        "ratio_peer_vs_raw": round(peer_r["gbps_median"] / raw_r["gbps_median"], 3),
+        "ratio_peer_vs_memcpy": round(peer_r["gbps_median"] / copy_r["gbps_median"], 3),
+        "ratio_raw_vs_memcpy": round(raw_r["gbps_median"] / copy_r["gbps_median"], 3),
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# P2P throughput (NIXL READ over UCX, CPU memory, loopback netns)",
+        "",
+        f"{report['host']} · torch {report['torch']} · reps {report['reps']} (+1 warm-up) · "
+        f"tensors of {report['tensor_mib']} MiB · median (best) GB/s",
+        "",
+        "| size | peer strategy | raw NIXL READ | memcpy | peer/raw | peer/memcpy | raw/memcpy | sha256 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+
+        def cell(key: str, r: dict[str, Any] = r) -> str:
+            return f"{r[key]['gbps_median']:.2f} ({r[key]['gbps_best']:.2f})"
+
+        lines.append(
+            f"| {r['bytes'] // MIB} MiB | {cell('peer_strategy')} | {cell('raw_nixl_read')} | {cell('memcpy')} | "
+            f"{r['ratio_peer_vs_raw']:.2f} | {r['ratio_peer_vs_memcpy']:.2f} | {r['ratio_raw_vs_memcpy']:.2f} | "
+            f"{'ok' if r['verified_sha256'] else 'MISMATCH'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="256M,1G")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--tensor-mib", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+
+    interfaces = sorted(name for _, name in socket.if_nameindex())
+    if interfaces != ["lo"]:
+        sys.exit(
+            f"run in a loopback-only network namespace (this one has {interfaces}):\n"
+            "  unshare -n bash -c 'ip link set lo up; UCX_NET_DEVICES=lo ~/.cache/ferry/venv/bin/python "
+            "bench/bench_p2p.py'"
+        )
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    from ferry_agent.nixl_transfer import NixlPeer
+
+    peer = NixlPeer(f"bench-target-{uuid.uuid4().hex[:6]}")
+    try:
+        results = [bench_size(peer, parse_size(s), args.tensor_mib * MIB, args.reps) for s in args.sizes.split(",")]
+    finally:
+        peer.shutdown()
+    report = {
+        "host": f"{platform.node()} ({os.cpu_count()} cpus)",
+        "torch": torch.__version__,
+        "reps": args.reps,
+        "tensor_mib": args.tensor_mib,
+        "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
+        "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "p2p.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "p2p.md").write_text(markdown(report))
+    for r in results:
+        print(
+            f"{r['bytes'] // MIB:>5} MiB  peer {r['peer_strategy']['gbps_median']:6.2f} GB/s  "
+            f"raw {r['raw_nixl_read']['gbps_median']:6.2f} GB/s  memcpy {r['memcpy']['gbps_median']:6.2f} GB/s  "
+            f"peer/raw {r['ratio_peer_vs_raw']:.2f}  peer/memcpy {r['ratio_peer_vs_memcpy']:.2f}  "
+            f"raw/memcpy {r['ratio_raw_vs_memcpy']:.2f}  sha256 {'ok' if r['verified_sha256'] else 'MISMATCH'}"
+        )
+    print(f"wrote {args.out / 'p2p.json'} and {args.out / 'p2p.md'}")
+    return 0 if all(r["verified_sha256"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

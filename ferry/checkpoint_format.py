@@ -1,0 +1,365 @@
+"""The canonical on-S3 checkpoint format, shared by the publisher, the operator's verifier and the agent.
+
+It is ModelExpress's canonical format (reference/modelexpress.md §5.3, §5.5, §5.6), so checkpoints
+interoperate:
+
+- a full checkpoint is a Hugging Face style sharded safetensors checkpoint:
+  `model-00001-of-0000N.safetensors` shards, each with `__metadata__ = {tensor_name: adler32_hex(raw bytes)}`,
+  and `model.safetensors.index.json` =
+  `{"metadata": {"total_size", "checksum_format": "adler32"}, "weight_map": {tensor: shard}}`;
+- an XOR delta stores, per changed tensor, one zstd (level 1) frame of `base_bytes ^ new_bytes` as a 1-D
+  uint8 tensor, with `__metadata__` holding the adler32 of the *new* full bytes; unchanged tensors are
+  omitted. Its index metadata is exactly `{"version", "base_version", "delta_encoding": "xor",
+  "compression_format": "zstd", "checksum_format": "adler32"}` plus Ferry's `total_size` (stored bytes).
+
+Shards always sit beside the index; shard names are plain file names (no paths), so an index cannot point
+outside its folder. See docs/checkpoint-format.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zstandard
+from safetensors.numpy import save
+
+INDEX_NAME = "model.safetensors.index.json"
+SAFE_SHARD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")  # use with fullmatch: `$` allows a trailing \n
+METADATA_KEY = "__metadata__"
+CHECKSUM_FORMAT = "adler32"
+DELTA_ENCODING = "xor"
+COMPRESSION_FORMATS = frozenset({"zstd"})
+ZSTD_LEVEL = 1
+HEADER_PREFIX_BYTES = 8  # little-endian u64 header length
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+DELTA_METADATA_KEYS = frozenset(
+    {"version", "base_version", "delta_encoding", "compression_format", "checksum_format", "total_size"}
+)
+
+# Byte width per element; dtypes not listed (sub-byte floats) are accepted without a size cross-check.
+DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+}  # fmt: skip
+
+
+class InvalidIndex(ValueError):
+    """The index JSON is not a canonical Ferry/ModelExpress index; the message says precisely why."""
+
+
+class InvalidShard(ValueError):
+    """A shard's safetensors header is malformed."""
+
+
+def adler32_hex(data: bytes | bytearray | memoryview | np.ndarray) -> str:
+    return f"{zlib.adler32(data) & 0xFFFFFFFF:08x}"
+
+
+def is_safe_shard_name(name: object) -> bool:
+    return isinstance(name, str) and SAFE_SHARD.fullmatch(name) is not None
+
+
+def full_shard_name(number: int, total: int) -> str:
+    """Full-checkpoint shards are numbered from 1, as Hugging Face does."""
+    return f"model-{number:05d}-of-{total:05d}.safetensors"
+
+
+def delta_shard_name(offset: int, total: int) -> str:
+    """Delta shards are numbered from 0 (ModelExpress numbers them among the ranks that have changes)."""
+    return f"model-{offset:05d}-of-{total:05d}.safetensors"
+
+
+def _raw(array: np.ndarray) -> np.ndarray:
+    """The tensor's bytes as a flat uint8 view (C order), without copying a contiguous array."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+# ---------------------------------------------------------------- safetensors headers
+
+
+def header_length(prefix: bytes | bytearray | memoryview) -> int:
+    """The JSON header length from a shard's first 8 bytes."""
+    if len(prefix) < HEADER_PREFIX_BYTES:
+        raise InvalidShard(
+            f"a safetensors file starts with {HEADER_PREFIX_BYTES} bytes of header length, got {len(prefix)}"
+        )
+    (length,) = struct.unpack("<Q", bytes(prefix[:HEADER_PREFIX_BYTES]))
+    if length > MAX_HEADER_BYTES:
+        raise InvalidShard(f"safetensors header claims {length} bytes, more than the {MAX_HEADER_BYTES} allowed")
+    return length
+
+
+def parse_safetensors_header(first_bytes: bytes | bytearray | memoryview) -> tuple[int, dict[str, Any]]:
+    """(header_len, header) from the start of a shard; `first_bytes` must hold 8 + header_len bytes."""
+    length = header_length(first_bytes)
+    end = HEADER_PREFIX_BYTES + length
+    if len(first_bytes) < end:
+        raise InvalidShard(f"need {end} bytes to read the safetensors header, got {len(first_bytes)}")
+    try:
+        header = json.loads(bytes(first_bytes[HEADER_PREFIX_BYTES:end]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidShard(f"safetensors header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise InvalidShard("safetensors header is not a JSON object")
+    return length, header
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # offsets relative to the end of the header
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def tensor_infos(header: Mapping[str, Any]) -> dict[str, TensorInfo]:
+    """The validated tensor entries of a parsed header (everything except `__metadata__`)."""
+    infos: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == METADATA_KEY:
+            continue
+        if not isinstance(entry, dict):
+            raise InvalidShard(f"tensor {name!r}: header entry is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise InvalidShard(f"tensor {name!r}: dtype is missing")
+        if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+            raise InvalidShard(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+            raise InvalidShard(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
+        begin, end = offsets
+        if end < begin:
+            raise InvalidShard(f"tensor {name!r}: data_offsets end {end} is before begin {begin}")
+        if dtype in DTYPE_SIZES:
+            expected = DTYPE_SIZES[dtype] * int(np.prod(shape, dtype=np.int64))
+            if expected != end - begin:
+                raise InvalidShard(
+                    f"tensor {name!r}: {dtype}{shape} needs {expected} bytes but data_offsets span {end - begin}"
+                )
+        infos[name] = TensorInfo(dtype, tuple(shape), begin, end)
+    return infos
+
+
+def data_length(infos: Mapping[str, TensorInfo]) -> int:
+    """Bytes of tensor data after the header: a well-formed shard is exactly 8 + header_len + this long."""
+    return max((info.end for info in infos.values()), default=0)
+
+
+def shard_checksums(header: Mapping[str, Any]) -> dict[str, str]:
+    metadata = header.get(METADATA_KEY) or {}
+    if not isinstance(metadata, dict):
+        raise InvalidShard("safetensors __metadata__ is not an object")
+    return {k: v for k, v in metadata.items() if isinstance(v, str)}
+
+
+# ---------------------------------------------------------------- index
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    metadata: dict[str, Any]
+    weight_map: dict[str, str]  # tensor name → shard file name
+
+    @property
+    def is_delta(self) -> bool:
+        return "delta_encoding" in self.metadata
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.weight_map.values())))
+
+    def tensors_in(self, shard: str) -> set[str]:
+        return {name for name, where in self.weight_map.items() if where == shard}
+
+
+def parse_index(raw: bytes | str) -> CheckpointIndex:
+    """Parse and structurally validate an index (full or delta); raises InvalidIndex with a precise reason."""
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidIndex(f"not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise InvalidIndex("the top level is not a JSON object")
+    metadata, weight_map = doc.get("metadata"), doc.get("weight_map")
+    if not isinstance(metadata, dict):
+        raise InvalidIndex('"metadata" is missing or not an object')
+    if not isinstance(weight_map, dict):
+        raise InvalidIndex('"weight_map" is missing or not an object')
+    for tensor, shard in weight_map.items():
+        if not tensor:
+            raise InvalidIndex("weight_map has an empty tensor name")
+        if not is_safe_shard_name(shard):
+            raise InvalidIndex(
+                f"weight_map maps {tensor!r} to {shard!r}, which is not a plain *.safetensors file name "
+                "beside the index (no paths, '.' or '..')"
+            )
+    index = CheckpointIndex(metadata, weight_map)
+    if "total_size" in metadata and not _is_int(metadata["total_size"]):
+        raise InvalidIndex(f"metadata.total_size {metadata['total_size']!r} is not a non-negative integer")
+    if index.is_delta:
+        _check_delta_metadata_shape(metadata)
+    else:
+        if not weight_map:
+            raise InvalidIndex("a full checkpoint's weight_map is empty")
+        if "total_size" not in metadata:
+            raise InvalidIndex("metadata.total_size is missing")
+        if metadata.get("checksum_format", CHECKSUM_FORMAT) != CHECKSUM_FORMAT:
+            raise InvalidIndex(f"metadata.checksum_format {metadata['checksum_format']!r} is not {CHECKSUM_FORMAT!r}")
+    return index
+
+
+def _check_delta_metadata_shape(metadata: Mapping[str, Any]) -> None:
+    extra = set(metadata) - DELTA_METADATA_KEYS
+    if extra:
+        raise InvalidIndex(f"delta metadata has unexpected keys {sorted(extra)}")
+    for key in ("version", "base_version"):
+        if not isinstance(metadata.get(key), str) or not metadata[key]:
+            raise InvalidIndex(f"delta metadata.{key} is missing or empty")
+    if metadata["delta_encoding"] != DELTA_ENCODING:
+        raise InvalidIndex(f"delta metadata.delta_encoding {metadata['delta_encoding']!r} is not {DELTA_ENCODING!r}")
+    if metadata.get("compression_format") not in COMPRESSION_FORMATS:
+        raise InvalidIndex(
+            f"delta metadata.compression_format {metadata.get('compression_format')!r} "
+            f"is not one of {sorted(COMPRESSION_FORMATS)}"
+        )
+    if metadata.get("checksum_format") != CHECKSUM_FORMAT:
+        raise InvalidIndex(
+            f"delta metadata.checksum_format {metadata.get('checksum_format')!r} is not {CHECKSUM_FORMAT!r}"
+        )
+
+
+def check_delta_identity(index: CheckpointIndex, *, version: str, base_version: str | None) -> None:
+    """A delta index must name exactly the version and base it is published as (catches mislabels)."""
+    if not index.is_delta:
+        raise InvalidIndex("expected an XorDelta index but metadata has no delta_encoding (it is a full checkpoint)")
+    if index.metadata["version"] != version:
+        raise InvalidIndex(f"delta metadata.version is {index.metadata['version']!r}, expected {version!r}")
+    if index.metadata["base_version"] != base_version:
+        raise InvalidIndex(
+            f"delta metadata.base_version is {index.metadata['base_version']!r}, expected {base_version!r}"
+        )
+
+
+def _index_bytes(metadata: dict[str, Any], weight_map: dict[str, str]) -> bytes:
+    return (json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n").encode()
+
+
+# ---------------------------------------------------------------- writers
+
+
+def _check_names(names: Mapping[str, Any]) -> None:
+    for name in names:
+        if not isinstance(name, str) or not name or name == METADATA_KEY:
+            raise ValueError(f"invalid tensor name {name!r}")
+
+
+def build_full_checkpoint(tensors: dict[str, np.ndarray], shard_bytes: int) -> dict[str, bytes]:
+    """{file name: bytes} for a full checkpoint: shards of at most `shard_bytes` tensor bytes (a larger tensor
+    gets a shard of its own), in insertion order, plus the index."""
+    if not tensors:
+        raise ValueError("a full checkpoint needs at least one tensor")
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+    _check_names(tensors)
+    # C order for safetensors; unlike ascontiguousarray, asarray keeps a 0-d tensor 0-d.
+    arrays = {name: np.asarray(array, order="C") for name, array in tensors.items()}
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for name, array in arrays.items():
+        if groups[-1] and filled + array.nbytes > shard_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append(name)
+        filled += array.nbytes
+    files: dict[str, bytes] = {}
+    weight_map: dict[str, str] = {}
+    for number, group in enumerate(groups, start=1):
+        shard = full_shard_name(number, len(groups))
+        part = {name: arrays[name] for name in group}
+        files[shard] = save(part, metadata={name: adler32_hex(_raw(a)) for name, a in part.items()})
+        weight_map.update(dict.fromkeys(group, shard))
+    total = sum(a.nbytes for a in arrays.values())
+    files[INDEX_NAME] = _index_bytes({"total_size": total, "checksum_format": CHECKSUM_FORMAT}, weight_map)
+    return files
+
+
+def build_xor_delta(
+    base: dict[str, np.ndarray], new: dict[str, np.ndarray], version: str, base_version: str
+) -> dict[str, bytes]:
+    """{file name: bytes} for the XOR delta turning `base` into `new`: one shard with the changed tensors
+    (none if nothing changed) plus the index. Both need the same tensors with the same dtype and shape."""
+    if not version or not base_version or version == base_version:
+        raise ValueError(f"version {version!r} and base_version {base_version!r} must be distinct and non-empty")
+    _check_names(new)
+    if set(base) != set(new):
+        raise ValueError(
+            "a delta cannot add or remove tensors: "
+            f"added {sorted(set(new) - set(base))}, removed {sorted(set(base) - set(new))}"
+        )
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)  # writes the content size, which readers check
+    frames: dict[str, np.ndarray] = {}
+    checksums: dict[str, str] = {}
+    for name, new_array in new.items():
+        old_array = base[name]
+        if old_array.dtype != new_array.dtype or old_array.shape != new_array.shape:
+            raise ValueError(
+                f"tensor {name!r} changed layout ({old_array.dtype}{old_array.shape} → "
+                f"{new_array.dtype}{new_array.shape}); publish a FullCheckpoint instead"
+            )
+        old_raw, new_raw = _raw(old_array), _raw(new_array)
+        if np.array_equal(old_raw, new_raw):
+            continue
+        frame = compressor.compress(np.bitwise_xor(old_raw, new_raw))
+        frames[name] = np.frombuffer(frame, dtype=np.uint8)
+        checksums[name] = adler32_hex(new_raw)
+    files: dict[str, bytes] = {}
+    weight_map: dict[str, str] = {}
+    if frames:
+        shard = delta_shard_name(0, 1)
+        files[shard] = save(frames, metadata=checksums)
+        weight_map = dict.fromkeys(frames, shard)
+    metadata = {
+        "version": version,
+        "base_version": base_version,
+        "delta_encoding": DELTA_ENCODING,
+        "compression_format": "zstd",
+        "checksum_format": CHECKSUM_FORMAT,
+        "total_size": sum(f.nbytes for f in frames.values()),
+    }
+    files[INDEX_NAME] = _index_bytes(metadata, weight_map)
+    return files
+
+
+def apply_xor_delta(base: np.ndarray, frame: bytes | memoryview | np.ndarray, checksum: str) -> np.ndarray:
+    """Reference decoder: the new tensor from its base and one delta frame; checks exact size and adler32."""
+    expected = base.nbytes
+    declared = zstandard.frame_content_size(frame)
+    if declared != expected:
+        raise ValueError(f"delta frame declares {declared} bytes, the base tensor has {expected}")
+    decoder = zstandard.ZstdDecompressor().decompressobj()
+    xor = decoder.decompress(frame)
+    if len(xor) != expected or decoder.unused_data:
+        raise ValueError(
+            f"delta frame decodes to {len(xor)} bytes (+{len(decoder.unused_data)} trailing), want {expected}"
+        )
+    result = np.bitwise_xor(_raw(base), np.frombuffer(xor, dtype=np.uint8))
+    if adler32_hex(result) != checksum:
+        raise ValueError(f"adler32 after applying the delta is {adler32_hex(result)}, expected {checksum}")
+    return result.view(base.dtype).reshape(base.shape)

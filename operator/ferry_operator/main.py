@@ -1,0 +1,231 @@
+"""kopf entry point: `kopf run --standalone -A -m ferry_operator.main`.
+
+Handlers stay thin: they gather the current objects (kopf indexes), call the pure domain modules and patch the
+result. Everything is re-derived from the objects, so a restart at any point converges to the same status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from ferry.api.conditions import now_rfc3339
+from ferry.api.models import GROUP, VERSION
+from ferry_operator import kubeapi, metrics
+from ferry_operator.chain import VersionView, dependents, resolve_chain
+from ferry_operator.config import CONFIG
+from ferry_operator.storage import (
+    StorageReason,
+    StorageReport,
+    credentials_from_secret_data,
+    s3_client,
+    verify_checkpoint,
+)
+from ferry_operator.versions import (
+    READY,
+    plan_version_status,
+    release_blockers,
+    storage_from_status,
+)
+
+WV = (GROUP, VERSION, "weightversions")
+ML = (GROUP, VERSION, "modelloads")
+WR = (GROUP, VERSION, "weightreplicas")
+RELEASE_FINALIZER = f"{GROUP}/release"
+NUDGE_ANNOTATION = f"{GROUP}/base-ready"
+
+log = logging.getLogger("ferry.operator")
+
+# Storage verification backoff per object uid: (attempts, monotonic time of the next allowed attempt).
+_verify_backoff: dict[str, tuple[int, float]] = {}
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.finalizer = RELEASE_FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.watching.server_timeout = CONFIG.watch_server_timeout
+    settings.watching.client_timeout = CONFIG.watch_server_timeout + 10
+    settings.posting.level = logging.INFO
+    settings.execution.max_workers = 8
+    # Short API retries: a 403 from a terminating namespace must not stall the shared event-posting queue.
+    settings.networking.error_backoffs = [0.5, 1, 2]
+    if CONFIG.metrics_port >= 0:
+        port = metrics.serve(CONFIG.metrics_address, CONFIG.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", CONFIG.metrics_address, port)
+
+
+# ---------------------------------------------------------------- indexes (one watch per kind)
+
+
+@kopf.index(*WV)
+def version_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, name): VersionView.from_body(body)}
+
+
+@kopf.index(*ML)
+def desired_index(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> dict | None:
+    if meta.get("deletionTimestamp"):
+        return None
+    return {(namespace, spec.get("desiredVersion")): name}
+
+
+@kopf.index(*WR)
+def lease_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict | None:
+    if not status.get("activeLeases"):
+        return None
+    return {(namespace, spec.get("version")): name}
+
+
+def _lookup(index: kopf.Index, namespace: str):
+    def lookup(name: str) -> VersionView | None:
+        store = index.get((namespace, name))
+        return next(iter(store), None) if store else None
+
+    return lookup
+
+
+def _views_in(index: kopf.Index, namespace: str) -> list[VersionView]:
+    return [view for (ns, _), store in index.items() if ns == namespace for view in store]
+
+
+# ---------------------------------------------------------------- WeightVersion reconcile
+
+
+def _credentials(namespace: str, storage: dict) -> dict[str, str] | None:
+    secret = storage.get("credentialsSecret")
+    if not secret:
+        return None
+    return credentials_from_secret_data(kubeapi.read_secret_data(namespace, secret))
+
+
+def _verify_storage(namespace: str, spec: dict, name: str) -> StorageReport:
+    storage = spec.get("storage") or {}
+    if not storage.get("uri"):
+        return StorageReport(ok=True, reason=StorageReason.NotApplicable, message="PeerOnly: nothing stored")
+    try:
+        credentials = _credentials(namespace, storage)
+    except kubeapi.NotFound:
+        return StorageReport(
+            ok=False,
+            reason=StorageReason.CredentialsMissing,
+            message=f"Secret {storage['credentialsSecret']} (spec.storage.credentialsSecret) does not exist",
+        )
+    except ValueError as exc:
+        return StorageReport(ok=False, reason=StorageReason.CredentialsMissing, message=str(exc))
+    client = s3_client(storage.get("endpoint") or CONFIG.s3_endpoint, storage.get("region"), credentials)
+    return verify_checkpoint(
+        client, storage["uri"], fmt=spec["format"], version=name, base_version=spec.get("baseVersion")
+    )
+
+
+async def _storage_report(namespace: str, name: str, uid: str, body: kopf.Body) -> StorageReport | None:
+    recorded = storage_from_status(body.get("status") or {}, body["metadata"].get("generation"))
+    if recorded is not None and recorded.ok:
+        return recorded  # the objects are immutable: verified once is verified
+    attempts, not_before = _verify_backoff.get(uid, (0, 0.0))
+    if recorded is not None and time.monotonic() < not_before:
+        return recorded  # backing off: keep showing the last outcome until the next attempt
+    report = await asyncio.to_thread(_verify_storage, namespace, dict(body["spec"]), name)
+    if report.ok:
+        _verify_backoff.pop(uid, None)
+    else:
+        delay = min(CONFIG.verify_backoff_max, CONFIG.verify_backoff_initial * 2**attempts)
+        _verify_backoff[uid] = (attempts + 1, time.monotonic() + delay)
+    metrics.VERIFICATIONS.labels(result=str(report.reason)).inc()
+    return report
+
+
+def _blockers(
+    namespace: str, name: str, version_index: kopf.Index, desired_index: kopf.Index, lease_index: kopf.Index
+) -> list[str]:
+    return release_blockers(
+        dependents(name, _views_in(version_index, namespace)),
+        desired_index.get((namespace, name), []),
+        lease_index.get((namespace, name), []),
+    )
+
+
+async def _reconcile_version(
+    namespace: str, name: str, body: kopf.Body, patch: kopf.Patch, logger: logging.Logger,
+    version_index: kopf.Index, desired_index: kopf.Index, lease_index: kopf.Index,
+) -> None:  # fmt: skip
+    started = time.perf_counter()
+    chain = resolve_chain(name, _lookup(version_index, namespace), CONFIG.max_chain_length)
+    storage = await _storage_report(namespace, name, body["metadata"]["uid"], body)
+    blockers = (
+        _blockers(namespace, name, version_index, desired_index, lease_index)
+        if body["metadata"].get("deletionTimestamp")
+        else []
+    )
+    plan = plan_version_status(body, chain, storage, release_blockers=blockers, now=now_rfc3339())
+    if plan.differs_from(body.get("status")):
+        patch.status.update(plan.status)
+    for t in plan.transitions:
+        (kopf.warn if t.warning else kopf.info)(body, reason=t.reason, message=f"{t.type}={t.status}: {t.message}")
+    if plan.became_ready:
+        logger.info("%s/%s is Ready (chain %s)", namespace, name, " → ".join(plan.status["chain"] or []))
+    metrics.record_phase(namespace, name, plan.status["phase"])
+    metrics.RECONCILES.labels(kind="WeightVersion", phase=plan.status["phase"]).inc()
+    metrics.RECONCILE_SECONDS.labels(kind="WeightVersion").observe(time.perf_counter() - started)
+
+
+@kopf.on.event(*WV)
+async def version_changed(event: dict, namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
+                          logger: logging.Logger, version_index: kopf.Index, desired_index: kopf.Index,
+                          lease_index: kopf.Index, **_: Any) -> None:  # fmt: skip
+    if event.get("type") == "DELETED":
+        metrics.forget(namespace, name)
+        return
+    await _reconcile_version(namespace, name, body, patch, logger, version_index, desired_index, lease_index)
+    await _wake_dependents(namespace, name, body, version_index)
+
+
+async def _wake_dependents(namespace: str, name: str, body: kopf.Body, version_index: kopf.Index) -> None:
+    """Once this version's Ready=True is persisted (seen in this very event, and so in the index), re-trigger the
+    deltas still waiting on it now rather than at their next resync."""
+    if not VersionView.from_body(body).ready:
+        return
+    stamp = f"{name}@{(body.get('status') or {}).get('readyTime', '')}"
+    waiting = [v.name for v in _views_in(version_index, namespace) if v.base_version == name and not v.ready]
+    await asyncio.gather(*(asyncio.to_thread(kubeapi.nudge, namespace, d, NUDGE_ANNOTATION, stamp) for d in waiting))
+
+
+@kopf.timer(*WV, interval=CONFIG.resync_seconds, initial_delay=CONFIG.resync_seconds)
+async def version_resync(namespace: str, name: str, body: kopf.Body, patch: kopf.Patch, logger: logging.Logger,
+                         version_index: kopf.Index, desired_index: kopf.Index, lease_index: kopf.Index,
+                         **_: Any) -> None:  # fmt: skip
+    """Level-based safety net: missed nudges, S3 objects that appear later, operator restarts."""
+    status = body.get("status") or {}
+    if status.get("phase") == "Ready" and not body["metadata"].get("deletionTimestamp"):
+        ready = next((c for c in status.get("conditions") or [] if c.get("type") == READY), None)
+        if ready and ready.get("observedGeneration") == body["metadata"].get("generation"):
+            chain = resolve_chain(name, _lookup(version_index, namespace), CONFIG.max_chain_length)
+            if chain.ok:
+                return
+    await _reconcile_version(namespace, name, body, patch, logger, version_index, desired_index, lease_index)
+
+
+@kopf.on.delete(*WV)
+async def release_version(namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
+                          version_index: kopf.Index, desired_index: kopf.Index, lease_index: kopf.Index,
+                          **_: Any) -> None:  # fmt: skip
+    """Deletion is a release: the finalizer holds the version while anything still depends on it."""
+    blockers = _blockers(namespace, name, version_index, desired_index, lease_index)
+    if not blockers:
+        kopf.info(body, reason="Released", message="no dependents left; releasing")
+        return
+    chain = resolve_chain(name, _lookup(version_index, namespace), CONFIG.max_chain_length)
+    storage = storage_from_status(body.get("status") or {}, body["metadata"].get("generation"))
+    plan = plan_version_status(body, chain, storage, release_blockers=blockers, now=now_rfc3339())
+    if plan.differs_from(body.get("status")):
+        patch.status.update(plan.status)
+        kopf.warn(body, reason="ReleaseBlocked", message=f"release waits for {', '.join(blockers)}")
+    raise kopf.TemporaryError(f"release blocked by {', '.join(blockers)}", delay=CONFIG.release_retry_seconds)

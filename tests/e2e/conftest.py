@@ -1,0 +1,64 @@
+"""The real operator (`kopf run` subprocess) against the session's local cluster and S3."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from ferry.localcluster import LocalCluster, ManagedProcess, S3Server, start_operator, wait_until
+
+OPERATOR_ENV = {
+    "FERRY_RESYNC_SECONDS": "2",
+    "FERRY_VERIFY_BACKOFF_SECONDS": "1",
+    "FERRY_VERIFY_BACKOFF_MAX_SECONDS": "4",
+    "FERRY_RELEASE_RETRY_SECONDS": "1",
+}
+
+
+class OperatorHandle:
+    """Starts, kills and restarts the operator process; tests may crash it on purpose."""
+
+    def __init__(self, cluster: LocalCluster, s3: S3Server, workdir) -> None:
+        self.cluster, self.s3, self.workdir = cluster, s3, workdir
+        self.process: ManagedProcess | None = None
+        self.starts = 0
+        self.metrics_url = ""
+
+    def start(self) -> ManagedProcess:
+        self.starts += 1
+        self.process = start_operator(
+            self.cluster, self.workdir, env={**self.s3.env(), **OPERATOR_ENV}, name=f"operator-{self.starts}"
+        )
+        wait_until(lambda: "metrics on" in self.process.log_tail(200), 30, "operator startup", self.process)
+        match = re.search(r"metrics on (http://\S+)", self.process.log_tail(200))
+        assert match, self.process.log_tail()
+        self.metrics_url = match.group(1)
+        return self.process
+
+    def ensure_running(self) -> None:
+        if self.process is None or not self.process.alive:
+            self.start()
+
+    def kill(self) -> None:
+        if self.process:
+            self.process.kill()
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop()
+
+
+@pytest.fixture(scope="session")
+def operator_handle(cluster, s3, tmp_path_factory) -> Iterator[OperatorHandle]:
+    handle = OperatorHandle(cluster, s3, tmp_path_factory.mktemp("operator"))
+    handle.start()
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def operator(operator_handle: OperatorHandle) -> OperatorHandle:
+    operator_handle.ensure_running()
+    return operator_handle

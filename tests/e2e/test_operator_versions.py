@@ -1,0 +1,238 @@
+"""WeightVersion lifecycle through the real apiserver, real S3 and a real `kopf run` operator process."""
+
+from __future__ import annotations
+
+import base64
+from itertools import pairwise
+import json
+import time
+import urllib.request
+
+import pytest
+from wvutil import (
+    apply,
+    condition,
+    get,
+    publish_delta,
+    publish_full,
+    put_files,
+    tensors,
+    wait_for,
+    wait_reason,
+    wv_body,
+)
+
+from ferry import checkpoint_format as cf
+from ferry.localcluster import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def publish_chain(s3, ns: str, names: list[str]) -> None:
+    weights = tensors(0)
+    publish_full(s3, ns, names[0], weights)
+    for previous, name in pairwise(names):
+        new = {k: v + 1 if k.endswith("0.weight") else v for k, v in weights.items()}
+        publish_delta(s3, ns, name, previous, weights, new)
+        weights = new
+
+
+def test_full_then_two_deltas_go_ready_in_order(cluster, s3, namespace, operator):
+    publish_chain(s3, namespace, ["v1", "v2", "v3"])
+    # Applied newest first: the deltas must wait for their bases, then follow promptly.
+    apply(cluster, namespace, wv_body(namespace, "v3", base="v2"), wv_body(namespace, "v2", base="v1"))
+    wait_reason(cluster, namespace, "v3", "ChainResolved", "False", "BaseNotFound")
+    wait_reason(cluster, namespace, "v2", "ChainResolved", "False", "BaseNotFound")
+    apply(cluster, namespace, wv_body(namespace, "v1"))
+    cluster.kubectl("wait", "--for=condition=Ready", "wv/v3", "-n", namespace, "--timeout=60s")
+    objs = {n: get(cluster, namespace, "wv", n) for n in ("v1", "v2", "v3")}
+    ready_times = [condition(objs[n], "Ready")["lastTransitionTime"] for n in ("v1", "v2", "v3")]
+    assert ready_times == sorted(ready_times)
+    status = objs["v3"]["status"]
+    assert status["phase"] == "Ready"
+    assert status["chain"] == ["v1", "v2", "v3"]
+    assert status["chainDepth"] == 3
+    assert status["tensorCount"] == 1 and status["totalBytes"] > 0
+    assert objs["v1"]["status"]["tensorCount"] == 4
+    for c in status["conditions"]:
+        assert c["observedGeneration"] == 1
+    assert objs["v1"]["metadata"]["finalizers"] == ["ferry.dev/release"]
+    events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.name=v3").stdout
+    assert "BaseNotFound" in events and "Verified" in events
+
+
+def test_last_transition_time_moves_only_on_flips(cluster, s3, namespace, operator):
+    publish_chain(s3, namespace, ["v1"])
+    apply(cluster, namespace, wv_body(namespace, "v1"))
+    obj = wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")
+    before = {c["type"]: c["lastTransitionTime"] for c in obj["status"]["conditions"]}
+    time.sleep(3)  # at least one resync (2 s) passes
+    after = {c["type"]: c["lastTransitionTime"] for c in get(cluster, namespace, "wv", "v1")["status"]["conditions"]}
+    assert before == after
+
+
+@pytest.mark.parametrize(
+    ("case", "reason", "phase"),
+    [
+        ("missing-base", "BaseNotFound", "Pending"),
+        ("model-mismatch", "ModelMismatch", "Failed"),
+        ("cycle", "ChainCycle", "Failed"),
+        ("layout", "LayoutMismatch", "Failed"),
+        ("peer-only-base", "UnsupportedFormat", "Failed"),
+    ],
+)
+def test_chain_failures_are_reported(cluster, s3, namespace, operator, case, reason, phase):
+    publish_chain(s3, namespace, ["v1", "d1", "d2"])
+    bodies = {
+        "missing-base": [wv_body(namespace, "d1", base="nope")],
+        "model-mismatch": [wv_body(namespace, "v1", model="other"), wv_body(namespace, "d1", base="v1")],
+        "cycle": [wv_body(namespace, "d1", base="d2"), wv_body(namespace, "d2", base="d1")],
+        "layout": [wv_body(namespace, "v1", layout="a"), wv_body(namespace, "d1", base="v1", layout="b")],
+        "peer-only-base": [wv_body(namespace, "v1", fmt="PeerOnly"), wv_body(namespace, "d1", base="v1")],
+    }[case]
+    apply(cluster, namespace, *bodies)
+    obj = wait_reason(cluster, namespace, "d1", "ChainResolved", "False", reason)
+    wait_for(lambda: get(cluster, namespace, "wv", "d1")["status"].get("phase") == phase, 10, f"phase {phase}")
+    ready = condition(obj, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == reason and ready["message"]
+
+
+def test_chain_longer_than_64_fails(cluster, s3, namespace, operator):
+    names = [f"v{i}" for i in range(66)]
+    bodies = [wv_body(namespace, names[0], fmt="PeerOnly")] + [
+        wv_body(namespace, n, base=b) for b, n in pairwise(names)
+    ]
+    # Only the chain structure matters here: v65 is 66 versions deep whatever the storage says.
+    bodies[1]["spec"]["format"] = "XorDelta"
+    bodies[0] = wv_body(namespace, names[0])
+    apply(cluster, namespace, *bodies)
+    obj = wait_reason(cluster, namespace, "v65", "ChainResolved", "False", "ChainTooLong", timeout=60)
+    assert "more than 64" in condition(obj, "ChainResolved")["message"]
+    assert obj["status"]["phase"] == "Failed"
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [("missing-index", "ObjectMissing"), ("missing-shard", "ObjectMissing"), ("corrupt-index", "IndexInvalid"),
+     ("truncated-shard", "SizeMismatch")],
+)  # fmt: skip
+def test_storage_failures_are_reported(cluster, s3, namespace, operator, case, reason):
+    files = cf.build_full_checkpoint(tensors(1), shard_bytes=4 << 10)
+    shard = next(f for f in sorted(files) if f.endswith(".safetensors"))
+    if case == "missing-index":
+        files.pop(cf.INDEX_NAME)
+    elif case == "missing-shard":
+        files.pop(shard)
+    elif case == "corrupt-index":
+        files[cf.INDEX_NAME] = b"{not json"
+    else:
+        files[shard] = files[shard][:-10]
+    put_files(s3, namespace, "v1", files)
+    apply(cluster, namespace, wv_body(namespace, "v1"))
+    obj = wait_reason(cluster, namespace, "v1", "StorageVerified", "False", reason)
+    assert condition(obj, "Ready")["reason"] == reason
+    if case.startswith("missing"):
+        assert "s3://" in condition(obj, "StorageVerified")["message"]
+
+
+def test_object_appearing_later_flips_storage_verified(cluster, s3, namespace, operator):
+    apply(cluster, namespace, wv_body(namespace, "v1"))
+    wait_reason(cluster, namespace, "v1", "StorageVerified", "False", "ObjectMissing")
+    assert get(cluster, namespace, "wv", "v1")["status"]["phase"] == "Pending"
+    publish_chain(s3, namespace, ["v1"])
+    wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified", timeout=30)
+
+
+def _secret(cluster, namespace, name, access, secret):
+    body = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name},
+        "data": {
+            "AWS_ACCESS_KEY_ID": base64.b64encode(access.encode()).decode(),
+            "AWS_SECRET_ACCESS_KEY": base64.b64encode(secret.encode()).decode(),
+        },
+    }
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+
+
+def test_credentials_from_secret(cluster, s3, namespace, operator):
+    publish_chain(s3, namespace, ["v1", "v2", "v3"])
+    _secret(cluster, namespace, "good", s3.access_key, s3.secret_key)
+    _secret(cluster, namespace, "bad", s3.access_key, "wrong-secret")
+    apply(
+        cluster, namespace,
+        wv_body(namespace, "v1", secret="good", endpoint=s3.endpoint),
+        wv_body(namespace, "v2", base="v1", secret="bad", endpoint=s3.endpoint),
+        wv_body(namespace, "v3", base="v1", secret="absent", endpoint=s3.endpoint),
+    )  # fmt: skip
+    wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")
+    wait_reason(cluster, namespace, "v2", "StorageVerified", "False", "AccessDenied")
+    obj = wait_reason(cluster, namespace, "v3", "StorageVerified", "False", "CredentialsMissing")
+    assert "absent" in condition(obj, "StorageVerified")["message"]
+
+
+def test_unreachable_endpoint_is_transient(cluster, s3, namespace, operator):
+    dead = f"http://127.0.0.1:{free_port()}"
+    apply(cluster, namespace, wv_body(namespace, "v1", endpoint=dead))
+    obj = wait_reason(cluster, namespace, "v1", "StorageVerified", "False", "EndpointUnreachable")
+    assert obj["status"]["phase"] == "Pending"
+
+
+def test_release_waits_for_dependents_and_modelloads(cluster, s3, namespace, operator):
+    publish_chain(s3, namespace, ["v1", "v2"])
+    apply(cluster, namespace, wv_body(namespace, "v1"), wv_body(namespace, "v2", base="v1"))
+    cluster.kubectl("wait", "--for=condition=Ready", "wv/v2", "-n", namespace, "--timeout=60s")
+    ml = {
+        "apiVersion": "ferry.dev/v1alpha1",
+        "kind": "ModelLoad",
+        "metadata": {"name": "serve"},
+        "spec": {"modelName": "m", "desiredVersion": "v1"},
+    }
+    apply(cluster, namespace, ml)
+    cluster.kubectl("delete", "wv", "v1", "-n", namespace, "--wait=false")
+    obj = wait_for(
+        lambda: (o := get(cluster, namespace, "wv", "v1")) and o["status"].get("phase") == "Releasing" and o,
+        20, "v1 Releasing",
+    )  # fmt: skip
+    blocked = condition(obj, "Ready")
+    assert blocked["reason"] == "ReleaseBlocked"
+    assert "WeightVersion/v2" in blocked["message"] and "ModelLoad/serve" in blocked["message"]
+    assert obj["status"]["releaseBlockers"] == ["WeightVersion/v2", "ModelLoad/serve"]
+
+    cluster.kubectl("delete", "wv", "v2", "-n", namespace)
+    wait_for(
+        lambda: get(cluster, namespace, "wv", "v1")["status"].get("releaseBlockers") == ["ModelLoad/serve"],
+        20, "only the ModelLoad blocks",
+    )  # fmt: skip
+    assert get(cluster, namespace, "wv", "v1") is not None
+    cluster.kubectl("delete", "ml", "serve", "-n", namespace)
+    wait_for(lambda: get(cluster, namespace, "wv", "v1") is None, 20, "v1 released")
+    # The operator deleted nothing itself: the ModelLoad and v2 are gone only because the test deleted them.
+
+
+def test_operator_killed_mid_reconcile_converges(cluster, s3, namespace, operator):
+    names = [f"v{i}" for i in range(12)]
+    publish_chain(s3, namespace, names)
+    apply(cluster, namespace, *[wv_body(namespace, n, base=b) for b, n in zip([None, *names], names, strict=False)])
+    wait_for(lambda: condition(get(cluster, namespace, "wv", "v2"), "Ready").get("status") == "True", 30, "v2 Ready")
+    operator.kill()
+    # Delete and create while it is down: the restart must pick both up.
+    cluster.kubectl("delete", "wv", "v11", "-n", namespace, "--wait=false")
+    apply(cluster, namespace, wv_body(namespace, "late", base="v10"))
+    publish_delta(s3, namespace, "late", "v10", tensors(0), tensors(0))
+    operator.start()
+    for n in [*names[:-1], "late"]:
+        cluster.kubectl("wait", "--for=condition=Ready", f"wv/{n}", "-n", namespace, "--timeout=60s")
+    wait_for(lambda: get(cluster, namespace, "wv", "v11") is None, 30, "v11 released after restart")
+    assert get(cluster, namespace, "wv", "late")["status"]["chainDepth"] == 12
+
+
+def test_metrics_endpoint(cluster, s3, namespace, operator):
+    publish_chain(s3, namespace, ["v1"])
+    apply(cluster, namespace, wv_body(namespace, "v1"))
+    wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")
+    text = urllib.request.urlopen(operator.metrics_url, timeout=5).read().decode()
+    assert 'ferry_reconciles_total{kind="WeightVersion",phase="Ready"}' in text
+    assert 'ferry_weightversions{phase="Ready"}' in text
+    assert "ferry_reconcile_seconds_bucket" in text

@@ -1,0 +1,110 @@
+"""Helpers for e2e tests: publish canonical checkpoints to the real S3 and read WeightVersion status."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from ferry import checkpoint_format as cf
+from ferry.api.models import API_VERSION
+from ferry.localcluster import LocalCluster, S3Server
+
+BUCKET = "e2e-models"
+
+
+def tensors(seed: int, n: int = 4, shape: tuple[int, int] = (32, 32)) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {f"layer{i}.weight": rng.standard_normal(shape).astype(np.float32) for i in range(n)}
+
+
+def uri(namespace: str, version: str) -> str:
+    return f"s3://{BUCKET}/{namespace}/{version}/{cf.INDEX_NAME}"
+
+
+def put_files(s3: S3Server, namespace: str, version: str, files: dict[str, bytes]) -> None:
+    s3.create_bucket(BUCKET)
+    client = s3.client()
+    for filename, data in files.items():
+        client.put_object(Bucket=BUCKET, Key=f"{namespace}/{version}/{filename}", Body=data)
+
+
+def publish_full(s3: S3Server, namespace: str, version: str, weights: dict[str, np.ndarray]) -> None:
+    put_files(s3, namespace, version, cf.build_full_checkpoint(weights, shard_bytes=8 << 10))
+
+
+def publish_delta(s3: S3Server, namespace: str, version: str, base: str, old: dict, new: dict) -> None:
+    put_files(s3, namespace, version, cf.build_xor_delta(old, new, version=version, base_version=base))
+
+
+def wv_body(
+    namespace: str,
+    name: str,
+    *,
+    base: str | None = None,
+    model: str = "m",
+    fmt: str | None = None,
+    layout: str | None = None,
+    secret: str | None = None,
+    endpoint: str | None = None,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {"modelName": model, "format": fmt or ("XorDelta" if base else "FullCheckpoint")}
+    if spec["format"] != "PeerOnly":
+        spec["storage"] = {"uri": uri(namespace, name)}
+        if secret:
+            spec["storage"]["credentialsSecret"] = secret
+        if endpoint:
+            spec["storage"]["endpoint"] = endpoint
+    if base:
+        spec["baseVersion"] = base
+    if layout:
+        spec["layoutSignature"] = layout
+    return {"apiVersion": API_VERSION, "kind": "WeightVersion", "metadata": {"name": name}, "spec": spec}
+
+
+def apply(cluster: LocalCluster, namespace: str, *bodies: dict) -> None:
+    docs = {"apiVersion": "v1", "kind": "List", "items": list(bodies)}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(docs))
+
+
+def get(cluster: LocalCluster, namespace: str, kind: str, name: str) -> dict | None:
+    result = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+    if result.returncode != 0:
+        if "NotFound" in result.stderr:
+            return None
+        raise AssertionError(result.stderr)
+    return json.loads(result.stdout)
+
+
+def condition(obj: dict | None, type_: str) -> dict:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return c
+    return {}
+
+
+def wait_for(predicate, timeout: float, what: str, describe=lambda: ""):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{describe()}")
+
+
+def wait_reason(
+    cluster: LocalCluster, namespace: str, name: str, type_: str, status: str, reason: str, timeout: float = 30
+) -> dict:
+    def check():
+        obj = get(cluster, namespace, "wv", name)
+        c = condition(obj, type_)
+        return obj if c.get("status") == status and c.get("reason") == reason else None
+
+    return wait_for(
+        check, timeout, f"{name} {type_}={status}/{reason}",
+        lambda: json.dumps((get(cluster, namespace, "wv", name) or {}).get("status"), indent=1),
+    )  # fmt: skip
