@@ -17,13 +17,12 @@ import logging
 import signal
 import sys
 import threading
-import uuid
 from typing import Any
 
 import torch
 
 from ferry_agent.resident import ResidentWeights, TensorSpec, spec_of
-from ferry_agent.worker_service import SourceIdentity, TensorReadLeases, WorkerServer, build_manifest
+from ferry_agent.worker_service import WorkerServer, serve_resident
 
 READY_MARKER = "FERRY-SOURCE "
 REPLY_MARKER = "FERRY-REPLY "
@@ -98,13 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     from ferry_agent.nixl_transfer import NixlPeer  # after torch: the NIXL import probes CUDA through it
 
     weights = seeded_weights(args.seed, args.tensors, args.tensor_bytes, args.device)
-    identity = SourceIdentity(args.agent_name, args.instance_id or uuid.uuid4().hex)
     peer = NixlPeer(args.agent_name)
-    peer.register(weights)
-    peer.start_progress()
-    manifest = build_manifest(weights, identity=identity, rank=args.rank, nixl_metadata=peer.metadata())
-    server = WorkerServer(manifest, leases=TensorReadLeases(args.lease_ttl), port=args.port)
-    server.start()
+    server = serve_resident(
+        weights, peer, rank=args.rank, instance_id=args.instance_id, port=args.port, lease_ttl_s=args.lease_ttl
+    )
+    identity = server.identity
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from ferry_agent.nixl_transfer import ManifestMismatchError, RemoteTensor, describe
+from ferry_agent.nixl_transfer import ManifestMismatchError, NixlPeer, RemoteTensor, describe
 from ferry_agent.proto import worker_pb2, worker_pb2_grpc
 from ferry_agent.resident import ResidentWeights, TensorSpec, manifest_digest
 
@@ -54,8 +54,14 @@ class SourceDraining(RuntimeError):
 class TensorReadLeases:
     """Read leases of one rank. `clock` is the lease time source (injectable for tests)."""
 
-    def __init__(self, ttl_s: float | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.ttl_s = float(ttl_s) if ttl_s is not None else float(lease_ttl_seconds())
+    def __init__(
+        self,
+        ttl_s: float | None = None,
+        *,
+        transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl_s = float(ttl_s) if ttl_s is not None else float(lease_ttl_seconds(transfer_timeout_s))
         if not self.ttl_s > 0:
             raise ValueError(f"lease TTL must be positive, got {ttl_s!r}")
         self._clock = clock
@@ -144,6 +150,28 @@ def build_manifest(
             for t in describe(resident)
         ],
     )
+
+
+def serve_resident(
+    resident: ResidentWeights,
+    peer: NixlPeer,
+    *,
+    rank: int,
+    instance_id: str = "",
+    port: int = 0,
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+    lease_ttl_s: float | None = None,
+) -> WorkerServer:
+    """Publish loaded weights as a P2P source: register them (once), serve their manifest and read leases,
+    and pump NIXL progress so targets can connect. Stop with `server.stop()` then `peer.stop_progress()`."""
+    peer.register(resident)
+    identity = SourceIdentity(peer.name, instance_id or uuid.uuid4().hex)
+    manifest = build_manifest(resident, identity=identity, rank=rank, nixl_metadata=peer.metadata())
+    leases = TensorReadLeases(lease_ttl_s, transfer_timeout_s=transfer_timeout_s)
+    server = WorkerServer(manifest, leases=leases, port=port)
+    peer.start_progress()
+    server.start()
+    return server
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):

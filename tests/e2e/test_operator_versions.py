@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import base64
-from itertools import pairwise
 import json
 import time
 import urllib.request
+from itertools import pairwise
 
 import pytest
 from wvutil import (

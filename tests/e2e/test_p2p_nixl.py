@@ -30,7 +30,13 @@ from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import PeerLoadResult, PeerStrategy, TransferSettings
 from ferry_agent.source_main import READY_MARKER, REPLY_MARKER
 from ferry_agent.strategy import LoadContext, Outcome, StrategyFailed, run_strategy_chain
-from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest, prepare_tensor_read
+from ferry_agent.worker_service import (
+    SourceIdentity,
+    WorkerServer,
+    get_tensor_manifest,
+    prepare_tensor_read,
+    serve_resident,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -231,6 +237,41 @@ def test_peer_load_moves_verified_bytes_and_releases_everything(sources: dict[st
     # The pair was closed by the target, so the same source serves the next reader from a fresh connection.
     again, _ = load(peer, [a.candidate("replica-a")])
     verify_and_drop(peer, again, a)
+    assert a.active_leases() == 0
+
+
+def test_a_loaded_replica_publishes_itself_and_serves_the_next(sources: dict[str, Source], peer: NixlPeer) -> None:
+    a = sources["src-a"]
+    servers: list[WorkerServer] = []
+    strategy = PeerStrategy(
+        peer=peer, candidates=lambda _: [a.candidate("replica-a")], settings=TransferSettings(timeout_s=20)
+    )
+    ctx = LoadContext(model="m", version="v1", rank=0, target_id="replica-target")
+    result = run_strategy_chain(
+        [strategy],
+        ctx,
+        reinit=lambda _: None,
+        publish=lambda r, c: servers.append(serve_resident(r.resident, peer, rank=c.rank)),
+    )
+    (server,) = servers
+    downstream = NixlPeer(f"downstream-{uuid.uuid4().hex[:8]}")
+    try:
+        published = SourceCandidate(
+            replica="replica-target",
+            rank=0,
+            agent_name=peer.name,
+            grpc_endpoint=server.endpoint,
+            tensor_count=result.resident.tensor_count,
+            manifest_digest=result.resident.digest,
+        )
+        second, _ = load(downstream, [published])
+        assert second.resident.content_sha256() == a.info["content_sha256"]
+        assert server.leases.active_count() == 0 and downstream.remote_names == frozenset()
+    finally:
+        downstream.shutdown()
+        server.stop(0)
+        peer.stop_progress()
+        peer.deregister(result.resident)
     assert a.active_leases() == 0
 
 

@@ -46,8 +46,10 @@ def test_lease_ttl_formula(timeout: float, ttl: int) -> None:
     assert lease_ttl_seconds(timeout) == ttl
 
 
-def test_default_ttl_follows_the_default_transfer_timeout() -> None:
+def test_default_ttl_follows_the_transfer_timeout() -> None:
     assert TensorReadLeases().ttl_s == 630
+    assert TensorReadLeases(transfer_timeout_s=900).ttl_s == 1830
+    assert TensorReadLeases(5, transfer_timeout_s=900).ttl_s == 5
 
 
 def test_acquire_release_and_lazy_expiry() -> None:

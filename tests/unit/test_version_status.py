@@ -1,0 +1,113 @@
+"""The WeightVersion status planner: conditions, phase, transitions and release blockers, without a cluster."""
+
+from __future__ import annotations
+
+import pytest
+from ferry_operator.chain import ChainReason, ChainResult
+from ferry_operator.storage import StorageReason, StorageReport
+from ferry_operator.versions import plan_version_status, release_blockers, storage_from_status
+
+pytestmark = pytest.mark.unit
+
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
+CHAIN_OK = ChainResult(ok=True, reason=ChainReason.Resolved, message="chain of 2", chain=("v1", "v2"))
+STORAGE_OK = StorageReport(ok=True, reason=StorageReason.Verified, message="ok", total_bytes=2048, tensor_count=3)
+
+
+def body(status=None, deleting=False, generation=1):
+    meta = {"name": "v2", "generation": generation}
+    if deleting:
+        meta["deletionTimestamp"] = T0
+    return {"metadata": meta, "spec": {}, "status": status or {}}
+
+
+def conds(plan):
+    return {c["type"]: c for c in plan.status["conditions"]}
+
+
+def test_ready_when_chain_and_storage_are_good():
+    plan = plan_version_status(body(), CHAIN_OK, STORAGE_OK, now=T0)
+    c = conds(plan)
+    assert plan.status["phase"] == "Ready"
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("True", "Verified")
+    assert plan.status["chain"] == ["v1", "v2"] and plan.status["chainDepth"] == 2
+    assert plan.status["totalBytes"] == 2048 and plan.status["size"] == "2Ki" and plan.status["tensorCount"] == 3
+    assert plan.status["readyTime"] == T0 and plan.became_ready
+    assert all(x["observedGeneration"] == 1 for x in c.values())
+
+
+def test_last_transition_time_and_ready_time_are_stable():
+    first = plan_version_status(body(), CHAIN_OK, STORAGE_OK, now=T0)
+    again = plan_version_status(body(first.status), CHAIN_OK, STORAGE_OK, now=T1)
+    assert [c["lastTransitionTime"] for c in again.status["conditions"]] == [T0, T0, T0]
+    assert again.status["readyTime"] == T0
+    assert not again.transitions and not again.became_ready
+    assert not again.differs_from(first.status)
+
+
+def test_flip_moves_last_transition_time_and_emits_a_transition():
+    first = plan_version_status(body(), CHAIN_OK, STORAGE_OK, now=T0)
+    broken = ChainResult(ok=False, reason=ChainReason.BaseNotReady, message="base v1 is not Ready yet.")
+    plan = plan_version_status(body(first.status), broken, STORAGE_OK, now=T1)
+    c = conds(plan)
+    assert c["ChainResolved"]["lastTransitionTime"] == T1 and c["StorageVerified"]["lastTransitionTime"] == T0
+    assert plan.status["phase"] == "Pending"
+    assert {(t.type, t.reason) for t in plan.transitions} == {
+        ("ChainResolved", "BaseNotReady"),
+        ("Ready", "BaseNotReady"),
+    }
+    assert plan.status["chain"] == ["v1", "v2"], "the last resolved chain is kept for reference"
+
+
+@pytest.mark.parametrize(
+    "reason", [ChainReason.ChainCycle, ChainReason.ChainTooLong, ChainReason.ModelMismatch, ChainReason.LayoutMismatch]
+)
+def test_permanent_chain_defects_fail(reason):
+    plan = plan_version_status(body(), ChainResult(ok=False, reason=reason, message="x"), STORAGE_OK, now=T0)
+    assert plan.status["phase"] == "Failed"
+    assert conds(plan)["Ready"]["reason"] == str(reason)
+
+
+def test_unverified_storage_is_verifying():
+    plan = plan_version_status(body(), CHAIN_OK, None, now=T0)
+    c = conds(plan)
+    assert plan.status["phase"] == "Verifying"
+    assert c["StorageVerified"]["status"] == "Unknown"
+    assert [t.type for t in plan.transitions] == ["ChainResolved", "Ready"], "Unknown on first sight is no event"
+
+
+def test_transient_storage_error_keeps_last_good_state():
+    good = plan_version_status(body(), CHAIN_OK, STORAGE_OK, now=T0)
+    flaky = StorageReport(ok=False, reason=StorageReason.EndpointUnreachable, message="timeout", transient=True)
+    plan = plan_version_status(body(good.status), CHAIN_OK, flaky, now=T1)
+    assert plan.status["phase"] == "Ready"
+    assert conds(plan)["StorageVerified"]["status"] == "True"
+
+
+def test_transient_error_before_any_success_is_pending():
+    flaky = StorageReport(ok=False, reason=StorageReason.EndpointUnreachable, message="timeout", transient=True)
+    plan = plan_version_status(body(), CHAIN_OK, flaky, now=T0)
+    assert plan.status["phase"] == "Pending"
+    assert conds(plan)["Ready"]["reason"] == "EndpointUnreachable"
+
+
+def test_deleting_with_blockers_is_releasing():
+    blockers = release_blockers(["v3"], ["serve"], ["node-a"])
+    assert blockers == ["WeightVersion/v3", "ModelLoad/serve", "WeightReplica/node-a"]
+    plan = plan_version_status(body(deleting=True), CHAIN_OK, STORAGE_OK, release_blockers=blockers, now=T0)
+    ready = conds(plan)["Ready"]
+    assert plan.status["phase"] == "Releasing"
+    assert (ready["status"], ready["reason"]) == ("False", "ReleaseBlocked")
+    assert "WeightVersion/v3" in ready["message"] and "ModelLoad/serve" in ready["message"]
+    assert plan.status["releaseBlockers"] == blockers
+
+
+def test_recorded_storage_outcome_is_read_back():
+    plan = plan_version_status(body(), CHAIN_OK, STORAGE_OK, now=T0)
+    report = storage_from_status(plan.status, 1)
+    assert report.ok and report.total_bytes == 2048
+    assert storage_from_status(plan.status, 2) is None, "a new generation is verified again"
+    missing = StorageReport(ok=False, reason=StorageReason.ObjectMissing, message="gone")
+    failed = plan_version_status(body(), CHAIN_OK, missing, now=T0)
+    back = storage_from_status(failed.status, 1)
+    assert not back.ok and back.reason == StorageReason.ObjectMissing and not back.transient
