@@ -153,13 +153,13 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="256M,1G")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tensor-mib", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     interfaces = sorted(name for _, name in socket.if_nameindex())
     if interfaces != ["lo"]:

@@ -152,28 +152,6 @@ def build_manifest(
     )
 
 
-def serve_resident(
-    resident: ResidentWeights,
-    peer: NixlPeer,
-    *,
-    rank: int,
-    instance_id: str = "",
-    port: int = 0,
-    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
-    lease_ttl_s: float | None = None,
-) -> WorkerServer:
-    """Publish loaded weights as a P2P source: register them (once), serve their manifest and read leases,
-    and pump NIXL progress so targets can connect. Stop with `server.stop()` then `peer.stop_progress()`."""
-    peer.register(resident)
-    identity = SourceIdentity(peer.name, instance_id or uuid.uuid4().hex)
-    manifest = build_manifest(resident, identity=identity, rank=rank, nixl_metadata=peer.metadata())
-    leases = TensorReadLeases(lease_ttl_s, transfer_timeout_s=transfer_timeout_s)
-    server = WorkerServer(manifest, leases=leases, port=port)
-    peer.start_progress()
-    server.start()
-    return server
-
-
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, manifest: worker_pb2.TensorManifest, leases: TensorReadLeases) -> None:
         self._manifest = manifest
@@ -255,6 +233,28 @@ class WorkerServer:
 
     def stop(self, grace_s: float | None = None) -> None:
         self._server.stop(grace_s).wait()
+
+
+def serve_resident(
+    resident: ResidentWeights,
+    peer: NixlPeer,
+    *,
+    rank: int,
+    instance_id: str = "",
+    port: int = 0,
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+    lease_ttl_s: float | None = None,
+) -> WorkerServer:
+    """Publish loaded weights as a P2P source: register them (once), serve their manifest and read leases,
+    and pump NIXL progress so targets can connect. Stop with `server.stop()` then `peer.stop_progress()`."""
+    peer.register(resident)
+    identity = SourceIdentity(peer.name, instance_id or uuid.uuid4().hex)
+    manifest = build_manifest(resident, identity=identity, rank=rank, nixl_metadata=peer.metadata())
+    leases = TensorReadLeases(lease_ttl_s, transfer_timeout_s=transfer_timeout_s)
+    server = WorkerServer(manifest, leases=leases, port=port)
+    peer.start_progress()
+    server.start()
+    return server
 
 
 # ---------------------------------------------------------------------------------------------- client

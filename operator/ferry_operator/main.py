@@ -7,6 +7,7 @@ result. Everything is re-derived from the objects, so a restart at any point con
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any
@@ -106,6 +107,12 @@ def _credentials(namespace: str, storage: dict) -> dict[str, str] | None:
     return credentials_from_secret_data(kubeapi.read_secret_data(namespace, secret))
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_client(endpoint: str | None, region: str | None, credentials: tuple[tuple[str, str], ...]) -> Any:
+    # Creating a boto3 client costs far more than a verification; clients are thread-safe once built.
+    return s3_client(endpoint, region, dict(credentials) or None)
+
+
 def _verify_storage(namespace: str, spec: dict, name: str) -> StorageReport:
     storage = spec.get("storage") or {}
     if not storage.get("uri"):
@@ -120,7 +127,11 @@ def _verify_storage(namespace: str, spec: dict, name: str) -> StorageReport:
         )
     except ValueError as exc:
         return StorageReport(ok=False, reason=StorageReason.CredentialsMissing, message=str(exc))
-    client = s3_client(storage.get("endpoint") or CONFIG.s3_endpoint, storage.get("region"), credentials)
+    client = _cached_client(
+        storage.get("endpoint") or CONFIG.s3_endpoint,
+        storage.get("region"),
+        tuple(sorted((credentials or {}).items())),
+    )
     return verify_checkpoint(
         client, storage["uri"], fmt=spec["format"], version=name, base_version=spec.get("baseVersion")
     )

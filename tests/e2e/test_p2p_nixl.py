@@ -311,8 +311,8 @@ def test_wedged_source_times_out_then_the_next_loads(sources: dict[str, Source],
         result, ctx = load(
             peer,
             [wedged.candidate("replica-wedged"), a.candidate("replica-a")],
-            timeout_s=3,
-            rpc_timeout_s=1,
+            timeout_s=4,
+            rpc_timeout_s=2,
             progress=stop_at_start,
         )
     finally:
