@@ -1,0 +1,51 @@
+"""`python -m ferry_agent --node NAME`: the node agent (one per GPU node; in tests one process per simulated node)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from pathlib import Path
+
+from kubernetes import client, config
+
+from ferry_agent.node_agent import NodeAgent
+from ferry_agent.registry import DEFAULT_LEASE_SECONDS
+
+
+def _seed(text: str) -> tuple[str, Path]:
+    version, sep, path = text.partition("=")
+    if not sep or not version or not path:
+        raise argparse.ArgumentTypeError(f"expected VERSION=PATH, got {text!r}")
+    if not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"seed checkpoint {path} does not exist")
+    return version, Path(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ferry-agent", description=__doc__)
+    parser.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this node's name (env NODE_NAME)")
+    parser.add_argument("--seed", type=_seed, action="append", default=[], metavar="VERSION=PATH",
+                        help="a local safetensors file that holds VERSION")  # fmt: skip
+    parser.add_argument("--lease-seconds", type=int, default=DEFAULT_LEASE_SECONDS)
+    parser.add_argument("--poll-seconds", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    if not args.node:
+        parser.error("--node (or NODE_NAME) is required")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    agent = NodeAgent(
+        client.ApiClient(), args.node, seeds=dict(args.seed), lease_seconds=args.lease_seconds,
+        poll_seconds=args.poll_seconds,
+    )  # fmt: skip
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    signal.signal(signal.SIGINT, lambda *_: agent.stop())
+    agent.run()
+
+
+if __name__ == "__main__":
+    main()

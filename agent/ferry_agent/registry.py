@@ -1,0 +1,91 @@
+"""The source registry in CRDs: which WeightReplicas may a target read from, and how a loaded one is published.
+
+Pure functions over Kubernetes object dicts, so the rules are unit-testable without a cluster:
+a source is a Serving WeightReplica of the exact version, with a Ready entry for the same rank and a live Lease.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ferry.api.models import GROUP
+from ferry_agent.candidate import SourceCandidate
+
+LABEL_MODEL = f"{GROUP}/model"
+LABEL_VERSION = f"{GROUP}/version"
+LABEL_NODE = f"{GROUP}/node"
+LEASE_PREFIX = "ferry-wr-"
+DEFAULT_LEASE_SECONDS = 15
+
+
+def lease_name(replica: str) -> str:
+    return f"{LEASE_PREFIX}{replica}"[:253]
+
+
+def _parse_time(value: str | None) -> dt.datetime | None:
+    if not value:
+        return None
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def lease_is_live(lease: Mapping[str, Any] | None, now: dt.datetime) -> bool:
+    """A coordination Lease renewed within its duration. No lease, no renewTime: not live."""
+    if not lease:
+        return False
+    spec = lease.get("spec") or {}
+    renewed = _parse_time(spec.get("renewTime") or spec.get("acquireTime"))
+    duration = spec.get("leaseDurationSeconds") or DEFAULT_LEASE_SECONDS
+    return renewed is not None and now - renewed <= dt.timedelta(seconds=duration)
+
+
+def source_candidates(
+    replicas: Iterable[Mapping[str, Any]],
+    leases: Mapping[str, Mapping[str, Any]],
+    *,
+    version: str,
+    rank: int,
+    self_replica: str,
+    now: dt.datetime,
+) -> list[SourceCandidate]:
+    """Sources for one rank of `version`, from WeightReplica objects and Leases keyed by name."""
+    found = []
+    for wr in replicas:
+        name = wr["metadata"]["name"]
+        status = wr.get("status") or {}
+        if name == self_replica or wr["metadata"].get("deletionTimestamp"):
+            continue
+        if status.get("phase") != "Serving" or status.get("version") != version:
+            continue
+        if not lease_is_live(leases.get(lease_name(name)), now):
+            continue
+        for entry in status.get("ranks") or []:
+            if entry.get("rank") == rank and entry.get("state", "Ready") == "Ready":
+                found.append(
+                    SourceCandidate(
+                        replica=name,
+                        rank=rank,
+                        agent_name=entry["agentName"],
+                        grpc_endpoint=entry["grpcEndpoint"],
+                        metadata=entry.get("metadataEndpoint", ""),
+                        tensor_count=entry.get("tensorCount", 0),
+                        manifest_digest=entry.get("manifestDigest", ""),
+                        active_leases=status.get("activeLeases"),
+                    )
+                )
+    return found
+
+
+def lease_body(replica: str, holder: str, now: str, duration: int = DEFAULT_LEASE_SECONDS) -> dict[str, Any]:
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": lease_name(replica), "labels": {f"{GROUP}/replica": replica}},
+        "spec": {
+            "holderIdentity": holder,
+            "leaseDurationSeconds": duration,
+            "acquireTime": now,
+            "renewTime": now,
+        },
+    }

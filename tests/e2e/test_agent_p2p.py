@@ -1,0 +1,145 @@
+"""Node agents as real processes against the real apiserver: agent A seeds a version from a local safetensors
+file, agent B loads the same version from A over NIXL, and a third reader verifies B's bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+from ferry_agent.nixl_transfer import NixlPeer
+from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
+from ferry_agent.registry import LABEL_MODEL, LABEL_NODE, LABEL_VERSION, lease_name
+from ferry_agent.resident import ResidentWeights
+from ferry_agent.strategy import LoadContext
+from safetensors.torch import save_file
+from wvutil import get, wait_for
+
+from ferry.api.models import API_VERSION
+from ferry.localcluster import ManagedProcess
+
+pytestmark = pytest.mark.e2e
+
+
+def content_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def node(cluster, name: str) -> None:
+    body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {"ferry.dev/gpu": "true"}}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+
+
+def replica(cluster, namespace: str, name: str, node_name: str, version: str) -> None:
+    body = {
+        "apiVersion": API_VERSION,
+        "kind": "WeightReplica",
+        "metadata": {
+            "name": name,
+            "labels": {LABEL_MODEL: "m", LABEL_VERSION: version, LABEL_NODE: node_name},
+        },
+        "spec": {
+            "modelLoad": "ml", "modelName": "m", "version": version, "nodeName": node_name, "device": "cpu",
+            "transfer": {"timeoutSeconds": 30},
+        },
+    }  # fmt: skip
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+
+
+def start_agent(cluster, tmp_path, node_name: str, *seeds: str) -> ManagedProcess:
+    argv = [sys.executable, "-m", "ferry_agent", "--node", node_name, "--lease-seconds", "3", "--poll-seconds", "0.3"]
+    for seed in seeds:
+        argv += ["--seed", seed]
+    env = {**os.environ, **cluster.env(), "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
+    return ManagedProcess(f"agent-{node_name}", argv, tmp_path / f"agent-{node_name}.log", env=env).start()
+
+
+def wait_phase(cluster, namespace, name, phase, proc, timeout=60):
+    return wait_for(
+        lambda: (o := get(cluster, namespace, "wr", name)) and (o.get("status") or {}).get("phase") == phase and o,
+        timeout, f"{name} {phase}",
+        lambda: json.dumps((get(cluster, namespace, "wr", name) or {}).get("status"), indent=1) + proc.log_tail(),
+    )  # fmt: skip
+
+
+def test_agent_b_loads_from_agent_a(cluster, namespace, tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    weights = {f"layers.{i}.weight": torch.randn((128, 256), generator=gen) for i in range(6)}
+    weights["norm.bias"] = torch.randn((256,), generator=gen).to(torch.bfloat16)
+    seed_file = tmp_path / "v1.safetensors"
+    save_file(weights, str(seed_file))
+    expected = content_sha256(weights)
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+
+    for n in ("node-a", "node-b"):
+        node(cluster, n)
+    agent_a = start_agent(cluster, tmp_path, "node-a", f"v1={seed_file}")
+    agent_b = start_agent(cluster, tmp_path, "node-b")
+    try:
+        replica(cluster, namespace, "wr-a", "node-a", "v1")
+        a = wait_phase(cluster, namespace, "wr-a", "Serving", agent_a)
+        assert a["status"]["source"] == "local"
+        assert a["status"]["bytesDone"] == a["status"]["bytesTotal"] == total
+        lease = json.loads(cluster.kubectl("get", "lease", lease_name("wr-a"), "-n", namespace, "-o", "json").stdout)
+        assert lease["spec"]["holderIdentity"] == a["status"]["ranks"][0]["agentName"]
+
+        replica(cluster, namespace, "wr-b", "node-b", "v1")
+        b = wait_phase(cluster, namespace, "wr-b", "Serving", agent_b)
+        status = b["status"]
+        assert status["source"] == "peer/wr-a"
+        assert status["bytesDone"] == status["bytesTotal"] == total
+        assert status["ranks"][0]["manifestDigest"] == a["status"]["ranks"][0]["manifestDigest"]
+        outcomes = [(x["source"], x["outcome"]) for x in status["attempts"]]
+        assert ("peer/wr-a", "Loaded") in outcomes and ("Peer", "Loaded") in outcomes, outcomes
+        assert "Stale" not in status["phase"]
+
+        # A third reader pulls from B (not the seed) and checks every byte.
+        reader = NixlPeer(f"reader-{time.monotonic_ns()}")
+        b_entry = status["ranks"][0]
+        from ferry_agent.candidate import SourceCandidate
+
+        cand = SourceCandidate("wr-b", 0, b_entry["agentName"], b_entry["grpcEndpoint"])
+        strategy = PeerStrategy(peer=reader, candidates=lambda ctx: [cand], settings=TransferSettings(timeout_s=30))
+        result = strategy.load(LoadContext(model="m", version="v1", rank=0, target_id="reader"))
+        assert content_sha256(result.resident.tensors) == expected
+        reader.deregister(result.resident)
+        reader.shutdown()
+
+        # B's read lease on A was released; A publishes the count only when it changes.
+        assert (get(cluster, namespace, "wr", "wr-a")["status"].get("activeLeases") or 0) == 0
+
+        # Deleting B's replica releases it: Lease gone, A keeps serving.
+        cluster.kubectl("delete", "wr", "wr-b", "-n", namespace)
+        wait_for(
+            lambda: cluster.kubectl("get", "lease", lease_name("wr-b"), "-n", namespace, check=False).returncode != 0,
+            20, "wr-b lease deleted",
+        )  # fmt: skip
+    finally:
+        agent_b.stop()
+        agent_a.stop()
+
+
+def test_no_source_and_no_seed_fails_clearly(cluster, namespace, tmp_path):
+    node(cluster, "node-c")
+    agent = start_agent(cluster, tmp_path, "node-c")
+    try:
+        replica(cluster, namespace, "wr-c", "node-c", "v9")
+        failed = wait_phase(cluster, namespace, "wr-c", "Failed", agent)
+        assert "No load strategy succeeded" in failed["status"]["message"]
+        outcomes = {(x["source"], x["outcome"]) for x in failed["status"]["attempts"]}
+        assert ("Peer", "Failed") in outcomes and ("LocalFile", "Skipped") in outcomes
+    finally:
+        agent.stop()
+
+
+def test_resident_weights_need_contiguous_tensors():
+    with pytest.raises(ValueError, match="not contiguous"):
+        ResidentWeights({"t": torch.zeros((4, 4)).t()})

@@ -1,0 +1,78 @@
+"""Which WeightReplicas are offered as P2P sources: Serving, exact version, same rank, live Lease, not self."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from ferry_agent.registry import lease_body, lease_is_live, lease_name, source_candidates
+
+pytestmark = pytest.mark.unit
+
+NOW = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
+
+
+def ts(seconds_ago: float) -> str:
+    return (NOW - dt.timedelta(seconds=seconds_ago)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def wr(name, *, phase="Serving", version="v1", rank=0, state="Ready", deleting=False, leases=None):
+    meta = {"name": name}
+    if deleting:
+        meta["deletionTimestamp"] = ts(1)
+    return {
+        "metadata": meta,
+        "status": {
+            "phase": phase,
+            "version": version,
+            "activeLeases": leases,
+            "ranks": [
+                {"rank": rank, "agentName": f"agent-{name}", "grpcEndpoint": f"127.0.0.1:{5000 + rank}",
+                 "tensorCount": 3, "manifestDigest": "abc", "state": state}
+            ],
+        },
+    }  # fmt: skip
+
+
+def live(*names, age=1.0):
+    return {lease_name(n): lease_body(n, f"agent-{n}", ts(age), duration=15) for n in names}
+
+
+def names(cands):
+    return [c.replica for c in cands]
+
+
+def test_only_live_serving_replicas_of_the_exact_version_and_rank():
+    replicas = [
+        wr("good", leases=2),
+        wr("loading", phase="Loading"),
+        wr("stale-lease"),
+        wr("other-version", version="v2"),
+        wr("other-rank", rank=1),
+        wr("draining", state="Draining"),
+        wr("deleting", deleting=True),
+        wr("me"),
+    ]
+    leases = {**live("good", "loading", "other-version", "other-rank", "draining", "deleting", "me"),
+              **live("stale-lease", age=60)}  # fmt: skip
+    cands = source_candidates(replicas, leases, version="v1", rank=0, self_replica="me", now=NOW)
+    assert names(cands) == ["good"]
+    c = cands[0]
+    assert (c.agent_name, c.grpc_endpoint, c.manifest_digest, c.active_leases) == (
+        "agent-good",
+        "127.0.0.1:5000",
+        "abc",
+        2,
+    )
+    assert c.label == "peer/good"
+
+
+def test_no_lease_means_not_a_source():
+    assert source_candidates([wr("a")], {}, version="v1", rank=0, self_replica="x", now=NOW) == []
+
+
+@pytest.mark.parametrize(("age", "expected"), [(0, True), (14.9, True), (15.1, False)])
+def test_lease_liveness_boundary(age, expected):
+    assert lease_is_live(lease_body("a", "h", ts(age), duration=15), NOW) is expected
+    assert not lease_is_live(None, NOW)
