@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from ferry_agent.candidate import SourceCandidate
 from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
 from ferry_agent.resident import ResidentWeights, TensorSpec

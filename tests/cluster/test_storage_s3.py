@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ferry_operator.storage import StorageReason, StorageReport, s3_client, verify_checkpoint
 
 from ferry import checkpoint_format as ckpt
 from ferry.localcluster import S3Server, free_port
+from ferry_operator.storage import StorageReason, StorageReport, s3_client, verify_checkpoint
 
 pytestmark = pytest.mark.cluster
 

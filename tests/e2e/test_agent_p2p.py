@@ -11,16 +11,16 @@ import time
 
 import pytest
 import torch
-from ferry_agent.nixl_transfer import NixlPeer
-from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
-from ferry_agent.registry import LABEL_MODEL, LABEL_NODE, LABEL_VERSION, lease_name
-from ferry_agent.resident import ResidentWeights
-from ferry_agent.strategy import LoadContext
 from safetensors.torch import save_file
 from wvutil import get, wait_for
 
 from ferry.api.models import API_VERSION
 from ferry.localcluster import ManagedProcess
+from ferry_agent.nixl_transfer import NixlPeer
+from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
+from ferry_agent.registry import LABEL_MODEL, LABEL_NODE, LABEL_VERSION, lease_name
+from ferry_agent.resident import ResidentWeights
+from ferry_agent.strategy import LoadContext
 
 pytestmark = pytest.mark.e2e
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 import pytest
+
 from ferry_agent.candidate import SourceCandidate
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import PeerLoadResult, PeerStrategy, TransferSettings

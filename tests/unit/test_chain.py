@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from ferry_operator.chain import ChainReason, ChainResult, VersionView, dependents, resolve_chain
 
 pytestmark = pytest.mark.unit

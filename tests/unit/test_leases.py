@@ -11,6 +11,7 @@ from concurrent import futures
 import grpc
 import pytest
 import torch
+
 from ferry_agent.nixl_transfer import ManifestMismatchError
 from ferry_agent.proto import worker_pb2, worker_pb2_grpc
 from ferry_agent.resident import ResidentWeights

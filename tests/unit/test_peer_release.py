@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from ferry_agent.candidate import SourceCandidate
 from ferry_agent.nixl_transfer import ManifestMismatchError, NixlPeer, RemoteTensor, describe
 from ferry_agent.peer_strategy import (

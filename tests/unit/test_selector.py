@@ -8,6 +8,7 @@ import random
 from collections import Counter
 
 import pytest
+
 from ferry_agent.candidate import SourceCandidate
 from ferry_agent.peer_strategy import TransferSettings
 from ferry_agent.selector import (

@@ -18,6 +18,9 @@ from botocore.exceptions import (
     ReadTimeoutError,
     ResponseStreamingError,
 )
+from safetensors.numpy import save
+
+from ferry import checkpoint_format as ckpt
 from ferry_operator.storage import (
     StorageReason,
     StorageReport,
@@ -26,9 +29,6 @@ from ferry_operator.storage import (
     s3_client,
     verify_checkpoint,
 )
-from safetensors.numpy import save
-
-from ferry import checkpoint_format as ckpt
 
 pytestmark = pytest.mark.unit
 

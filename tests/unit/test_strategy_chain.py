@@ -7,6 +7,7 @@ import weakref
 from typing import Any
 
 import pytest
+
 from ferry_agent.strategy import (
     Attempt,
     LoadContext,
