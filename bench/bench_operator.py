@@ -110,7 +110,6 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
     with local_stack() as (cluster, s3):
-        cluster.install_crds()
         s3.create_bucket(BUCKET)
         weights = {f"w{i}": np.ones((256, 256), np.float32) for i in range(8)}
         for name, data in cf.build_full_checkpoint(weights, shard_bytes=1 << 20).items():

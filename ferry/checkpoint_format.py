@@ -22,7 +22,7 @@ import json
 import re
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,8 @@ DELTA_ENCODING = "xor"
 COMPRESSION_FORMATS = frozenset({"zstd"})
 ZSTD_LEVEL = 1
 HEADER_PREFIX_BYTES = 8  # little-endian u64 header length
+XOR_CHUNK_BYTES = 2 << 20  # streamed delta decoding works in blocks of this size, as ModelExpress does
+_CHECKSUM = re.compile(r"^[0-9a-f]{8}$")
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 DELTA_METADATA_KEYS = frozenset(
     {"version", "base_version", "delta_encoding", "compression_format", "checksum_format", "total_size"}
@@ -167,6 +169,48 @@ def shard_checksums(header: Mapping[str, Any]) -> dict[str, str]:
     if not isinstance(metadata, dict):
         raise InvalidShard("safetensors __metadata__ is not an object")
     return {k: v for k, v in metadata.items() if isinstance(v, str)}
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """A shard's checked safetensors header: where each tensor's bytes are, and their checksums."""
+
+    header_len: int
+    infos: dict[str, TensorInfo]
+    checksums: dict[str, str]
+
+    @property
+    def data_start(self) -> int:
+        """File offset of the tensor data (TensorInfo offsets are relative to it)."""
+        return HEADER_PREFIX_BYTES + self.header_len
+
+    @property
+    def size(self) -> int:
+        """The exact file size the header describes."""
+        return self.data_start + data_length(self.infos)
+
+
+def check_shard(
+    first_bytes: bytes | bytearray | memoryview, size: int, expected: Collection[str], *, checksummed: bool
+) -> ShardLayout:
+    """Parse a shard's header (`first_bytes` holds at least 8 + header_len bytes) and check it against the
+    shard's file size and the tensors its index maps to it. InvalidShard's message completes "shard X …"."""
+    header_len, header = parse_safetensors_header(first_bytes)
+    infos = tensor_infos(header)
+    layout = ShardLayout(header_len, infos, shard_checksums(header))
+    if size != layout.size:
+        state = "truncated" if size < layout.size else "longer than its header describes"
+        raise InvalidShard(f"is {size} bytes but its header describes {layout.size}; it is {state}")
+    missing, extra = sorted(set(expected) - infos.keys()), sorted(infos.keys() - set(expected))
+    if missing:
+        raise InvalidShard(f"lacks tensors the index maps to it: {missing}")
+    if extra:
+        raise InvalidShard(f"holds tensors not in the index: {extra}")
+    if checksummed:
+        bad = sorted(name for name in infos if not _CHECKSUM.fullmatch(layout.checksums.get(name, "")))
+        if bad:
+            raise InvalidShard(f"has no valid adler32 checksum (8 lowercase hex digits) for tensors {bad}")
+    return layout
 
 
 # ---------------------------------------------------------------- index
@@ -363,3 +407,36 @@ def apply_xor_delta(base: np.ndarray, frame: bytes | memoryview | np.ndarray, ch
     if adler32_hex(result) != checksum:
         raise ValueError(f"adler32 after applying the delta is {adler32_hex(result)}, expected {checksum}")
     return result.view(base.dtype).reshape(base.shape)
+
+
+def apply_xor_delta_into(
+    target: np.ndarray, frame: bytes | memoryview | np.ndarray, chunk_bytes: int = XOR_CHUNK_BYTES
+) -> None:
+    """Streamed, in-place form of `apply_xor_delta`: XOR the decoded frame into `target` (a writable, flat uint8
+    array) block by block, so memory stays bounded whatever the compression ratio. ValueError unless the frame
+    decodes to exactly `target.nbytes` bytes; the caller checks the checksum. On error `target` may be
+    partly changed."""
+    if target.dtype != np.uint8 or target.ndim != 1 or not target.flags.writeable:
+        raise ValueError("the target must be a writable 1-D uint8 array")
+    expected = target.nbytes
+    try:
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"delta frame has no readable zstd header: {exc}") from exc
+    if declared != expected:
+        raise ValueError(f"delta frame declares {declared} bytes, the base tensor has {expected}")
+    done = 0
+    try:
+        # Reading across frames makes trailing data visible: garbage fails to decode, a frame adds bytes.
+        with zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=True) as reader:
+            while chunk := reader.read(chunk_bytes):
+                end = done + len(chunk)
+                if end > expected:
+                    raise ValueError(f"delta frame decodes to more than the {expected} bytes of the base tensor")
+                region = target[done:end]
+                np.bitwise_xor(region, np.frombuffer(chunk, dtype=np.uint8), out=region)
+                done = end
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"delta frame does not decode: {exc}") from exc
+    if done != expected:
+        raise ValueError(f"delta frame decodes to {done} bytes, want {expected}; it is truncated")

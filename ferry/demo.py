@@ -70,7 +70,6 @@ def run(wait: bool, workdir: Path | None) -> int:
     with local_stack(workdir) as (cluster, s3):
         print(f"  apiserver {cluster.server}   S3 {s3.endpoint}")
         print(f"  export KUBECONFIG={cluster.kubeconfig}")
-        cluster.install_crds()
         show(cluster, "api-resources", "--categories=ferry")
 
         say("Starting the operator (kopf run)")

@@ -16,7 +16,6 @@ from ferry.localcluster import LocalCluster, S3Server, local_stack
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, S3Server]]:
     root: Path = tmp_path_factory.mktemp("stack")
     with local_stack(root) as (cluster, s3):
-        cluster.install_crds()
         yield cluster, s3
 
 

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="a local safetensors file that holds VERSION")  # fmt: skip
     parser.add_argument("--lease-seconds", type=int, default=DEFAULT_LEASE_SECONDS)
     parser.add_argument("--poll-seconds", type=float, default=1.0)
+    parser.add_argument("--retry-seconds", type=float, default=5.0, help="first backoff after a failed load")
     args = parser.parse_args(argv)
     if not args.node:
         parser.error("--node (or NODE_NAME) is required")
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         config.load_kube_config()
     agent = NodeAgent(
         client.ApiClient(), args.node, seeds=dict(args.seed), lease_seconds=args.lease_seconds,
-        poll_seconds=args.poll_seconds,
+        poll_seconds=args.poll_seconds, retry_seconds=args.retry_seconds,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())

@@ -92,6 +92,7 @@ class NodeAgent:
         seeds: Mapping[str, Path] | None = None,
         lease_seconds: int = DEFAULT_LEASE_SECONDS,
         poll_seconds: float = 1.0,
+        retry_seconds: float = 5.0,
         peer_factory: Callable[[str], NixlPeer] = NixlPeer,
     ) -> None:
         self.node = node
@@ -104,7 +105,9 @@ class NodeAgent:
         self._poll_seconds = poll_seconds
         self._peer = peer_factory(self.agent_name)
         self._served: dict[tuple[str, str], Served] = {}
-        self._failed: dict[tuple[str, str], str] = {}  # (ns, name) -> version that failed; retried on change
+        # (ns, name) -> (version that failed, attempts, monotonic time of the next try)
+        self._failed: dict[tuple[str, str], tuple[str, int, float]] = {}
+        self._retry_seconds = retry_seconds
         self._stopping = threading.Event()
 
     # ------------------------------------------------------------------ loop
@@ -139,8 +142,13 @@ class NodeAgent:
             served = self._served.get(key)
             if served is not None:
                 self._publish_lease_count(key, served)
-            elif self._failed.get(key) != wr["spec"]["version"]:
+            elif self._may_try(key, wr["spec"]["version"]):
                 self._load(key, wr)
+
+    def _may_try(self, key: tuple[str, str], version: str) -> bool:
+        """A failed load is retried with exponential backoff (a source may appear), at once on a new version."""
+        failed = self._failed.get(key)
+        return failed is None or failed[0] != version or time.monotonic() >= failed[2]
 
     # ------------------------------------------------------------------ loading
 
@@ -228,7 +236,10 @@ class NodeAgent:
 
     def _fail(self, key, version, generation, message, attempts=None) -> None:
         log.error("%s/%s failed to load %s: %s", *key, version, message)
-        self._failed[key] = version
+        previous = self._failed.get(key)
+        tries = previous[1] + 1 if previous and previous[0] == version else 1
+        delay = min(300.0, self._retry_seconds * 2 ** (tries - 1))
+        self._failed[key] = (version, tries, time.monotonic() + delay)
         self._patch_status(
             key,
             {"phase": "Failed", "version": version, "message": message[:4096], "attempts": attempts or [],

@@ -10,34 +10,12 @@ import datetime as dt
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ferry.api.models import GROUP
+from ferry.api.liveness import DEFAULT_LEASE_SECONDS, lease_is_live
+from ferry.api.models import GROUP, LABEL_MODEL, LABEL_NODE, LABEL_VERSION
+from ferry.api.models import replica_lease_name as lease_name
 from ferry_agent.candidate import SourceCandidate
 
-LABEL_MODEL = f"{GROUP}/model"
-LABEL_VERSION = f"{GROUP}/version"
-LABEL_NODE = f"{GROUP}/node"
-LEASE_PREFIX = "ferry-wr-"
-DEFAULT_LEASE_SECONDS = 15
-
-
-def lease_name(replica: str) -> str:
-    return f"{LEASE_PREFIX}{replica}"[:253]
-
-
-def _parse_time(value: str | None) -> dt.datetime | None:
-    if not value:
-        return None
-    return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-
-
-def lease_is_live(lease: Mapping[str, Any] | None, now: dt.datetime) -> bool:
-    """A coordination Lease renewed within its duration. No lease, no renewTime: not live."""
-    if not lease:
-        return False
-    spec = lease.get("spec") or {}
-    renewed = _parse_time(spec.get("renewTime") or spec.get("acquireTime"))
-    duration = spec.get("leaseDurationSeconds") or DEFAULT_LEASE_SECONDS
-    return renewed is not None and now - renewed <= dt.timedelta(seconds=duration)
+__all__ = ["DEFAULT_LEASE_SECONDS", "LABEL_MODEL", "LABEL_NODE", "LABEL_VERSION", "lease_is_live", "lease_name"]
 
 
 def source_candidates(

@@ -353,3 +353,17 @@ class WeightReplica(_Model):
 
 
 RESOURCES: list[type[_Model]] = [WeightVersion, ModelLoad, WeightReplica]
+
+
+# ---------------------------------------------------------------- names shared by operator and agent
+
+LABEL_MODEL = f"{GROUP}/model"
+LABEL_VERSION = f"{GROUP}/version"
+LABEL_NODE = f"{GROUP}/node"
+LABEL_MODELLOAD = f"{GROUP}/modelload"
+REPLICA_LEASE_PREFIX = "ferry-wr-"
+
+
+def replica_lease_name(replica: str) -> str:
+    """The coordination Lease an agent renews while it serves `replica`."""
+    return f"{REPLICA_LEASE_PREFIX}{replica}"[:253]

@@ -34,13 +34,47 @@ def read_secret_data(namespace: str, name: str) -> dict[str, str]:
     return dict(secret.data or {})
 
 
-def nudge(namespace: str, name: str, annotation: str, value: str) -> None:
+def nudge(plural: str, namespace: str, name: str, annotation: str, value: str) -> None:
     """Touch an annotation so kopf re-reconciles the object now instead of at the next resync."""
     body = {"metadata": {"annotations": {annotation: value}}}
     try:
-        client.CustomObjectsApi(_api()).patch_namespaced_custom_object(
-            GROUP, VERSION, namespace, "weightversions", name, body
+        _objects().patch_namespaced_custom_object(GROUP, VERSION, namespace, plural, name, body)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+def _objects() -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(_api())
+
+
+def create_replica(body: dict) -> None:
+    try:
+        _objects().create_namespaced_custom_object(
+            GROUP, VERSION, body["metadata"]["namespace"], "weightreplicas", body
         )
+    except ApiException as exc:
+        if exc.status != 409:  # already there: a previous reconcile created it
+            raise
+
+
+def delete_replica(namespace: str, name: str) -> None:
+    try:
+        _objects().delete_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas", name)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+def retarget_replica(namespace: str, name: str, version: str, version_label: str) -> None:
+    body = {"metadata": {"labels": {version_label: version}}, "spec": {"version": version}}
+    _objects().patch_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas", name, body)
+
+
+def mark_replica_stale(namespace: str, name: str, message: str) -> None:
+    body = {"status": {"phase": "Stale", "message": message}}
+    try:
+        _objects().patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "weightreplicas", name, body)
     except ApiException as exc:
         if exc.status != 404:
             raise

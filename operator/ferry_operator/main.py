@@ -7,6 +7,8 @@ result. Everything is re-derived from the objects, so a restart at any point con
 from __future__ import annotations
 
 import asyncio
+import copy
+import datetime as dt
 import functools
 import logging
 import time
@@ -15,10 +17,19 @@ from typing import Any
 import kopf
 
 from ferry.api.conditions import now_rfc3339
-from ferry.api.models import GROUP, VERSION
+from ferry.api.models import GROUP, LABEL_VERSION, VERSION
 from ferry_operator import kubeapi, metrics
 from ferry_operator.chain import VersionView, dependents, resolve_chain
 from ferry_operator.config import CONFIG
+from ferry_operator.modelloads import (
+    DEGRADED,
+    PEER_STALLED,
+    aggregate_status,
+    node_matches,
+    plan_replicas,
+    serves,
+    stale_replicas,
+)
 from ferry_operator.storage import (
     StorageReason,
     StorageReport,
@@ -206,7 +217,9 @@ async def _wake_dependents(namespace: str, name: str, body: kopf.Body, version_i
         return
     stamp = f"{name}@{(body.get('status') or {}).get('readyTime', '')}"
     waiting = [v.name for v in _views_in(version_index, namespace) if v.base_version == name and not v.ready]
-    await asyncio.gather(*(asyncio.to_thread(kubeapi.nudge, namespace, d, NUDGE_ANNOTATION, stamp) for d in waiting))
+    await asyncio.gather(
+        *(asyncio.to_thread(kubeapi.nudge, WV[2], namespace, d, NUDGE_ANNOTATION, stamp) for d in waiting)
+    )
 
 
 @kopf.timer(*WV, interval=CONFIG.resync_seconds, initial_delay=CONFIG.resync_seconds)
@@ -240,3 +253,117 @@ async def release_version(namespace: str, name: str, body: kopf.Body, patch: kop
         patch.status.update(plan.status)
         kopf.warn(body, reason="ReleaseBlocked", message=f"release waits for {', '.join(blockers)}")
     raise kopf.TemporaryError(f"release blocked by {', '.join(blockers)}", delay=CONFIG.release_retry_seconds)
+
+
+# ---------------------------------------------------------------- ModelLoad → WeightReplicas
+
+
+def _snapshot(body: kopf.Body) -> dict:
+    return copy.deepcopy(dict(body))
+
+
+@kopf.index("", "v1", "nodes")
+def node_index(name: str, body: kopf.Body, **_: Any) -> dict:
+    return {name: {"metadata": {"name": name, "labels": dict(body.metadata.labels)}, "spec": dict(body.spec)}}
+
+
+@kopf.index(*WR)
+def replica_index(namespace: str, spec: kopf.Spec, body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, spec.get("modelLoad")): _snapshot(body)}
+
+
+@kopf.index("coordination.k8s.io", "v1", "leases", labels={f"{GROUP}/replica": kopf.PRESENT})
+def replica_lease_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, name): _snapshot(body)}
+
+
+def _emit_transitions(body: kopf.Body, before: list, after: list) -> None:
+    old = {c["type"]: c["status"] for c in before}
+    for c in after:
+        if old.get(c["type"], "Unknown") != c["status"]:
+            healthy = (c["type"] in (DEGRADED, PEER_STALLED)) != (c["status"] == "True")
+            (kopf.info if healthy else kopf.warn)(
+                body, reason=c["reason"], message=f"{c['type']}={c['status']}: {c['message']}"
+            )
+
+
+async def _reconcile_modelload(
+    namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
+    node_index: kopf.Index, replica_index: kopf.Index, replica_lease_index: kopf.Index,
+) -> None:  # fmt: skip
+    started = time.perf_counter()
+    if body["metadata"].get("deletionTimestamp"):
+        return  # ownerReferences let the garbage collector remove the replicas
+    model_load = _snapshot(body)
+    replicas = list(replica_index.get((namespace, name), []))
+    nodes = [n for store in node_index.values() for n in store]
+    desired = body["spec"]["desiredVersion"]
+    holders = {
+        r["spec"]["nodeName"]
+        for (ns, _), store in replica_index.items() if ns == namespace
+        for r in store
+        if serves(r, desired)
+    }  # fmt: skip
+    plan = plan_replicas(model_load, replicas, nodes, holders)
+    for wr in plan.create:
+        await asyncio.to_thread(kubeapi.create_replica, wr)
+        kopf.info(body, reason="ReplicaCreated", message=f"{wr['metadata']['name']} on {wr['spec']['nodeName']}")
+    for replica in plan.delete:
+        await asyncio.to_thread(kubeapi.delete_replica, namespace, replica)
+        kopf.info(body, reason="ReplicaDeleted", message=replica)
+    for replica in plan.retarget:
+        await asyncio.to_thread(kubeapi.retarget_replica, namespace, replica, desired, LABEL_VERSION)
+        kopf.info(body, reason="RollingOut", message=f"{replica} moves to {desired}")
+
+    leases = {n: lease for (ns, n), store in replica_lease_index.items() if ns == namespace for lease in store}
+    now = dt.datetime.now(dt.UTC)
+    for replica in stale_replicas(replicas, leases, now):
+        current = next(r for r in replicas if r["metadata"]["name"] == replica)
+        if (current.get("status") or {}).get("phase") != "Stale":
+            await asyncio.to_thread(
+                kubeapi.mark_replica_stale, namespace, replica, "the agent stopped renewing its Lease"
+            )
+    matching = sum(1 for n in nodes if node_matches(n, body["spec"].get("nodeSelector") or {}))
+    status = aggregate_status(model_load, replicas, leases, nodes_available=matching, now=now, now_text=now_rfc3339())
+    current_status = body.get("status") or {}
+    if any(current_status.get(k) != v for k, v in status.items()):
+        patch.status.update(status)
+        _emit_transitions(body, list(current_status.get("conditions") or []), status["conditions"])
+    metrics.RECONCILES.labels(kind="ModelLoad", phase=status["phase"]).inc()
+    metrics.RECONCILE_SECONDS.labels(kind="ModelLoad").observe(time.perf_counter() - started)
+
+
+@kopf.on.event(*ML)
+async def modelload_changed(event: dict, namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
+                            node_index: kopf.Index, replica_index: kopf.Index, replica_lease_index: kopf.Index,
+                            **_: Any) -> None:  # fmt: skip
+    if event.get("type") == "DELETED":
+        return
+    await _reconcile_modelload(namespace, name, body, patch, node_index, replica_index, replica_lease_index)
+
+
+@kopf.timer(*ML, interval=CONFIG.resync_seconds, initial_delay=1)
+async def modelload_resync(namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
+                           node_index: kopf.Index, replica_index: kopf.Index, replica_lease_index: kopf.Index,
+                           **_: Any) -> None:  # fmt: skip
+    """Lease expiry and stalls are the passage of time, not events: re-derive them periodically."""
+    await _reconcile_modelload(namespace, name, body, patch, node_index, replica_index, replica_lease_index)
+
+
+_replica_phases: dict[tuple[str, str], str | None] = {}
+
+
+@kopf.on.event(*WR)
+async def replica_changed(event: dict, namespace: str, name: str, spec: kopf.Spec, status: kopf.Status,
+                          **_: Any) -> None:  # fmt: skip
+    """A replica changed phase (or went away): re-reconcile its ModelLoad now, not at the next resync."""
+    key = (namespace, name)
+    phase = None if event.get("type") == "DELETED" else status.get("phase")
+    if _replica_phases.get(key, "") == phase:
+        return
+    _replica_phases[key] = phase
+    if phase is None:
+        _replica_phases.pop(key, None)
+    owner = spec.get("modelLoad")
+    if owner:
+        await asyncio.to_thread(kubeapi.nudge, ML[2], namespace, owner, f"{GROUP}/replica-phase", f"{name}={phase}")

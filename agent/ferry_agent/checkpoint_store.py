@@ -1,0 +1,450 @@
+"""The node-local checkpoint store (ModelExpress §5.7, simplified): what the ObjectStorage strategy downloaded
+and derived, kept so that the next load of the same model only fetches what is missing.
+
+Layout under `<root>/<quoted model name>/`:
+
+- `full/<v>/`          a FullCheckpoint as published (index + shards), immutable;
+- `deltas/<v>/`        an XorDelta as published (index + shards), immutable;
+- `materialized/<v>/`  a derived full checkpoint of delta version v (the root's index and shard layout with the
+                       deltas applied), plus `checksums.json` (v's adler32 per tensor) and `chain.json`;
+- `state.json`         `{status: READY|UPDATING, version, chain, target, target_chain}`: `version` is the last
+                       activated version and `chain` its replay chain; `target` is the one being prepared.
+
+Every artifact is written into `<kind>/<v>.tmp/`, its files and the folder are fsynced, and then it is renamed
+into place, its marker `source.json` (source URI + file sizes) written last. So a folder without the `.tmp`
+suffix is complete, and a crash at any point leaves only `*.tmp` debris, which `recover()` removes on start.
+`state.json` is replaced atomically the same way and says UPDATING before any artifact of an update is written;
+`recover()` turns an interrupted update back into READY at the last activated version.
+
+Quota: `reserve()` evicts materialized → deltas → full, least recently used first, and never an artifact of
+an active chain (the last activated chain of every model, and the chains of updates in progress). If it still
+cannot fit it raises `CheckpointCacheCapacityError` before evicting anything.
+
+One lock (a thread lock plus `flock` on `<root>/.lock`, so two processes on one root also serialize) guards all
+mutations; callers hold `lock()` across a whole load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import threading
+import urllib.parse
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "state.json"
+MARKER = "source.json"
+TMP_SUFFIX = ".tmp"
+LOCK_FILE = ".lock"
+
+
+class ArtifactKind(StrEnum):
+    FULL = "full"
+    DELTA = "deltas"
+    MATERIALIZED = "materialized"
+
+
+EVICTION_ORDER = (ArtifactKind.MATERIALIZED, ArtifactKind.DELTA, ArtifactKind.FULL)  # cheapest to rebuild first
+
+
+class StoreStatus(StrEnum):
+    READY = "READY"
+    UPDATING = "UPDATING"
+
+
+class CheckpointCacheCapacityError(RuntimeError):
+    """The store cannot make room without evicting an active chain."""
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    model: str
+    kind: ArtifactKind
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.model}:{self.kind}/{self.version}"
+
+
+@dataclass(frozen=True)
+class StoredArtifact:
+    ref: ArtifactRef
+    path: Path
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class StoreState:
+    status: StoreStatus = StoreStatus.READY
+    version: str | None = None
+    chain: tuple[str, ...] = ()
+    target: str | None = None
+    target_chain: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": str(self.status),
+            "version": self.version,
+            "chain": list(self.chain),
+            "target": self.target,
+            "target_chain": list(self.target_chain),
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> StoreState:
+        """Strict: anything unexpected raises ValueError, and `recover()` then rebuilds the state."""
+        status = StoreStatus(doc["status"])
+        chain = tuple(doc.get("chain") or ())
+        version = doc.get("version")
+        if (version is None) != (not chain) or (chain and chain[-1] != version):
+            raise ValueError(f"version {version!r} does not end its chain {list(chain)}")
+        if not all(isinstance(v, str) and v for v in chain):
+            raise ValueError(f"chain {list(chain)} is not a list of version names")
+        return cls(status, version, chain, doc.get("target"), tuple(doc.get("target_chain") or ()))
+
+
+def head_ref(model: str, chain: tuple[str, ...]) -> ArtifactRef:
+    """The artifact holding the weights of the last version of `chain`."""
+    if len(chain) == 1:
+        return ArtifactRef(model, ArtifactKind.FULL, chain[0])
+    return ArtifactRef(model, ArtifactKind.MATERIALIZED, chain[-1])
+
+
+def chain_refs(model: str, chain: Iterable[str]) -> set[ArtifactRef]:
+    """What a chain needs to be served and rebuilt: its root full, its deltas and its head. Intermediate
+    materialized versions are left evictable: a long chain would otherwise pin one full copy per link."""
+    chain = tuple(chain)
+    if not chain:
+        return set()
+    refs = {ArtifactRef(model, ArtifactKind.FULL, chain[0]), head_ref(model, chain)}
+    refs.update(ArtifactRef(model, ArtifactKind.DELTA, v) for v in chain[1:])
+    return refs
+
+
+def _check_name(what: str, name: str) -> None:
+    # Versions are Kubernetes names; the checks keep every path inside the store and apart from tmp debris.
+    if not name or name in (".", "..") or "/" in name or "\0" in name or name.endswith(TMP_SUFFIX):
+        raise ValueError(f"{what} {name!r} cannot be stored (empty, a path, or ending in {TMP_SUFFIX!r})")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, doc: Any) -> None:
+    """tmp + fsync + rename + fsync of the folder: the file is either the old or the new document."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _tree_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@dataclass
+class Update:
+    """An update in progress (see `CheckpointStore.update`); `commit()` activates the target."""
+
+    store: CheckpointStore
+    model: str
+    target: str
+    chain: tuple[str, ...]
+    committed: bool = field(default=False, init=False)
+
+    def commit(self) -> None:
+        head = head_ref(self.model, self.chain)
+        if self.store.artifact(head) is None:
+            raise RuntimeError(f"cannot activate {self.target}: its artifact {head} is not in the store")
+        self.store._write_state(self.model, StoreState(StoreStatus.READY, self.target, self.chain))
+        self.committed = True
+
+
+class CheckpointStore:
+    def __init__(self, root: Path, quota_bytes: int) -> None:
+        if quota_bytes <= 0:
+            raise ValueError(f"quota_bytes must be positive, got {quota_bytes}")
+        self.root = Path(root)
+        self.quota_bytes = quota_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._mutex = threading.RLock()
+        self._depth = 0
+        self._lock_fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        self._pins: list[set[ArtifactRef]] = []  # chains of updates in progress
+
+    def close(self) -> None:
+        with self._mutex:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Reentrant within this process; `flock` excludes other processes sharing the root."""
+        with self._mutex:
+            if self._depth == 0:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    # ------------------------------------------------------------------ paths and reads
+
+    def model_dir(self, model: str) -> Path:
+        if not model or model in (".", ".."):
+            raise ValueError(f"model name {model!r} cannot be stored")
+        return self.root / urllib.parse.quote(model, safe="")
+
+    def path(self, ref: ArtifactRef) -> Path:
+        _check_name("version", ref.version)
+        return self.model_dir(ref.model) / ref.kind / ref.version
+
+    def state(self, model: str) -> StoreState:
+        path = self.model_dir(model) / STATE_FILE
+        try:
+            return StoreState.from_json(json.loads(path.read_text()))
+        except FileNotFoundError:
+            return StoreState()
+
+    def artifact(self, ref: ArtifactRef) -> Path | None:
+        """The folder of a complete artifact, or None. One whose files no longer match its marker (sizes) is
+        discarded. Marks the artifact recently used, for eviction."""
+        with self.lock():
+            path = self.path(ref)
+            if not path.is_dir():
+                return None
+            if not self._intact(path):
+                self.discard(ref)
+                return None
+            os.utime(path)
+            return path
+
+    def source(self, ref: ArtifactRef) -> dict[str, Any]:
+        """The `source` document an artifact was written with (for example the S3 URI of its index)."""
+        return json.loads((self.path(ref) / MARKER).read_text())["source"]
+
+    @staticmethod
+    def _intact(path: Path) -> bool:
+        try:
+            files = json.loads((path / MARKER).read_text())["files"]
+            return all((path / name).stat().st_size == size for name, size in files.items())
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+
+    def artifacts(self) -> list[StoredArtifact]:
+        """Every complete-looking artifact (no tmp debris), across models."""
+        found: list[StoredArtifact] = []
+        for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            model = urllib.parse.unquote(model_dir.name)
+            for kind in ArtifactKind:
+                kind_dir = model_dir / kind
+                if not kind_dir.is_dir():
+                    continue
+                for path in sorted(kind_dir.iterdir()):
+                    if path.is_dir() and not path.name.endswith(TMP_SUFFIX):
+                        ref = ArtifactRef(model, kind, path.name)
+                        found.append(StoredArtifact(ref, path, _tree_size(path), path.stat().st_mtime))
+        return found
+
+    def usage(self) -> int:
+        """Bytes of everything under the root, debris included."""
+        return _tree_size(self.root)
+
+    # ------------------------------------------------------------------ writes
+
+    def _write_state(self, model: str, state: StoreState) -> None:
+        folder = self.model_dir(model)
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(folder / STATE_FILE, {"model": model, **state.to_json()})
+
+    @contextlib.contextmanager
+    def write(self, ref: ArtifactRef, source: Mapping[str, Any]) -> Iterator[Path]:
+        """Yield an empty `<v>.tmp` folder to fill; on a clean exit fsync everything, write the marker and rename
+        it into place. On an exception the tmp folder is removed and nothing changes."""
+        with self.lock():
+            final = self.path(ref)
+            if final.exists():
+                raise FileExistsError(f"artifact {ref} already exists; artifacts are immutable")
+            tmp = final.with_name(final.name + TMP_SUFFIX)
+            _remove(tmp)  # debris of a crashed writer
+            tmp.mkdir(parents=True)
+            try:
+                yield tmp
+                files = _files(tmp)
+                for name in files:
+                    _fsync_file(tmp / name)
+                write_json_atomic(tmp / MARKER, {"source": dict(source), "files": files})
+                _fsync_dir(tmp)
+                os.rename(tmp, final)
+                _fsync_dir(final.parent)
+            except BaseException:
+                _remove(tmp)
+                raise
+
+    def discard(self, ref: ArtifactRef) -> None:
+        """Remove an artifact: renamed to tmp debris first, so a crash mid-delete leaves nothing half-valid."""
+        with self.lock():
+            path = self.path(ref)
+            if not path.exists():
+                return
+            doomed = path.with_name(f"{path.name}.deleting{TMP_SUFFIX}")
+            _remove(doomed)
+            os.rename(path, doomed)
+            _fsync_dir(path.parent)
+            _remove(doomed)
+
+    @contextlib.contextmanager
+    def update(
+        self, model: str, target: str, chain: Iterable[str], protect: Iterable[ArtifactRef] = ()
+    ) -> Iterator[Update]:
+        """Prepare `target` (replayed through `chain`) under the lock: persist UPDATING first, pin the chain's
+        artifacts (and `protect`) against eviction, and on exit without `commit()` go back to READY at the
+        previously activated version."""
+        chain = tuple(chain)
+        if not chain or chain[-1] != target:
+            raise ValueError(f"chain {list(chain)} does not end at {target!r}")
+        with self.lock():
+            previous = self.state(model)
+            pins = chain_refs(model, chain) | set(protect)
+            self._pins.append(pins)
+            handle = Update(self, model, target, chain)
+            try:
+                self._write_state(
+                    model, StoreState(StoreStatus.UPDATING, previous.version, previous.chain, target, chain)
+                )
+                yield handle
+            finally:
+                self._pins.remove(pins)
+                if not handle.committed:
+                    self._write_state(model, StoreState(StoreStatus.READY, previous.version, previous.chain))
+
+    # ------------------------------------------------------------------ quota
+
+    def protected(self) -> set[ArtifactRef]:
+        """Artifacts eviction must keep: every model's active chain and the chains of updates in progress."""
+        refs: set[ArtifactRef] = set().union(*self._pins) if self._pins else set()
+        for model_dir in self.root.iterdir():
+            if (model_dir / STATE_FILE).is_file():
+                model = urllib.parse.unquote(model_dir.name)
+                with contextlib.suppress(ValueError, KeyError, TypeError):  # unreadable state protects nothing
+                    refs |= chain_refs(model, self.state(model).chain)
+        return refs
+
+    def reserve(self, nbytes: int) -> list[ArtifactRef]:
+        """Make room for `nbytes` more within the quota and the filesystem's free space, evicting unprotected
+        artifacts (materialized → deltas → full, least recently used first). Returns what was evicted."""
+        with self.lock():
+            usage = self.usage()
+            free_disk = shutil.disk_usage(self.root).free
+            over_quota = usage + nbytes - self.quota_bytes
+            over_disk = nbytes - free_disk
+            if over_quota <= 0 and over_disk <= 0:
+                return []
+            protected = self.protected()
+            candidates = sorted(
+                (a for a in self.artifacts() if a.ref not in protected),
+                key=lambda a: (EVICTION_ORDER.index(a.ref.kind), a.mtime),
+            )
+            chosen: list[StoredArtifact] = []
+            for artifact in candidates:
+                if over_quota <= 0 and over_disk <= 0:
+                    break
+                chosen.append(artifact)
+                over_quota -= artifact.size
+                over_disk -= artifact.size
+            if over_quota > 0 or over_disk > 0:
+                # Decided before evicting anything: a reservation that cannot succeed must not empty the cache.
+                pinned = sorted(str(r) for r in protected)
+                limit = (
+                    f"quota {self.quota_bytes} bytes with {usage} in use"
+                    if over_quota > 0
+                    else f"only {free_disk} bytes free on the filesystem"
+                )
+                raise CheckpointCacheCapacityError(
+                    f"checkpoint store {self.root} cannot fit {nbytes} more bytes ({limit}); everything else "
+                    f"belongs to active chains and is never evicted: {pinned}. Raise the quota or free space."
+                )
+            for artifact in chosen:
+                self.discard(artifact.ref)
+            return [a.ref for a in chosen]
+
+    # ------------------------------------------------------------------ recovery
+
+    def recover(self) -> list[str]:
+        """Run on start: remove tmp debris and incomplete artifacts, and turn every interrupted update (or an
+        unreadable state) back into a consistent READY state. Returns what it did, for the log."""
+        actions: list[str] = []
+        with self.lock():
+            for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+                model = urllib.parse.unquote(model_dir.name)
+                for kind in ArtifactKind:
+                    kind_dir = model_dir / kind
+                    for path in sorted(kind_dir.iterdir()) if kind_dir.is_dir() else ():
+                        if path.name.endswith(TMP_SUFFIX):
+                            _remove(path)
+                            actions.append(f"removed debris {path.relative_to(self.root)}")
+                        elif not self._intact(path):
+                            _remove(path)
+                            actions.append(f"removed incomplete artifact {path.relative_to(self.root)}")
+                for debris in model_dir.glob(f"*{TMP_SUFFIX}"):
+                    _remove(debris)
+                    actions.append(f"removed debris {debris.relative_to(self.root)}")
+                actions.extend(self._recover_state(model))
+        return actions
+
+    def _recover_state(self, model: str) -> list[str]:
+        actions: list[str] = []
+        try:
+            state = self.state(model)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            state = StoreState()
+            actions.append(f"{model}: state.json unreadable ({exc}); rebuilt as READY with no active version")
+        if state.status == StoreStatus.UPDATING:
+            actions.append(f"{model}: update to {state.target} was interrupted; back to READY at {state.version}")
+        state = StoreState(StoreStatus.READY, state.version, state.chain)
+        if state.chain and not (self.path(head_ref(model, state.chain)) / MARKER).is_file():
+            actions.append(f"{model}: active version {state.version} is no longer stored; no active version")
+            state = StoreState()
+        self._write_state(model, state)
+        return actions

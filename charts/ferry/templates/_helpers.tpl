@@ -1,0 +1,83 @@
+{{/* Chart name. */}}
+{{- define "ferry.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Fully qualified app name: the release name, plus the chart name unless the release name already contains it.
+Cluster-scoped objects are named from it, so two releases never share a ClusterRole.
+*/}}
+{{- define "ferry.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Chart name and version, for the helm.sh/chart label. */}}
+{{- define "ferry.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Common labels. */}}
+{{- define "ferry.labels" -}}
+helm.sh/chart: {{ include "ferry.chart" . }}
+{{ include "ferry.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: ferry
+{{- end }}
+
+{{/* Selector labels (immutable on Deployments/DaemonSets: no version here). */}}
+{{- define "ferry.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ferry.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Per-component labels: call with (dict "ctx" $ "component" "operator"). */}}
+{{- define "ferry.componentLabels" -}}
+{{ include "ferry.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "ferry.componentSelectorLabels" -}}
+{{ include "ferry.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* The container image. */}}
+{{- define "ferry.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "ferry.operator.fullname" -}}
+{{- printf "%s-operator" (include "ferry.fullname" .) }}
+{{- end }}
+
+{{- define "ferry.agent.fullname" -}}
+{{- printf "%s-agent" (include "ferry.fullname" .) }}
+{{- end }}
+
+{{- define "ferry.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create }}
+{{- default (include "ferry.operator.fullname" .) .Values.operator.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.operator.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "ferry.agent.serviceAccountName" -}}
+{{- if .Values.agent.serviceAccount.create }}
+{{- default (include "ferry.agent.fullname" .) .Values.agent.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.agent.serviceAccount.name }}
+{{- end }}
+{{- end }}

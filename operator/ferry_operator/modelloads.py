@@ -1,0 +1,304 @@
+"""ModelLoad: choose nodes, plan the WeightReplicas, and aggregate their progress into conditions.
+
+Pure functions over object dicts and a clock, so scheduling, rollout and stall detection are unit-testable.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ferry.api.conditions import set_condition
+from ferry.api.liveness import lease_is_live, parse_time
+from ferry.api.models import (
+    API_VERSION,
+    LABEL_MODEL,
+    LABEL_MODELLOAD,
+    LABEL_NODE,
+    LABEL_VERSION,
+    replica_lease_name,
+)
+
+READY, PROGRESSING, DEGRADED, PEER_STALLED = "Ready", "Progressing", "Degraded", "PeerStalled"
+
+
+# ---------------------------------------------------------------- scheduling
+
+
+def replica_name(modelload: str, node: str) -> str:
+    """Deterministic and DNS-safe: `<modelload>-<node>`, shortened with a hash when too long."""
+    name = f"{modelload}-{node}".lower()
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[:54]}-{digest}"
+
+
+def node_matches(node: Mapping[str, Any], selector: Mapping[str, str]) -> bool:
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    if (node.get("spec") or {}).get("unschedulable"):
+        return False
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def choose_nodes(
+    spec: Mapping[str, Any],
+    nodes: Iterable[Mapping[str, Any]],
+    current: Iterable[str],
+    holders: Iterable[str],
+    *,
+    salt: str,
+) -> list[str]:
+    """Nodes for `spec.replicas` replicas. Current placements stay (no churn); new ones go first to nodes that
+    already hold the desired version (a free, local source), then spread by a stable hash."""
+    eligible = [n["metadata"]["name"] for n in nodes if node_matches(n, spec.get("nodeSelector") or {})]
+    eligible_set = set(eligible)
+    wanted = int(spec.get("replicas", 1))
+    keep = [n for n in current if n in eligible_set][:wanted]
+    holding = set(holders)
+
+    def preference(node: str) -> tuple[int, str]:
+        return (0 if node in holding else 1, hashlib.sha256(f"{salt}/{node}".encode()).hexdigest())
+
+    extra = sorted((n for n in eligible if n not in keep), key=preference)
+    return keep + extra[: max(0, wanted - len(keep))]
+
+
+def replica_body(modelload: Mapping[str, Any], node: str, version: str) -> dict[str, Any]:
+    meta, spec = modelload["metadata"], modelload["spec"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "WeightReplica",
+        "metadata": {
+            "name": replica_name(meta["name"], node),
+            "namespace": meta["namespace"],
+            "labels": {
+                LABEL_MODEL: _label_value(spec["modelName"]),
+                LABEL_VERSION: _label_value(version),
+                LABEL_NODE: _label_value(node),
+                LABEL_MODELLOAD: _label_value(meta["name"]),
+            },
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "ModelLoad",
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "modelLoad": meta["name"],
+            "modelName": spec["modelName"],
+            "version": version,
+            "nodeName": node,
+            "ranks": spec.get("ranksPerReplica", 1),
+            "device": spec.get("device", "cuda"),
+            "sourceOrder": spec.get("sourceOrder") or ["Peer", "ObjectStorage"],
+            "transfer": spec.get("transfer") or {},
+        },
+    }
+
+
+def _label_value(value: str) -> str:
+    return value if len(value) <= 63 else hashlib.sha256(value.encode()).hexdigest()[:63]
+
+
+@dataclass
+class ReplicaPlan:
+    create: list[dict[str, Any]] = field(default_factory=list)
+    delete: list[str] = field(default_factory=list)
+    retarget: list[str] = field(default_factory=list)  # replica names whose spec.version moves to desired
+
+
+def plan_replicas(
+    modelload: Mapping[str, Any],
+    replicas: Iterable[Mapping[str, Any]],
+    nodes: Iterable[Mapping[str, Any]],
+    holders: Iterable[str],
+) -> ReplicaPlan:
+    """What to create, delete and move to the desired version. A version change rolls one replica at a time,
+    so the others keep serving (and stay peer sources) until the new version is loaded somewhere."""
+    desired = modelload["spec"]["desiredVersion"]
+    replicas = [r for r in replicas if not r["metadata"].get("deletionTimestamp")]
+    by_node = {r["spec"]["nodeName"]: r for r in replicas}
+    chosen = choose_nodes(modelload["spec"], nodes, list(by_node), holders, salt=modelload["metadata"]["name"])
+    plan = ReplicaPlan()
+    plan.delete = sorted(r["metadata"]["name"] for node, r in by_node.items() if node not in chosen)
+    plan.create = [replica_body(modelload, node, desired) for node in chosen if node not in by_node]
+    kept = [by_node[n] for n in chosen if n in by_node]
+    behind = [r for r in kept if r["spec"]["version"] != desired]
+    in_flight = [r for r in kept if r["spec"]["version"] == desired and _phase(r) != "Serving"]
+    if behind and not in_flight:
+        # Prefer a replica that is not serving anything useful anyway.
+        behind.sort(key=lambda r: (_phase(r) == "Serving", r["metadata"]["name"]))
+        plan.retarget = [behind[0]["metadata"]["name"]]
+    return plan
+
+
+def _phase(replica: Mapping[str, Any]) -> str:
+    return (replica.get("status") or {}).get("phase") or "Pending"
+
+
+def serves(replica: Mapping[str, Any], version: str) -> bool:
+    return _phase(replica) == "Serving" and (replica.get("status") or {}).get("version") == version
+
+
+# ---------------------------------------------------------------- status
+
+
+@dataclass(frozen=True)
+class StalledReplica:
+    replica: str
+    source: str
+    bytes_done: int
+    bytes_total: int | None
+    since: str
+    seconds: float
+
+    def message(self) -> str:
+        total = f" of {self.bytes_total}" if self.bytes_total else ""
+        return (
+            f"replica {self.replica} made no progress loading from {self.source or 'an unknown source'} "
+            f"for {self.seconds:.0f}s (since {self.since}); {self.bytes_done}{total} bytes done"
+        )
+
+
+def stalled_replicas(
+    replicas: Iterable[Mapping[str, Any]], stall_seconds: float, now: dt.datetime
+) -> list[StalledReplica]:
+    found = []
+    for r in replicas:
+        status = r.get("status") or {}
+        if status.get("phase") != "Loading":
+            continue
+        since = status.get("lastProgressTime") or status.get("startedTime")
+        last = parse_time(since)
+        if last is None:
+            continue
+        idle = (now - last).total_seconds()
+        if idle >= stall_seconds:
+            found.append(
+                StalledReplica(
+                    replica=r["metadata"]["name"],
+                    source=status.get("source") or "",
+                    bytes_done=status.get("bytesDone") or 0,
+                    bytes_total=status.get("bytesTotal"),
+                    since=since,
+                    seconds=idle,
+                )
+            )
+    return found
+
+
+def fell_back(replica: Mapping[str, Any]) -> bool:
+    """Loaded from object storage after a peer was tried and failed."""
+    status = replica.get("status") or {}
+    if status.get("source") != "s3":
+        return False
+    return any(
+        a.get("source", "").startswith("peer/") and a.get("outcome") == "Failed" for a in status.get("attempts") or []
+    )
+
+
+def stale_replicas(
+    replicas: Iterable[Mapping[str, Any]], leases: Mapping[str, Mapping[str, Any]], now: dt.datetime
+) -> list[str]:
+    """Serving replicas whose agent stopped renewing their Lease."""
+    return sorted(
+        r["metadata"]["name"]
+        for r in replicas
+        if _phase(r) == "Stale"
+        or (
+            _phase(r) in ("Serving", "Loaded")
+            and not lease_is_live(leases.get(replica_lease_name(r["metadata"]["name"])), now)
+        )
+    )
+
+
+def aggregate_status(
+    modelload: Mapping[str, Any],
+    replicas: list[Mapping[str, Any]],
+    leases: Mapping[str, Mapping[str, Any]],
+    *,
+    nodes_available: int,
+    now: dt.datetime,
+    now_text: str,
+) -> dict[str, Any]:
+    meta, spec = modelload["metadata"], modelload["spec"]
+    current = modelload.get("status") or {}
+    generation = meta.get("generation")
+    desired = spec["desiredVersion"]
+    wanted = int(spec.get("replicas", 1))
+    stale = set(stale_replicas(replicas, leases, now))
+    ready = [r for r in replicas if serves(r, desired) and r["metadata"]["name"] not in stale]
+    failed = [r for r in replicas if _phase(r) == "Failed"]
+    loading = [r for r in replicas if _phase(r) in ("Pending", "Loading", "Loaded")]
+    behind = [r for r in replicas if r["spec"]["version"] != desired]
+    stalled = stalled_replicas(replicas, float((spec.get("transfer") or {}).get("stallSeconds", 60)), now)
+    fallbacks = [r["metadata"]["name"] for r in replicas if fell_back(r)]
+
+    conds = list(current.get("conditions") or [])
+
+    def put(type_: str, ok: bool, reason: str, message: str) -> None:
+        nonlocal conds
+        conds = set_condition(conds, type_, ok, reason, message, generation=generation, now=now_text)
+
+    all_ready = len(ready) >= wanted and not behind
+    if all_ready:
+        put(READY, True, "AllReplicasReady", f"{len(ready)}/{wanted} replicas serve {desired}")
+    elif wanted > nodes_available:
+        put(READY, False, "InsufficientNodes",
+            f"{wanted} replicas requested but only {nodes_available} nodes match spec.nodeSelector")  # fmt: skip
+    elif failed:
+        r = failed[0]
+        put(READY, False, "ReplicaFailed", f"{r['metadata']['name']}: {(r.get('status') or {}).get('message', '')}")
+    else:
+        put(READY, False, "ReplicasNotReady", f"{len(ready)}/{wanted} replicas serve {desired}")
+
+    if behind or loading:
+        reason = "RollingOut" if behind else "Loading"
+        names = ", ".join(sorted(r["metadata"]["name"] for r in (behind or loading))[:5])
+        put(PROGRESSING, True, reason, f"{len(loading)} loading, {len(behind)} still on an older version ({names})")
+    else:
+        put(PROGRESSING, False, "Complete" if all_ready else "Idle", "no replica is loading")
+
+    problems = []
+    if failed:
+        problems.append(("ReplicaFailed", f"failed: {', '.join(sorted(r['metadata']['name'] for r in failed))}"))
+    if stale:
+        problems.append(("ReplicaStale", f"lease expired: {', '.join(sorted(stale))}"))
+    if fallbacks:
+        problems.append(("FellBackToObjectStorage", f"peers failed, loaded from S3: {', '.join(sorted(fallbacks))}"))
+    if problems:
+        put(DEGRADED, True, problems[0][0], "; ".join(m for _, m in problems))
+    else:
+        put(DEGRADED, False, "AsExpected", "no failed, stale or fallen-back replicas")
+
+    if stalled:
+        put(PEER_STALLED, True, "NoProgress", "; ".join(s.message() for s in stalled))
+    else:
+        put(PEER_STALLED, False, "Progressing", "no replica is stalled")
+
+    if all_ready:
+        phase = "Ready"
+    elif failed or stale:
+        phase = "Degraded"
+    elif loading or behind:
+        phase = "Progressing"
+    else:
+        phase = "Pending"
+    return {
+        "phase": phase,
+        "replicas": wanted,
+        "readyReplicas": len(ready),
+        "ready": f"{len(ready)}/{wanted}",
+        "loadedVersion": desired if all_ready else current.get("loadedVersion"),
+        "conditions": conds,
+        "observedGeneration": generation,
+    }

@@ -1,0 +1,441 @@
+"""The Helm chart (charts/ferry) against the real `helm` binary and the real kube-apiserver.
+
+- `helm lint` passes; the values schema is closed (unknown keys fail) and typed.
+- Every rendered object is accepted by the apiserver (`kubectl apply --dry-run=server`).
+- `helm install` deploys the objects; `helm uninstall` removes them but keeps the CRDs and the custom resources.
+- The agent's ServiceAccount is least-privilege, proven with `kubectl auth can-i` and with real requests that
+  authenticate as that ServiceAccount (a TokenRequest token; RBAC authorization is on).
+
+There are no kubelets, so nothing here waits for pods (`helm install --wait` would hang).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from ferry.api import models
+from ferry.localcluster import LocalCluster, binary, write_kubeconfig
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "ferry"
+KUBE_VERSION = "1.36.3"
+CRD_NAMES = ("weightversions.ferry.dev", "modelloads.ferry.dev", "weightreplicas.ferry.dev")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def helm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Helm's cache/config/data dirs in a temp dir, so the tests never touch ~/.config/helm."""
+    home = tmp_path_factory.mktemp("helm")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HELM_") and k != "KUBECONFIG"}
+    for kind in ("CACHE", "CONFIG", "DATA"):
+        env[f"HELM_{kind}_HOME"] = str(home / kind.lower())
+    return env
+
+
+def helm(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([binary("helm"), *args], capture_output=True, text=True, env=env, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}\n{proc.stdout}")
+    return proc
+
+
+def render(env: dict[str, str], *values: str, namespace: str = "ferry-system", release: str = "ferry") -> list[dict]:
+    out = helm(env, "template", release, str(CHART), "--kube-version", KUBE_VERSION, "-n", namespace, *values).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def sets(**values: str) -> list[str]:
+    return [arg for key, value in values.items() for arg in ("--set", f"{key.replace('__', '.')}={value}")]
+
+
+@contextlib.contextmanager
+def release(cluster: LocalCluster, env: dict[str, str], namespace: str, *values: str) -> Iterator[str]:
+    """`helm install` a uniquely named release; uninstall (and sweep cluster-scoped leftovers) on the way out."""
+    name = f"ferry-{namespace}"
+    kube = ["--kubeconfig", str(cluster.kubeconfig), "-n", namespace]
+    try:
+        helm(env, "install", name, str(CHART), *kube, *values)
+        yield name
+    finally:
+        helm(env, "uninstall", name, *kube, check=False)
+        selector = f"app.kubernetes.io/instance={name}"
+        cluster.kubectl("delete", "clusterrole,clusterrolebinding", "-l", selector, "--ignore-not-found", check=False)
+
+
+def exists(cluster: LocalCluster, kind: str, name: str, namespace: str | None = None) -> bool:
+    ns = ["-n", namespace] if namespace else []
+    proc = cluster.kubectl("get", kind, name, *ns, "-o", "name", check=False)
+    if proc.returncode != 0 and "NotFound" not in proc.stderr:
+        raise AssertionError(f"kubectl get {kind} {name}: {proc.stderr}")
+    return proc.returncode == 0
+
+
+def by_kind(docs: list[dict]) -> dict[str, list[dict]]:
+    kinds: dict[str, list[dict]] = {}
+    for doc in docs:
+        kinds.setdefault(doc["kind"], []).append(doc)
+    return kinds
+
+
+# ---------------------------------------------------------------- static: lint, schema, render
+
+
+def test_helm_lint_passes(helm_env):
+    for values in (
+        [],
+        sets(agent__rdma__enabled="true", agent__hostNetwork="true", operator__metrics__enabled="false"),
+    ):
+        proc = helm(helm_env, "lint", "--strict", str(CHART), *values)
+        assert "0 chart(s) failed" in proc.stdout, proc.stdout
+
+
+def _object_nodes(schema: dict, path: str, root: dict) -> Iterator[tuple[str, dict]]:
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[1]
+        yield from _object_nodes(root["definitions"][name], f"{path}->{name}", root)
+        return
+    if schema.get("type") == "object":
+        yield path, schema
+    for key, sub in schema.get("properties", {}).items():
+        yield from _object_nodes(sub, f"{path}.{key}", root)
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            yield from _object_nodes(schema[key], f"{path}[{key}]", root)
+    for sub in schema.get("oneOf", []):
+        yield from _object_nodes(sub, path, root)
+
+
+def test_values_schema_is_closed_at_every_level():
+    """Objects with named keys forbid others; free-form maps (labels, annotations, resources) type their values."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    nodes = list(_object_nodes(schema, "$", schema))
+    assert len(nodes) > 20
+    for path, node in nodes:
+        if path == "$.global":  # Helm's parent-chart channel; must stay open.
+            continue
+        if "properties" in node:
+            assert node.get("additionalProperties") is False, f"{path} accepts unknown keys"
+        else:
+            assert isinstance(node.get("additionalProperties"), dict), f"{path} is an untyped free-form object"
+    # Every key in values.yaml is described by the schema (otherwise the defaults themselves would be rejected,
+    # which `helm lint` above also proves).
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(defaults) <= set(schema["properties"])
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (sets(iamge__tag="x"), "at '': additional properties 'iamge' not allowed"),
+        (sets(agent__iamge="x"), "at '/agent': additional properties 'iamge' not allowed"),
+        (sets(operator__config__resyncSecs="5"), "at '/operator/config': additional properties 'resyncSecs'"),
+        (sets(agent__rdma__enable="true"), "at '/agent/rdma': additional properties 'enable' not allowed"),
+        (sets(image__pullPolicy="Sometimes"), "at '/image/pullPolicy': value must be one of"),
+        (sets(operator__logFormat="xml"), "at '/operator/logFormat': value must be one of"),
+        (sets(agent__leaseSeconds="soon"), "at '/agent/leaseSeconds': got string, want integer"),
+        (sets(agent__hostNetwork="maybe"), "at '/agent/hostNetwork': got string, want boolean"),
+        (sets(operator__metrics__port="70000"), "at '/operator/metrics/port'"),
+        (["--set", "agent.tolerations[0].keyy=x"], "at '/agent/tolerations/0': additional properties 'keyy'"),
+        (["--set-string", "agent.ucx.extraEnv.LD_PRELOAD=x"], "invalid propertyName 'LD_PRELOAD'"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_values_schema_rejects_bad_values(helm_env, values, message):
+    proc = helm(helm_env, "template", "ferry", str(CHART), "--kube-version", KUBE_VERSION, *values, check=False)
+    assert proc.returncode != 0, proc.stdout[:500]
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    assert message in proc.stderr, proc.stderr
+
+
+def test_chart_refuses_kubernetes_older_than_1_29(helm_env):
+    proc = helm(helm_env, "template", "ferry", str(CHART), "--kube-version", "1.28.9", check=False)
+    assert proc.returncode != 0
+    assert "incompatible with Kubernetes v1.28.9" in proc.stderr, proc.stderr
+
+
+def test_rendered_objects(helm_env):
+    docs = by_kind(render(helm_env))
+    assert {k: len(v) for k, v in docs.items()} == {
+        "ServiceAccount": 2, "ClusterRole": 2, "ClusterRoleBinding": 2, "Service": 1, "Deployment": 1, "DaemonSet": 1,
+    }  # fmt: skip
+    for obj in (o for objs in docs.values() for o in objs):
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == "ferry" and labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["helm.sh/chart"] == "ferry-0.1.0" and labels["app.kubernetes.io/name"] == "ferry"
+
+    (deploy,) = docs["Deployment"]
+    assert deploy["spec"]["replicas"] == 1
+    (op,) = deploy["spec"]["template"]["spec"]["containers"]
+    assert op["command"][:9] == ["python", "-m", "kopf", "run", "--standalone", "--all-namespaces", "-m",
+                                 "ferry_operator.main", "--log-format=json"]  # fmt: skip
+    assert "--liveness=http://0.0.0.0:8081/healthz" in op["command"]
+    assert op["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    env = {e["name"]: e["value"] for e in op["env"]}
+    assert env["FERRY_METRICS_PORT"] == "8080" and env["FERRY_RESYNC_SECONDS"] == "30"
+    assert {p["name"]: p["containerPort"] for p in op["ports"]} == {"metrics": 8080, "healthz": 8081}
+    (svc,) = docs["Service"]
+    assert svc["spec"]["ports"][0]["port"] == 8080
+    assert svc["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
+
+    (ds,) = docs["DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"ferry.dev/gpu": "true"}
+    assert pod["tolerations"] and pod["serviceAccountName"] == "ferry-agent"
+    (agent,) = pod["containers"]
+    node_env = next(e for e in agent["env"] if e["name"] == "NODE_NAME")
+    assert node_env["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert agent["resources"]["requests"]["memory"] == "2Gi"
+    assert {p["name"] for p in agent["ports"]} == {"metrics"}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["checkpoint-store"]["hostPath"]["path"] == "/var/lib/ferry/checkpoints"
+    assert "rdma-devices" not in volumes, "RDMA devices must be opt-in"
+
+    # RDMA on: /dev/infiniband is mounted and IPC_LOCK added; UCX settings reach the env.
+    rdma = by_kind(
+        render(
+            helm_env, *sets(agent__rdma__enabled="true", agent__ucx__netDevices="mlx5_0:1", agent__leaseSeconds="20")
+        )
+    )
+    (agent,) = rdma["DaemonSet"][0]["spec"]["template"]["spec"]["containers"]
+    volumes = {v["name"]: v for v in rdma["DaemonSet"][0]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["rdma-devices"]["hostPath"]["path"] == "/dev/infiniband"
+    assert {"name": "rdma-devices", "mountPath": "/dev/infiniband"} in agent["volumeMounts"]
+    assert "IPC_LOCK" in agent["securityContext"]["capabilities"]["add"]
+    assert {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1"} in agent["env"]
+    assert "--lease-seconds=20" in agent["command"]
+
+
+def test_cluster_scoped_names_include_the_release(helm_env):
+    docs = render(helm_env, release="blue")
+    for obj in docs:
+        if obj["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+            assert obj["metadata"]["name"].startswith("blue-"), obj["metadata"]["name"]
+
+
+# ---------------------------------------------------------------- the real apiserver
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [],
+        [*sets(agent__rdma__enabled="true", agent__hostNetwork="true", agent__ucx__tls="rc\\,tcp",
+               agent__secretNames="{s3-creds,other}", operator__s3CredentialsSecret="s3-creds",
+               operator__config__s3Endpoint="http://s3.example:8333"), "--set", "imagePullSecrets[0].name=regcred"],
+        sets(operator__metrics__enabled="false", agent__enabled="false"),
+    ],
+    ids=["defaults", "rdma-and-options", "operator-only"],
+)  # fmt: skip
+def test_rendered_objects_pass_server_dry_run(cluster, namespace, helm_env, values):
+    docs = render(helm_env, "--include-crds", *values, namespace=namespace, release=f"dry-{namespace}")
+    assert {d["kind"] for d in docs} >= {"CustomResourceDefinition", "ClusterRole", "Deployment"}
+    manifest = yaml.safe_dump_all(docs)
+    proc = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=manifest, check=False)
+    assert proc.returncode == 0, proc.stderr
+    accepted = [line for line in proc.stdout.splitlines() if line.endswith("(server dry run)")]
+    assert len(accepted) == len(docs), proc.stdout
+    # Nothing was persisted.
+    assert not exists(cluster, "clusterrole", f"dry-{namespace}-ferry-operator")
+
+
+def test_install_then_uninstall_keeps_crds_and_resources(cluster, namespace, helm_env):
+    with release(cluster, helm_env, namespace) as name:
+        kube = ["--kubeconfig", str(cluster.kubeconfig), "-n", namespace]
+        status = json.loads(helm(helm_env, "status", name, *kube, "-o", "json").stdout)
+        assert status["info"]["status"] == "deployed", status["info"]
+        listed = json.loads(helm(helm_env, "list", *kube, "-o", "json").stdout)
+        assert [(r["name"], r["status"]) for r in listed] == [(name, "deployed")]
+
+        for kind, obj in [
+            ("deployment", f"{name}-operator"), ("daemonset", f"{name}-agent"),
+            ("serviceaccount", f"{name}-operator"), ("serviceaccount", f"{name}-agent"),
+            ("service", f"{name}-operator-metrics"),
+        ]:  # fmt: skip
+            assert exists(cluster, kind, obj, namespace), f"{kind}/{obj} missing after install"
+        for kind in ("clusterrole", "clusterrolebinding"):
+            for component in ("operator", "agent"):
+                assert exists(cluster, kind, f"{name}-{component}"), f"{kind}/{name}-{component} missing"
+
+        # A custom resource created while the release is installed.
+        wv = {
+            "apiVersion": models.API_VERSION,
+            "kind": "WeightVersion",
+            "metadata": {"name": "keep-me"},
+            "spec": {"modelName": "m", "format": "FullCheckpoint",
+                     "storage": {"uri": "s3://models/m/keep-me/model.safetensors.index.json"}},
+        }  # fmt: skip
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(wv))
+
+        proc = helm(helm_env, "uninstall", name, *kube)
+        assert "uninstalled" in proc.stdout
+
+        for kind, obj in [("deployment", f"{name}-operator"), ("daemonset", f"{name}-agent"),
+                          ("serviceaccount", f"{name}-agent"), ("service", f"{name}-operator-metrics")]:  # fmt: skip
+            assert not exists(cluster, kind, obj, namespace), f"{kind}/{obj} survived uninstall"
+        for component in ("operator", "agent"):
+            assert not exists(cluster, "clusterrole", f"{name}-{component}")
+            assert not exists(cluster, "clusterrolebinding", f"{name}-{component}")
+        assert json.loads(helm(helm_env, "list", *kube, "-o", "json").stdout) == []
+
+        # Kept: the CRDs (still Established) and every custom resource.
+        for crd in CRD_NAMES:
+            out = json.loads(cluster.kubectl("get", "crd", crd, "-o", "json").stdout)
+            conditions = {c["type"]: c["status"] for c in out["status"]["conditions"]}
+            assert conditions.get("Established") == "True", crd
+        assert exists(cluster, "weightversion", "keep-me", namespace)
+
+
+# ---------------------------------------------------------------- least privilege for the agent
+
+
+AGENT_ALLOWED = [
+    ("get", "weightreplicas.ferry.dev"), ("list", "weightreplicas.ferry.dev"), ("watch", "weightreplicas.ferry.dev"),
+    ("patch", "weightreplicas.ferry.dev/status"), ("update", "weightreplicas.ferry.dev/status"),
+    ("get", "weightversions.ferry.dev"), ("list", "weightversions.ferry.dev"), ("watch", "weightversions.ferry.dev"),
+    ("get", "secrets/s3-creds"),
+    *[(verb, "leases.coordination.k8s.io") for verb in ("create", "get", "list", "watch", "update", "patch", "delete")],
+]  # fmt: skip
+AGENT_DENIED = [
+    *[(verb, "weightversions.ferry.dev") for verb in ("create", "update", "patch", "delete", "deletecollection")],
+    ("patch", "weightversions.ferry.dev/status"),
+    *[(verb, "weightreplicas.ferry.dev") for verb in ("create", "update", "patch", "delete")],
+    *[(verb, "modelloads.ferry.dev") for verb in ("get", "list", "create", "update", "patch", "delete")],
+    ("patch", "modelloads.ferry.dev/status"),
+    ("get", "secrets/other-secret"), ("list", "secrets"), ("watch", "secrets"), ("create", "secrets"),
+    ("create", "events"), ("get", "pods"), ("list", "nodes"), ("create", "deployments.apps"),
+    ("list", "customresourcedefinitions.apiextensions.k8s.io"), ("create", "rolebindings.rbac.authorization.k8s.io"),
+]  # fmt: skip
+
+
+def can_i(cluster: LocalCluster, namespace: str, user: str, verb: str, resource: str) -> bool:
+    args = ["auth", "can-i", verb]
+    if resource.endswith("/status"):
+        args += [resource.removesuffix("/status"), "--subresource=status"]
+    else:
+        args.append(resource)
+    # The groups a real ServiceAccount token carries.
+    groups = ["--as-group=system:serviceaccounts", f"--as-group=system:serviceaccounts:{user.split(':')[2]}"]
+    proc = cluster.kubectl(*args, "-n", namespace, f"--as={user}", *groups, check=False)
+    answer = proc.stdout.strip()
+    assert answer in ("yes", "no"), f"can-i {verb} {resource}: {proc.stdout} {proc.stderr}"
+    return answer == "yes"
+
+
+def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
+    with release(cluster, helm_env, namespace, "--set", "agent.secretNames={s3-creds}") as name:
+        agent_sa = f"system:serviceaccount:{namespace}:{name}-agent"
+        allowed = [(v, r) for v, r in AGENT_ALLOWED if not can_i(cluster, namespace, agent_sa, v, r)]
+        denied = [(v, r) for v, r in AGENT_DENIED if can_i(cluster, namespace, agent_sa, v, r)]
+        assert not allowed, f"agent lacks {allowed}"
+        assert not denied, f"agent may {denied}"
+        # The agent watches replicas cluster-wide; the operator's role is broader than the agent's.
+        assert can_i(cluster, "kube-system", agent_sa, "list", "weightreplicas.ferry.dev")
+        operator_sa = f"system:serviceaccount:{namespace}:{name}-operator"
+        assert can_i(cluster, namespace, operator_sa, "create", "weightreplicas.ferry.dev")
+        assert can_i(cluster, namespace, operator_sa, "patch", "weightversions.ferry.dev/status")
+        assert not can_i(cluster, namespace, operator_sa, "create", "weightversions.ferry.dev")
+
+        # Real requests, authenticated as the agent's ServiceAccount with a TokenRequest token.
+        token = cluster.kubectl("create", "token", f"{name}-agent", "-n", namespace, "--duration=10m").stdout.strip()
+        agent_cfg = write_kubeconfig(tmp_path / "agent.kubeconfig", cluster.server, cluster.pki.ca_cert, token=token)
+
+        def as_agent(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                [binary("kubectl"), f"--kubeconfig={agent_cfg}", "-n", namespace, *args],
+                capture_output=True, text=True, input=input, timeout=60,
+            )  # fmt: skip
+
+        who = json.loads(as_agent("auth", "whoami", "-o", "json").stdout)
+        assert who["status"]["userInfo"]["username"] == agent_sa
+
+        wv = {
+            "apiVersion": models.API_VERSION,
+            "kind": "WeightVersion",
+            "metadata": {"name": "v1"},
+            "spec": {"modelName": "m", "format": "FullCheckpoint",
+                     "storage": {"uri": "s3://models/m/v1/model.safetensors.index.json"}},
+        }  # fmt: skip
+        wr = {
+            "apiVersion": models.API_VERSION,
+            "kind": "WeightReplica",
+            "metadata": {"name": "m-node-a", "labels": {"ferry.dev/node": "node-a"}},
+            "spec": {"modelLoad": "m", "modelName": "m", "version": "v1", "nodeName": "node-a"},
+        }
+        ml = {
+            "apiVersion": models.API_VERSION,
+            "kind": "ModelLoad",
+            "metadata": {"name": "m"},
+            "spec": {"modelName": "m", "desiredVersion": "v1", "replicas": 1},
+        }
+        forbidden = [
+            ("create", "WeightVersion", as_agent("create", "-f", "-", input=json.dumps(wv))),
+            ("create", "WeightReplica", as_agent("create", "-f", "-", input=json.dumps(wr))),
+            ("create", "ModelLoad", as_agent("create", "-f", "-", input=json.dumps(ml))),
+        ]
+        cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(wv))
+        cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(wr))
+        cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(ml))
+        label = ["--type=merge", "-p", '{"metadata":{"labels":{"tampered":"yes"}}}']
+        forbidden += [
+            ("patch", "WeightVersion", as_agent("patch", "weightversion", "v1", *label)),
+            ("delete", "WeightVersion", as_agent("delete", "weightversion", "v1", "--wait=false")),
+            ("patch", "WeightReplica", as_agent("patch", "weightreplica", "m-node-a", *label)),
+            ("delete", "WeightReplica", as_agent("delete", "weightreplica", "m-node-a", "--wait=false")),
+            ("get", "ModelLoad", as_agent("get", "modelload", "m")),
+            ("patch", "ModelLoad", as_agent("patch", "modelload", "m", *label)),
+            ("delete", "ModelLoad", as_agent("delete", "modelload", "m", "--wait=false")),
+            ("list", "Secrets", as_agent("get", "secrets")),
+        ]  # fmt: skip
+        for verb, what, proc in forbidden:
+            assert proc.returncode != 0 and "Forbidden" in proc.stderr, f"agent could {verb} {what}: {proc.stdout}"
+
+        # Status writes go through the agent's own code path: the official client's PATCH on /status (kubectl
+        # would GET the subresource first, which the agent never does and is not granted).
+        api = config.new_client_from_config(config_file=str(agent_cfg))
+        objects = client.CustomObjectsApi(api)
+        with pytest.raises(ApiException) as denied:
+            objects.patch_namespaced_custom_object_status(
+                models.GROUP, models.VERSION, namespace, "weightversions", "v1", {"status": {"phase": "Ready"}}
+            )
+        assert denied.value.status == 403
+
+        # What the agent does for a living: read its replicas and versions, write replica status, hold a Lease.
+        listed = as_agent("get", "weightreplicas", "-A", "-l", "ferry.dev/node=node-a", "-o", "name")
+        assert listed.returncode == 0 and listed.stdout.strip() == "weightreplica.ferry.dev/m-node-a", listed.stderr
+        assert as_agent("get", "weightversion", "v1", "-o", "name").returncode == 0
+        status = {"status": {"phase": "Loading", "version": "v1", "bytesDone": 0, "bytesTotal": 10}}
+        objects.patch_namespaced_custom_object_status(
+            models.GROUP, models.VERSION, namespace, "weightreplicas", "m-node-a", status
+        )
+        api.close()
+        got = json.loads(cluster.kubectl("get", "wr", "m-node-a", "-n", namespace, "-o", "json").stdout)
+        assert got["status"]["phase"] == "Loading" and "tampered" not in got["metadata"].get("labels", {})
+        lease = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": "ferry-replica-m-node-a"},
+            "spec": {"holderIdentity": "node-a", "leaseDurationSeconds": 15},
+        }
+        renew = ["--type=merge", "-p", '{"spec":{"leaseDurationSeconds":30}}']
+        lease_name = lease["metadata"]["name"]
+        for args in (["create", "-f", "-"], ["patch", "lease", lease_name, *renew], ["delete", "lease", lease_name]):
+            proc = as_agent(*args, input=json.dumps(lease))
+            assert proc.returncode == 0, f"agent cannot {args[0]} its lease: {proc.stderr}"
+
+        # Versions and loads are untouched by all the denied attempts.
+        assert exists(cluster, "weightversion", "v1", namespace) and exists(cluster, "modelload", "m", namespace)

@@ -1,0 +1,135 @@
+"""ModelLoad scheduling, rolling version changes and status aggregation, without a cluster."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from ferry.api.models import replica_lease_name
+from ferry_operator.modelloads import aggregate_status, choose_nodes, plan_replicas, replica_name, stalled_replicas
+
+pytestmark = pytest.mark.unit
+
+NOW = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
+
+
+def ts(ago: float) -> str:
+    return (NOW - dt.timedelta(seconds=ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def node(name, gpu=True, unschedulable=False):
+    return {
+        "metadata": {"name": name, "labels": {"gpu": "yes"} if gpu else {}},
+        "spec": {"unschedulable": unschedulable},
+    }
+
+
+def ml(replicas=3, version="v2", status=None):
+    return {
+        "metadata": {"name": "serve", "namespace": "ns", "uid": "u-1", "generation": 4},
+        "spec": {"modelName": "m", "desiredVersion": version, "replicas": replicas, "nodeSelector": {"gpu": "yes"},
+                 "transfer": {"stallSeconds": 30}},
+        "status": status or {},
+    }  # fmt: skip
+
+
+def wr(node_name, version="v2", phase="Serving", **status):
+    return {
+        "metadata": {"name": replica_name("serve", node_name)},
+        "spec": {"nodeName": node_name, "version": version},
+        "status": {"phase": phase, "version": version, **status},
+    }
+
+
+def live(*nodes):
+    return {
+        replica_lease_name(replica_name("serve", n)): {"spec": {"renewTime": ts(1), "leaseDurationSeconds": 15}}
+        for n in nodes
+    }
+
+
+def test_choose_nodes_respects_selector_keeps_placements_and_prefers_holders():
+    nodes = [node("a"), node("b"), node("c"), node("d"), node("cpu", gpu=False), node("cordoned", unschedulable=True)]
+    chosen = choose_nodes({"replicas": 3, "nodeSelector": {"gpu": "yes"}}, nodes, ["c"], ["d"], salt="s")
+    assert chosen[:2] == ["c", "d"]
+    assert len(chosen) == 3 and set(chosen) <= {"a", "b", "c", "d"}
+    assert len(choose_nodes({"replicas": 9, "nodeSelector": {"gpu": "yes"}}, nodes, [], [], salt="s")) == 4
+
+
+def test_plan_creates_owned_replicas_and_scales_down():
+    plan = plan_replicas(ml(replicas=2), [], [node("a"), node("b"), node("c")], [])
+    assert len(plan.create) == 2 and not plan.delete
+    body = plan.create[0]
+    owner = body["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == ("ModelLoad", "u-1", True)
+    assert body["metadata"]["labels"]["ferry.dev/node"] == body["spec"]["nodeName"]
+    assert body["spec"]["version"] == "v2"
+    existing = [wr("a"), wr("b"), wr("c")]
+    down = plan_replicas(ml(replicas=1), existing, [node("a"), node("b"), node("c")], [])
+    assert len(down.delete) == 2 and not down.create
+
+
+def test_version_change_rolls_one_replica_at_a_time():
+    nodes = [node("a"), node("b"), node("c")]
+    old = [wr("a", "v1"), wr("b", "v1"), wr("c", "v1")]
+    first = plan_replicas(ml(version="v2"), old, nodes, [])
+    assert len(first.retarget) == 1
+    moving = [wr("a", "v2", phase="Loading"), wr("b", "v1"), wr("c", "v1")]
+    assert plan_replicas(ml(version="v2"), moving, nodes, []).retarget == [], "wait while one is in flight"
+    moved = [wr("a", "v2"), wr("b", "v1"), wr("c", "v1")]
+    assert len(plan_replicas(ml(version="v2"), moved, nodes, []).retarget) == 1
+
+
+def conds(status):
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_all_serving_is_ready():
+    replicas = [wr("a"), wr("b"), wr("c")]
+    status = aggregate_status(ml(), replicas, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0))
+    c = conds(status)
+    assert status["ready"] == "3/3" and status["phase"] == "Ready" and status["loadedVersion"] == "v2"
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("True", "AllReplicasReady")
+    assert c["Progressing"]["status"] == "False" and c["Degraded"]["status"] == "False"
+    assert c["PeerStalled"]["status"] == "False"
+    assert all(x["observedGeneration"] == 4 for x in c.values())
+
+
+def test_expired_lease_is_stale_and_degraded():
+    replicas = [wr("a"), wr("b"), wr("c")]
+    status = aggregate_status(ml(), replicas, live("a", "b"), nodes_available=3, now=NOW, now_text=ts(0))
+    c = conds(status)
+    assert status["readyReplicas"] == 2 and status["phase"] == "Degraded"
+    assert c["Degraded"]["reason"] == "ReplicaStale" and "serve-c" in c["Degraded"]["message"]
+
+
+def test_stalled_peer_names_replica_source_bytes_and_time():
+    loading = wr("c", phase="Loading", source="peer/serve-a", bytesDone=1024, bytesTotal=4096, lastProgressTime=ts(45))
+    replicas = [wr("a"), wr("b"), loading]
+    stalled = stalled_replicas(replicas, 30, NOW)
+    assert [s.replica for s in stalled] == ["serve-c"]
+    status = aggregate_status(ml(), replicas, live("a", "b"), nodes_available=3, now=NOW, now_text=ts(0))
+    message = conds(status)["PeerStalled"]["message"]
+    for part in ("serve-c", "peer/serve-a", "1024 of 4096 bytes", "45s", ts(45)):
+        assert part in message
+    assert conds(status)["Progressing"]["reason"] == "Loading"
+
+
+def test_fallback_to_object_storage_is_degraded():
+    attempts = [{"source": "peer/serve-a", "outcome": "Failed"}, {"source": "ObjectStorage", "outcome": "Loaded"}]
+    replicas = [wr("a"), wr("b"), wr("c", source="s3", attempts=attempts)]
+    status = aggregate_status(ml(), replicas, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0))
+    c = conds(status)
+    assert c["Degraded"]["reason"] == "FellBackToObjectStorage" and c["Ready"]["status"] == "True"
+
+
+def test_not_enough_nodes_is_explained():
+    status = aggregate_status(ml(replicas=5), [wr("a")], live("a"), nodes_available=1, now=NOW, now_text=ts(0))
+    ready = conds(status)["Ready"]
+    assert ready["reason"] == "InsufficientNodes" and "only 1 nodes" in ready["message"]
+
+
+def test_replica_names_are_dns_safe():
+    long = replica_name("m" * 40, "node-" + "x" * 60)
+    assert len(long) <= 63 and long == long.lower()
