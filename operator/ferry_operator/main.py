@@ -287,9 +287,18 @@ def _emit_transitions(body: kopf.Body, before: list, after: list) -> None:
             )
 
 
+def _version_problem(version_index: kopf.Index, namespace: str, version: str) -> str | None:
+    view = _lookup(version_index, namespace)(version)
+    if view is None:
+        return f"WeightVersion {version} does not exist"
+    if not view.ready:
+        return f"WeightVersion {version} is not Ready (see `kubectl describe wv {version}`)"
+    return None
+
+
 async def _reconcile_modelload(
     namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
-    node_index: kopf.Index, replica_index: kopf.Index, replica_lease_index: kopf.Index,
+    node_index: kopf.Index, replica_index: kopf.Index, replica_lease_index: kopf.Index, version_index: kopf.Index,
 ) -> None:  # fmt: skip
     started = time.perf_counter()
     if body["metadata"].get("deletionTimestamp"):
@@ -324,7 +333,10 @@ async def _reconcile_modelload(
                 kubeapi.mark_replica_stale, namespace, replica, "the agent stopped renewing its Lease"
             )
     matching = sum(1 for n in nodes if node_matches(n, body["spec"].get("nodeSelector") or {}))
-    status = aggregate_status(model_load, replicas, leases, nodes_available=matching, now=now, now_text=now_rfc3339())
+    status = aggregate_status(
+        model_load, replicas, leases, nodes_available=matching, now=now, now_text=now_rfc3339(),
+        version_problem=_version_problem(version_index, namespace, desired),
+    )  # fmt: skip
     current_status = body.get("status") or {}
     if any(current_status.get(k) != v for k, v in status.items()):
         patch.status.update(status)
@@ -336,18 +348,22 @@ async def _reconcile_modelload(
 @kopf.on.event(*ML)
 async def modelload_changed(event: dict, namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
                             node_index: kopf.Index, replica_index: kopf.Index, replica_lease_index: kopf.Index,
-                            **_: Any) -> None:  # fmt: skip
+                            version_index: kopf.Index, **_: Any) -> None:  # fmt: skip
     if event.get("type") == "DELETED":
         return
-    await _reconcile_modelload(namespace, name, body, patch, node_index, replica_index, replica_lease_index)
+    await _reconcile_modelload(
+        namespace, name, body, patch, node_index, replica_index, replica_lease_index, version_index
+    )
 
 
 @kopf.timer(*ML, interval=CONFIG.resync_seconds, initial_delay=1)
 async def modelload_resync(namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
                            node_index: kopf.Index, replica_index: kopf.Index, replica_lease_index: kopf.Index,
-                           **_: Any) -> None:  # fmt: skip
+                           version_index: kopf.Index, **_: Any) -> None:  # fmt: skip
     """Lease expiry and stalls are the passage of time, not events: re-derive them periodically."""
-    await _reconcile_modelload(namespace, name, body, patch, node_index, replica_index, replica_lease_index)
+    await _reconcile_modelload(
+        namespace, name, body, patch, node_index, replica_index, replica_lease_index, version_index
+    )
 
 
 _replica_phases: dict[tuple[str, str], str | None] = {}

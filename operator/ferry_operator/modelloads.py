@@ -135,8 +135,9 @@ def plan_replicas(
     behind = [r for r in kept if r["spec"]["version"] != desired]
     in_flight = [r for r in kept if r["spec"]["version"] == desired and _phase(r) != "Serving"]
     if behind and not in_flight:
-        # Prefer a replica that is not serving anything useful anyway.
-        behind.sort(key=lambda r: (_phase(r) == "Serving", r["metadata"]["name"]))
+        # Prefer a node that already holds the new version, then one not serving anything useful anyway.
+        holding = set(holders)
+        behind.sort(key=lambda r: (r["spec"]["nodeName"] not in holding, _phase(r) == "Serving", r["metadata"]["name"]))
         plan.retarget = [behind[0]["metadata"]["name"]]
     return plan
 
@@ -227,6 +228,7 @@ def aggregate_status(
     leases: Mapping[str, Mapping[str, Any]],
     *,
     nodes_available: int,
+    version_problem: str | None = None,
     now: dt.datetime,
     now_text: str,
 ) -> dict[str, Any]:
@@ -252,6 +254,8 @@ def aggregate_status(
     all_ready = len(ready) >= wanted and not behind
     if all_ready:
         put(READY, True, "AllReplicasReady", f"{len(ready)}/{wanted} replicas serve {desired}")
+    elif version_problem:
+        put(READY, False, "VersionNotReady", version_problem)
     elif wanted > nodes_available:
         put(READY, False, "InsufficientNodes",
             f"{wanted} replicas requested but only {nodes_available} nodes match spec.nodeSelector")  # fmt: skip
