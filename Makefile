@@ -29,6 +29,7 @@ bins:
 
 crds: venv
 	$(PY) -m ferry.api.crdgen crds
+	bash hack/sync-chart-crds.sh
 
 proto: venv
 	bash hack/gen-proto.sh "$(PY)"
@@ -36,6 +37,7 @@ proto: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(FERRY_CACHE)/bin/helm lint --strict charts/ferry
 
 fmt: venv
 	$(VENV)/bin/ruff check --fix .

@@ -195,17 +195,21 @@ def check_same_layout(base: Weights, new: Weights, base_version: str) -> None:
         )
 
 
-def _restore_dtypes(shard: bytes, dtypes: Mapping[str, str]) -> bytes:
-    """Rename carrier dtypes in a shard header (U16 → BF16, ...); offsets are relative to the data, so they stay."""
+def canonical_shard(shard: bytes, dtypes: Mapping[str, str] | None = None) -> bytes:
+    """The shard with a deterministic header, and carrier dtypes renamed (U16 → BF16, ...) when `dtypes` is given.
+
+    The safetensors writer emits `__metadata__` in hash order, so two builds of the same weights differ by a few
+    header bytes; an immutable re-publish must produce identical bytes to be recognised as a retry. Tensor
+    offsets are relative to the data, so only the header changes.
+    """
     length, header = ckpt.parse_safetensors_header(shard)
-    changed = False
-    for name, entry in header.items():
-        if name != ckpt.METADATA_KEY and entry["dtype"] != dtypes[name]:
+    metadata = header.pop(ckpt.METADATA_KEY, None)
+    if dtypes is not None:
+        for name, entry in header.items():
             entry["dtype"] = dtypes[name]
-            changed = True
-    if not changed:
-        return shard
-    text = json.dumps(header, separators=(",", ":")).encode()
+    ordered: dict[str, Any] = {} if metadata is None else {ckpt.METADATA_KEY: dict(sorted(metadata.items()))}
+    ordered.update(sorted(header.items(), key=lambda item: (item[1]["data_offsets"], item[0])))
+    text = json.dumps(ordered, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # safetensors pads so that the data starts 8-byte aligned
     return struct.pack("<Q", len(text)) + text + shard[ckpt.HEADER_PREFIX_BYTES + length :]
 
@@ -216,11 +220,13 @@ def build_files(
     """{file name: bytes}: a full checkpoint, or the XOR delta from `base` = (base version, its weights)."""
     if base is None:
         files = ckpt.build_full_checkpoint(weights.arrays, shard_bytes)
-        return {n: d if n == ckpt.INDEX_NAME else _restore_dtypes(d, weights.dtypes) for n, d in files.items()}
-    base_version, base_weights = base
-    check_same_layout(base_weights, weights, base_version)
-    # Delta shards hold uint8 frames, so carriers need no renaming; the layout check above compared real dtypes.
-    return ckpt.build_xor_delta(base_weights.arrays, weights.arrays, version=version, base_version=base_version)
+        dtypes: Mapping[str, str] | None = weights.dtypes
+    else:
+        base_version, base_weights = base
+        check_same_layout(base_weights, weights, base_version)
+        files = ckpt.build_xor_delta(base_weights.arrays, weights.arrays, version=version, base_version=base_version)
+        dtypes = None  # delta shards hold uint8 frames; the layout check above compared the real dtypes
+    return {n: d if n == ckpt.INDEX_NAME else canonical_shard(d, dtypes) for n, d in files.items()}
 
 
 # ---------------------------------------------------------------- S3
@@ -306,7 +312,7 @@ class Progress:
             return
         rate = self.done / max(now - self.started, 1e-6) / 1e6
         pct = 100 * self.done // self.total if self.total else 100
-        line = f"{self.label}: {self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB ({pct}%) {rate:.1f} MB/s"
+        line = f"{self.label}: {self.done / 1e6:.2f}/{self.total / 1e6:.2f} MB ({pct}%) {rate:.1f} MB/s"
         self.stream.write(f"\r{line:<78}")
         self.stream.flush()
 

@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a local safetensors file that holds VERSION")  # fmt: skip
     parser.add_argument("--lease-seconds", type=int, default=DEFAULT_LEASE_SECONDS)
     parser.add_argument("--poll-seconds", type=float, default=1.0)
+    parser.add_argument("--bind-address", default=os.environ.get("POD_IP", "127.0.0.1"),
+                        help="address peers reach this agent's worker service on (env POD_IP)")  # fmt: skip
     parser.add_argument("--retry-seconds", type=float, default=5.0, help="first backoff after a failed load")
     args = parser.parse_args(argv)
     if not args.node:
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     agent = NodeAgent(
         client.ApiClient(), args.node, seeds=dict(args.seed), lease_seconds=args.lease_seconds,
         poll_seconds=args.poll_seconds, retry_seconds=args.retry_seconds,
+        bind_address=args.bind_address,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())

@@ -93,6 +93,7 @@ class NodeAgent:
         lease_seconds: int = DEFAULT_LEASE_SECONDS,
         poll_seconds: float = 1.0,
         retry_seconds: float = 5.0,
+        bind_address: str = "127.0.0.1",
         peer_factory: Callable[[str], NixlPeer] = NixlPeer,
     ) -> None:
         self.node = node
@@ -108,6 +109,7 @@ class NodeAgent:
         # (ns, name) -> (version that failed, attempts, monotonic time of the next try)
         self._failed: dict[tuple[str, str], tuple[str, int, float]] = {}
         self._retry_seconds = retry_seconds
+        self._bind_address = bind_address
         self._stopping = threading.Event()
 
     # ------------------------------------------------------------------ loop
@@ -212,7 +214,9 @@ class NodeAgent:
             return
         seconds = time.monotonic() - t0
         source = result.source.label if hasattr(result.source, "label") else result.source
-        server = serve_resident(result.resident, self._peer, rank=0, transfer_timeout_s=settings.timeout_s)
+        server = serve_resident(
+            result.resident, self._peer, rank=0, host=self._bind_address, transfer_timeout_s=settings.timeout_s
+        )
         self._served[key] = Served(version, result.resident, server)
         self._failed.pop(key, None)
         self._ensure_lease(key)

@@ -201,7 +201,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
 
 class WorkerServer:
-    """Serves one rank's Worker service on 127.0.0.1 (port 0 picks a free port)."""
+    """Serves one rank's Worker service on `host` (127.0.0.1 by default; the pod IP in a cluster; port 0 picks a
+    free port)."""
 
     def __init__(
         self,
@@ -209,20 +210,21 @@ class WorkerServer:
         *,
         leases: TensorReadLeases | None = None,
         port: int = 0,
+        host: str = "127.0.0.1",
         max_workers: int = 4,
     ) -> None:
         self.leases = leases or TensorReadLeases()
         self.identity = SourceIdentity(manifest.source.agent_name, manifest.source.instance_id)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_GRPC_OPTIONS)
         worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(manifest, self.leases), self._server)
-        # Loopback only; a cluster deployment binds the pod IP through its own wiring.
-        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        self.host = host
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
         if not self.port:
-            raise OSError(f"cannot bind the worker service to 127.0.0.1:{port}")
+            raise OSError(f"cannot bind the worker service to {host}:{port}")
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self) -> int:
         self._server.start()
@@ -242,6 +244,7 @@ def serve_resident(
     rank: int,
     instance_id: str = "",
     port: int = 0,
+    host: str = "127.0.0.1",
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
     lease_ttl_s: float | None = None,
 ) -> WorkerServer:
@@ -251,7 +254,7 @@ def serve_resident(
     identity = SourceIdentity(peer.name, instance_id or uuid.uuid4().hex)
     manifest = build_manifest(resident, identity=identity, rank=rank, nixl_metadata=peer.metadata())
     leases = TensorReadLeases(lease_ttl_s, transfer_timeout_s=transfer_timeout_s)
-    server = WorkerServer(manifest, leases=leases, port=port)
+    server = WorkerServer(manifest, leases=leases, port=port, host=host)
     peer.start_progress()
     server.start()
     return server

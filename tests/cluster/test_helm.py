@@ -260,6 +260,9 @@ def test_install_then_uninstall_keeps_crds_and_resources(cluster, namespace, hel
         assert status["info"]["status"] == "deployed", status["info"]
         listed = json.loads(helm(helm_env, "list", *kube, "-o", "json").stdout)
         assert [(r["name"], r["status"]) for r in listed] == [(name, "deployed")]
+        notes = helm(helm_env, "get", "notes", name, *kube).stdout
+        assert f"kubectl -n {namespace} get deployment {name}-operator" in notes, notes
+        assert "never upgrades or deletes them" in notes.replace("\n", " "), notes
 
         for kind, obj in [
             ("deployment", f"{name}-operator"), ("daemonset", f"{name}-agent"),

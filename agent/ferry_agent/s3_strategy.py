@@ -1,0 +1,674 @@
+"""The ObjectStorage load strategy: a WeightVersion's weights from S3, through the node's checkpoint store.
+
+ModelExpress semantics (reference/modelexpress.md §5.5–§5.7), in four phases:
+
+1. Resolve the replay chain with the operator's `resolve_chain` (at most 64 links, rooted at a FullCheckpoint).
+   Every link must be Ready, of this model, and stored in S3.
+2. Validate everything before changing anything: every index (canonical shape, delta identity, safe shard names)
+   and every shard header (exact object size, the tensor set the index promises, checksums), delta tensors
+   against the root's layout. Loading starts from the newest version of the chain the store already holds, so
+   only what is missing is fetched (and validated) from S3.
+3. Download what is missing with parallel ranged GETs into the store (tmp + rename), verifying every full
+   tensor's adler32 before the rename; materialize the target by applying the XOR deltas in place (streamed
+   zstd, numpy XOR), checking the exact decoded size and adler32 of every changed tensor.
+4. Copy the target into a freshly allocated `ResidentWeights` pool on `ctx.device`, checking adler32 of every
+   tensor on the bytes actually copied, then activate the version in the store.
+
+Every failure is `StrategyFailed(mutated=False)`: the new pool is never handed out, so nothing the replica served
+changes, and the store goes back to its last activated version. An artifact found corrupt is discarded, so a
+retry downloads it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+import numpy as np
+import torch
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from ferry import checkpoint_format as ckpt
+from ferry.api.models import MAX_CHAIN_LENGTH, WeightFormat
+from ferry_agent.checkpoint_store import (
+    ArtifactKind,
+    ArtifactRef,
+    CheckpointCacheCapacityError,
+    CheckpointStore,
+    head_ref,
+)
+from ferry_agent.peer_strategy import ProgressThrottle
+from ferry_agent.resident import ResidentWeights, TensorSpec, manifest_digest
+from ferry_agent.strategy import LoadContext, StrategyFailed
+from ferry_operator.chain import VersionView, resolve_chain
+from ferry_operator.storage import (
+    ACCESS_KEY,
+    HEADER_PROBE_BYTES,
+    MAX_INDEX_BYTES,
+    SECRET_KEY,
+    SESSION_TOKEN,
+    parse_s3_uri,
+)
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+DEFAULT_RANGE_BYTES = 16 * MIB
+PROGRESS_INTERVAL_S = 1.0
+STAGING_BYTES = 16 * MIB  # bounce buffer per tensor copy to a non-CPU device
+CHECKSUMS_FILE = "checksums.json"  # materialized/<v>/: adler32 per tensor of version v
+CHAIN_FILE = "chain.json"  # materialized/<v>/: the replay chain it was built from
+SOURCE = "s3"
+
+Progress = Callable[[int, int, str], None]
+
+# safetensors dtype → torch dtype; a checkpoint with any other dtype is refused before anything is fetched.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "U16": torch.uint16, "I16": torch.int16,
+    "F16": torch.float16, "BF16": torch.bfloat16, "U32": torch.uint32, "I32": torch.int32, "F32": torch.float32,
+    "U64": torch.uint64, "I64": torch.int64, "F64": torch.float64, "C64": torch.complex64,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class S3LoadResult:
+    resident: ResidentWeights
+    bytes_moved: int  # bytes placed in memory (the version's tensor bytes)
+    bytes_downloaded: int  # fetched from S3 by this load; 0 when the store already held everything
+    chain: tuple[str, ...]  # root → target
+    reused: str | None  # the stored artifact the load started from, e.g. "materialized/v2"
+    seconds: float
+    timings: Mapping[str, float]  # seconds per phase: validate, download, verify, copy, apply, place
+    source: str = SOURCE
+
+
+class _LoadError(Exception):
+    """A failure whose message becomes the StrategyFailed message; `discard` names a stored artifact found
+    corrupt, which is removed so that a retry fetches it again."""
+
+    def __init__(self, message: str, discard: ArtifactRef | None = None) -> None:
+        super().__init__(message)
+        self.discard = discard
+
+
+@dataclass(frozen=True)
+class _Link:
+    """One version of the replay chain, as the API describes it."""
+
+    name: str
+    format: str
+    base: str | None
+    storage: Mapping[str, Any]
+    bucket: str
+    key: str  # of the index
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+    def shard_key(self, shard: str) -> str:
+        prefix = self.key.rpartition("/")[0]
+        return f"{prefix}/{shard}" if prefix else shard
+
+    def shard_uri(self, shard: str) -> str:
+        return f"s3://{self.bucket}/{self.shard_key(shard)}"
+
+
+@dataclass(frozen=True)
+class _Shard:
+    name: str
+    layout: ckpt.ShardLayout
+    header: bytes  # the validated first `data_start` bytes; a downloaded file must start with exactly these
+
+
+@dataclass
+class _Checkpoint:
+    """One validated checkpoint: in the store (`path`) or still in S3 (`path` is None until downloaded)."""
+
+    link: _Link
+    ref: ArtifactRef
+    index_raw: bytes
+    index: ckpt.CheckpointIndex
+    shards: dict[str, _Shard]
+    checksums: dict[str, str]  # tensor → adler32 of the version's bytes (deltas: of the changed tensors)
+    path: Path | None
+    client: Any = None
+
+    def where(self, shard: str | None = None) -> str:
+        """For messages: the S3 object, and the local copy when reading from the store."""
+        uri = self.link.shard_uri(shard) if shard else self.link.uri
+        if self.path is None:
+            return uri
+        return f"{self.path / shard if shard else self.path} (stored copy of {uri})"
+
+    @property
+    def stored_bytes(self) -> int:
+        return len(self.index_raw) + sum(s.layout.size for s in self.shards.values())
+
+
+@dataclass
+class _Plan:
+    model: str
+    chain: tuple[str, ...]
+    base: _Checkpoint  # the full root, or a materialized version of the chain: where replay starts
+    deltas: list[_Checkpoint]  # applied after `base`, in chain order
+    layout: dict[str, tuple[_Shard, ckpt.TensorInfo]]  # tensor → where it lives in base (and so in the target)
+    specs: list[TensorSpec]
+    reused: str | None
+    head: ArtifactRef = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.head = head_ref(self.model, self.chain)
+
+
+class _Progress:
+    """Thread-safe byte counter that forwards throttled (done, total, "s3") reports."""
+
+    def __init__(self, callback: Progress | None, total: int) -> None:
+        self._throttle = ProgressThrottle(callback, PROGRESS_INTERVAL_S)
+        self._lock = threading.Lock()
+        self.total = total
+        self.done = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.done += nbytes
+            self._throttle(self.done, self.total, SOURCE)
+
+
+def s3_client(endpoint: str | None, region: str | None, credentials: Mapping[str, str] | None, workers: int) -> Any:
+    """A boto3 client for bulk downloads. Not `ferry_operator.storage.s3_client`: that one is tuned for the
+    verifier's small probes (10 s reads, boto's default pool of 10); here `workers` ranged GETs of up to 16 MiB
+    run at once."""
+    creds = credentials or {}
+    return boto3.session.Session().client(  # a private session: the default one is not thread-safe
+        "s3",
+        endpoint_url=endpoint or None,
+        region_name=region or None,
+        aws_access_key_id=creds.get(ACCESS_KEY),
+        aws_secret_access_key=creds.get(SECRET_KEY),
+        aws_session_token=creds.get(SESSION_TOKEN),
+        config=Config(
+            s3={"addressing_style": "path"},
+            connect_timeout=5,
+            read_timeout=60,
+            retries={"total_max_attempts": 3, "mode": "standard"},
+            max_pool_connections=max(10, workers),
+        ),
+    )
+
+
+def _s3_error(exc: Exception, uri: str) -> _LoadError:
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        detail = f"{code or status}: {(error.get('Message') or 'no message').rstrip('.')}"
+        if status == 404 or code in ("NoSuchKey", "NoSuchBucket", "NotFound"):
+            return _LoadError(f"{uri} does not exist ({detail})")
+        if status == 403:
+            return _LoadError(f"access to {uri} was denied ({detail}); check the credentials")
+        return _LoadError(f"reading {uri} failed ({detail})")
+    return _LoadError(f"reading {uri} failed: {exc}")
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _pread_into(fd: int, buffer: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buffer):
+        got = os.preadv(fd, [buffer[done:]], offset + done)
+        if got == 0:
+            raise OSError(f"file ends {len(buffer) - done} bytes early")
+        done += got
+
+
+@contextlib.contextmanager
+def _mapped(path: Path, *, write: bool = False) -> Iterator[mmap.mmap]:
+    fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE if write else mmap.ACCESS_READ)
+    finally:
+        os.close(fd)  # the mapping keeps the file open
+    try:
+        yield mm
+    finally:
+        # A view still held by an in-flight traceback makes close() fail; the mapping is then freed with it.
+        with contextlib.suppress(BufferError):
+            mm.close()
+
+
+def _adler_region(mm: mmap.mmap, offset: int, nbytes: int) -> str:
+    return ckpt.adler32_hex(np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset))
+
+
+def _xor_tensor(
+    target: mmap.mmap, offset: int, nbytes: int, source: mmap.mmap, begin: int, end: int, checksum: str
+) -> str | None:
+    """Apply one delta frame in place; an error message, or None. Returns rather than raises, so that no
+    traceback keeps a view of the mappings alive."""
+    region = np.frombuffer(target, dtype=np.uint8, count=nbytes, offset=offset)
+    frame = np.frombuffer(source, dtype=np.uint8, count=end - begin, offset=begin)
+    try:
+        ckpt.apply_xor_delta_into(region, frame)
+    except ValueError as exc:
+        return str(exc)
+    got = ckpt.adler32_hex(region)
+    return None if got == checksum else f"fails its adler32 check after the delta: got {got}, expected {checksum}"
+
+
+def _read_tensor(fd: int, offset: int, tensor: torch.Tensor, checksum: str) -> str | None:
+    """Copy a tensor's bytes from a file into `tensor`, checking adler32 on the bytes copied."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    nbytes = flat.numel()
+    if tensor.device.type == "cpu":
+        target = flat.numpy()
+        _pread_into(fd, memoryview(target), offset)
+        got = ckpt.adler32_hex(target)
+    else:
+        staging = np.empty(min(nbytes, STAGING_BYTES), dtype=np.uint8)
+        running = zlib.adler32(b"")
+        for start in range(0, nbytes, len(staging) or 1):
+            chunk = staging[: min(len(staging), nbytes - start)]
+            _pread_into(fd, memoryview(chunk), offset + start)
+            running = zlib.adler32(chunk, running)
+            flat[start : start + len(chunk)].copy_(torch.from_numpy(chunk))
+        got = f"{running & 0xFFFFFFFF:08x}"
+    return None if got == checksum else f"fails its adler32 check: got {got}, expected {checksum}"
+
+
+def _run(pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Run tasks in the pool; on the first failure cancel the rest, wait for running ones (they may hold
+    files the caller is about to close) and raise it."""
+    futures = [pool.submit(task) for task in tasks]
+    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+    failed = next((f for f in futures if f in done and f.exception() is not None), None)
+    if failed is not None:
+        for future in futures:
+            future.cancel()
+        wait(futures)
+        raise failed.exception()  # type: ignore[misc]
+    return [f.result() for f in futures]
+
+
+def _first_error(messages: Sequence[tuple[str, str | None]]) -> tuple[str, str] | None:
+    return next(((name, msg) for name, msg in messages if msg is not None), None)
+
+
+class ObjectStorageStrategy:
+    """Loads a WeightVersion from object storage, replaying its full + XOR-delta chain through `store`."""
+
+    name = "ObjectStorage"
+
+    def __init__(
+        self,
+        *,
+        fetch_version: Callable[[str], Mapping[str, Any] | None],
+        credentials: Callable[[Mapping[str, Any]], Mapping[str, str] | None],
+        store: CheckpointStore,
+        default_endpoint: str | None = None,
+        download_workers: int = 8,
+        progress: Progress | None = None,
+        range_bytes: int = DEFAULT_RANGE_BYTES,
+    ) -> None:
+        """`fetch_version(name)`: the WeightVersion object (a dict) of that name in the replica's namespace, or
+        None. `credentials(storage)`: S3 credentials for a `spec.storage` dict, or None for the environment's."""
+        if download_workers < 1 or range_bytes < 1:
+            raise ValueError("download_workers and range_bytes must be positive")
+        self._fetch_version = fetch_version
+        self._credentials = credentials
+        self._store = store
+        self._default_endpoint = default_endpoint
+        self._workers = download_workers
+        self._progress = progress
+        self._range_bytes = range_bytes
+        self._clients: dict[tuple[Any, ...], Any] = {}
+        self._clients_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ LoadStrategy
+
+    def is_available(self, ctx: LoadContext) -> bool:
+        """The target version exists and is stored in S3. Errors reading it escape, as the chain expects."""
+        body = self._fetch_version(ctx.version)
+        return body is not None and bool(((body.get("spec") or {}).get("storage") or {}).get("uri"))
+
+    def load(self, ctx: LoadContext) -> S3LoadResult:
+        t0 = time.monotonic()
+        timings: dict[str, float] = {}
+        try:
+            links = self._resolve(ctx)
+            with (
+                self._store.lock(),
+                ThreadPoolExecutor(self._workers, thread_name_prefix="ferry-s3") as pool,
+            ):
+                plan = self._plan(ctx, links, pool)
+                timings["validate"] = time.monotonic() - t0
+                resident, downloaded = self._execute(ctx, plan, pool, timings)
+        except _LoadError as exc:
+            raise StrategyFailed(f"ObjectStorage: {exc}", mutated=False) from exc
+        seconds = time.monotonic() - t0
+        log.info(
+            "loaded %s (%d bytes, chain %s) from %s in %.2fs, %d bytes downloaded",
+            ctx.version, resident.total_bytes, " → ".join(plan.chain), plan.reused or "S3", seconds, downloaded,
+        )  # fmt: skip
+        return S3LoadResult(
+            resident=resident,
+            bytes_moved=resident.total_bytes,
+            bytes_downloaded=downloaded,
+            chain=plan.chain,
+            reused=plan.reused,
+            seconds=seconds,
+            timings={k: round(v, 6) for k, v in timings.items()},
+        )
+
+    def rollback(self, ctx: LoadContext) -> None:
+        """Nothing is held after `load` returns or raises: the store restores its own state."""
+
+    # ------------------------------------------------------------------ phase 1: chain
+
+    def _resolve(self, ctx: LoadContext) -> list[_Link]:
+        bodies: dict[str, Mapping[str, Any] | None] = {}
+
+        def lookup(name: str) -> VersionView | None:
+            if name not in bodies:
+                try:
+                    bodies[name] = self._fetch_version(name)
+                except Exception as exc:
+                    raise _LoadError(f"reading WeightVersion {name} failed: {exc}") from exc
+            body = bodies[name]
+            return None if body is None else VersionView.from_body(body)
+
+        result = resolve_chain(ctx.version, lookup, MAX_CHAIN_LENGTH)
+        if not result.ok:
+            raise _LoadError(f"cannot replay {ctx.version}: {result.reason}: {result.message}")
+        links: list[_Link] = []
+        for name in result.chain:
+            body = bodies[name] or {}
+            view = VersionView.from_body(body)
+            where = "" if name == ctx.version else f" (in the replay chain of {ctx.version})"
+            if view.format == WeightFormat.PEER_ONLY:
+                raise _LoadError(f"{name} is PeerOnly: it is served from memory only and has nothing stored")
+            if view.model_name != ctx.model:
+                raise _LoadError(f"WeightVersion {name}{where} is for model {view.model_name!r}, not {ctx.model!r}")
+            if view.deleting or not view.ready:
+                state = "being released" if view.deleting else "not Ready"
+                raise _LoadError(f"WeightVersion {name}{where} is {state}")
+            storage = (body.get("spec") or {}).get("storage") or {}
+            try:
+                bucket, key = parse_s3_uri(storage.get("uri", ""))
+            except ValueError as exc:
+                raise _LoadError(f"WeightVersion {name}{where} has no usable spec.storage.uri: {exc}") from exc
+            links.append(_Link(name, view.format, view.base_version, storage, bucket, key))
+        return links
+
+    # ------------------------------------------------------------------ phase 2: validate (no mutation)
+
+    def _plan(self, ctx: LoadContext, links: list[_Link], pool: ThreadPoolExecutor) -> _Plan:
+        model = ctx.model
+        chain = tuple(link.name for link in links)
+        base: _Checkpoint | None = None
+        start = 0
+        for i in range(len(links) - 1, 0, -1):  # the newest materialized version of the chain
+            base = self._stored(ArtifactRef(model, ArtifactKind.MATERIALIZED, links[i].name), links[i])
+            if base is not None:
+                start = i
+                break
+        if base is None:
+            ref = ArtifactRef(model, ArtifactKind.FULL, links[0].name)
+            base = self._stored(ref, links[0]) or self._remote(ref, links[0], pool)
+        reused = None if base.path is None else f"{base.ref.kind}/{base.ref.version}"
+        deltas = []
+        for link in links[start + 1 :]:
+            ref = ArtifactRef(model, ArtifactKind.DELTA, link.name)
+            deltas.append(self._stored(ref, link) or self._remote(ref, link, pool))
+
+        layout = {name: (shard, info) for shard in base.shards.values() for name, info in shard.layout.infos.items()}
+        for name, (shard, info) in layout.items():
+            if info.dtype not in TORCH_DTYPES:
+                raise _LoadError(f"tensor {name!r} in {base.where(shard.name)} has dtype {info.dtype}, unsupported")
+        for delta in deltas:
+            for shard in delta.shards.values():
+                for name, info in shard.layout.infos.items():
+                    if name not in layout:
+                        raise _LoadError(
+                            f"delta shard {delta.where(shard.name)} changes tensor {name!r}, which {chain[0]} does "
+                            "not have; a layout change needs a new FullCheckpoint"
+                        )
+                    if info.dtype != "U8" or len(info.shape) != 1:
+                        raise _LoadError(
+                            f"delta shard {delta.where(shard.name)} stores {name!r} as {info.dtype}{list(info.shape)},"
+                            " not as a 1-D U8 zstd frame"
+                        )
+        specs = [
+            TensorSpec(name, str(TORCH_DTYPES[info.dtype]), info.shape, info.nbytes)
+            for name, (_, info) in sorted(layout.items())
+        ]
+        expected = ctx.expected_manifest_digest
+        if expected and manifest_digest(specs) != expected:
+            raise _LoadError(
+                f"the manifest of {ctx.version} in object storage has digest {manifest_digest(specs)}, "
+                f"but the replica expects {expected}"
+            )
+        return _Plan(model, chain, base, deltas, layout, specs, reused)
+
+    @staticmethod
+    def _parse_index(raw: bytes, link: _Link, delta: bool, where: str) -> ckpt.CheckpointIndex:
+        try:
+            index = ckpt.parse_index(raw)
+            if delta:
+                ckpt.check_delta_identity(index, version=link.name, base_version=link.base)
+            elif index.is_delta:
+                raise ckpt.InvalidIndex(
+                    f"it is an XorDelta index (of {index.metadata['version']} on {index.metadata['base_version']}) "
+                    f"but {link.name} is a FullCheckpoint"
+                )
+        except ckpt.InvalidIndex as exc:
+            raise _LoadError(f"index {where} is invalid: {exc}") from exc
+        return index
+
+    def _stored(self, ref: ArtifactRef, link: _Link) -> _Checkpoint | None:
+        """A stored artifact, re-validated (headers only; tensor checksums are checked when read). A broken one
+        is discarded and the caller falls back to S3."""
+        path = self._store.artifact(ref)
+        if path is None:
+            return None
+        try:
+            raw = (path / ckpt.INDEX_NAME).read_bytes()
+            index = self._parse_index(raw, link, ref.kind == ArtifactKind.DELTA, str(path))
+            shards: dict[str, _Shard] = {}
+            for name in index.shards:
+                with open(path / name, "rb") as f:
+                    prefix = f.read(ckpt.HEADER_PREFIX_BYTES)
+                    header = prefix + f.read(ckpt.header_length(prefix))
+                layout = ckpt.check_shard(
+                    header, (path / name).stat().st_size, index.tensors_in(name), checksummed=True
+                )
+                shards[name] = _Shard(name, layout, header)
+            checksums = {k: v for s in shards.values() for k, v in s.layout.checksums.items()}
+            if ref.kind == ArtifactKind.MATERIALIZED:
+                checksums = json.loads((path / CHECKSUMS_FILE).read_text())
+                if set(checksums) != set(index.weight_map):
+                    raise ValueError(f"{CHECKSUMS_FILE} does not cover exactly the tensors of the index")
+        except (OSError, ValueError, _LoadError) as exc:  # InvalidIndex/InvalidShard are ValueErrors
+            log.warning("discarding stored %s, it is unreadable: %s", ref, exc)
+            self._store.discard(ref)
+            return None
+        return _Checkpoint(link, ref, raw, index, shards, checksums, path)
+
+    def _remote(self, ref: ArtifactRef, link: _Link, pool: ThreadPoolExecutor) -> _Checkpoint:
+        """Fetch and validate a checkpoint's index and every shard header from S3 (HEAD + ranged GET each)."""
+        client = self._client(link)
+        try:
+            response = client.get_object(Bucket=link.bucket, Key=link.key)
+            if response["ContentLength"] > MAX_INDEX_BYTES:
+                response["Body"].close()
+                raise _LoadError(f"index {link.uri} is {response['ContentLength']} bytes, too big to be an index")
+            raw = response["Body"].read()
+        except (ClientError, BotoCoreError) as exc:
+            raise _s3_error(exc, link.uri) from exc
+        index = self._parse_index(raw, link, ref.kind == ArtifactKind.DELTA, link.uri)
+        probed = _run(pool, [lambda s=s: self._probe(client, link, index, s) for s in index.shards])
+        shards = {s.name: s for s in probed}
+        checksums = {k: v for s in shards.values() for k, v in s.layout.checksums.items()}
+        return _Checkpoint(link, ref, raw, index, shards, checksums, None, client)
+
+    @staticmethod
+    def _probe(client: Any, link: _Link, index: ckpt.CheckpointIndex, shard: str) -> _Shard:
+        uri, key = link.shard_uri(shard), link.shard_key(shard)
+
+        def get(first: int, last: int) -> bytes:
+            response = client.get_object(Bucket=link.bucket, Key=key, Range=f"bytes={first}-{last}")
+            return response["Body"].read()
+
+        try:
+            size = client.head_object(Bucket=link.bucket, Key=key)["ContentLength"]
+            if size < ckpt.HEADER_PREFIX_BYTES:
+                raise _LoadError(f"shard {uri} is only {size} bytes; it is truncated")
+            head = get(0, min(size, HEADER_PROBE_BYTES) - 1)
+            header_end = ckpt.HEADER_PREFIX_BYTES + ckpt.header_length(head)
+            if header_end > size:
+                raise _LoadError(f"shard {uri} is {size} bytes but its header alone needs {header_end}; truncated")
+            if header_end > len(head):
+                head += get(len(head), header_end - 1)
+            layout = ckpt.check_shard(head, size, index.tensors_in(shard), checksummed=True)
+        except (ClientError, BotoCoreError) as exc:
+            raise _s3_error(exc, uri) from exc
+        except ckpt.InvalidShard as exc:
+            raise _LoadError(f"shard {uri} {exc}") from exc
+        return _Shard(shard, layout, head[: layout.data_start])
+
+    def _client(self, link: _Link) -> Any:
+        endpoint = link.storage.get("endpoint") or self._default_endpoint
+        region = link.storage.get("region")
+        try:
+            creds = self._credentials(link.storage)
+        except Exception as exc:
+            raise _LoadError(f"no S3 credentials for {link.uri}: {exc}") from exc
+        key = (endpoint, region, tuple(sorted((creds or {}).items())))
+        with self._clients_lock:  # creating a client is slow (tens of ms); one per endpoint and identity
+            if key not in self._clients:
+                self._clients[key] = s3_client(endpoint, region, creds, self._workers)
+            return self._clients[key]
+
+    # ------------------------------------------------------------------ phase 3: download, apply, place
+
+    def _execute(
+        self, ctx: LoadContext, plan: _Plan, pool: ThreadPoolExecutor, timings: dict[str, float]
+    ) -> tuple[ResidentWeights, int]:
+        fetch = [c for c in (plan.base, *plan.deltas) if c.path is None]
+        downloaded = sum(c.stored_bytes for c in fetch)
+        materialize = plan.base.ref != plan.head
+        needed = downloaded + (plan.base.stored_bytes if materialize else 0)
+        with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
+            try:
+                try:
+                    self._store.reserve(needed)
+                except CheckpointCacheCapacityError as exc:
+                    raise _LoadError(str(exc)) from exc
+                if fetch:
+                    self._download(fetch, pool, timings)
+                if materialize:
+                    checksums = self._materialize(plan, pool, timings)
+                else:
+                    checksums = plan.base.checksums
+                head = self._store.artifact(plan.head)
+                if head is None:
+                    raise _LoadError(f"the stored checkpoint {plan.head} vanished while loading")
+                t = time.monotonic()
+                resident = self._place(ctx, plan, head, checksums, pool)
+                timings["place"] = time.monotonic() - t
+                update.commit()
+            except _LoadError as exc:
+                if exc.discard is not None:
+                    self._store.discard(exc.discard)
+                raise
+        return resident, downloaded
+
+    def _download(self, fetch: list[_Checkpoint], pool: ThreadPoolExecutor, timings: dict[str, float]) -> None:
+        """Ranged parallel GETs straight into the artifacts' tmp files; full shards are checksummed before the
+        artifact is renamed into the store."""
+        t = time.monotonic()
+        with contextlib.ExitStack() as stack:
+            tasks: list[Callable[[], None]] = []
+            files: list[tuple[_Checkpoint, _Shard, Path]] = []
+            for ckpt_ in fetch:
+                tmp = stack.enter_context(self._store.write(ckpt_.ref, {"uri": ckpt_.link.uri}))
+                (tmp / ckpt.INDEX_NAME).write_bytes(ckpt_.index_raw)
+                for shard in ckpt_.shards.values():
+                    fd = os.open(tmp / shard.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                    stack.callback(os.close, fd)  # closed before the artifact is committed (LIFO)
+                    os.ftruncate(fd, shard.layout.size)
+                    files.append((ckpt_, shard, tmp / shard.name))
+                    for begin in range(0, shard.layout.size, self._range_bytes):
+                        end = min(begin + self._range_bytes, shard.layout.size)
+                        tasks.append(lambda c=ckpt_, s=shard, f=fd, b=begin, e=end: self._fetch_range(c, s, f, b, e))
+            progress = _Progress(self._progress, sum(s.layout.size for _, s, _ in files))
+            self._progress_sink = progress
+            _run(pool, tasks)
+            timings["download"] = time.monotonic() - t
+            t = time.monotonic()
+            checks: list[Callable[[], tuple[str, str | None]]] = []
+            maps = []
+            for ckpt_, shard, path in files:
+                with open(path, "rb") as f:
+                    if f.read(shard.layout.data_start) != shard.header:
+                        raise _LoadError(f"shard {ckpt_.where(shard.name)} changed while it was being downloaded")
+                if ckpt_.ref.kind == ArtifactKind.FULL:
+                    mm = stack.enter_context(_mapped(path))
+                    maps.append(mm)
+                    for name, info in shard.layout.infos.items():
+                        offset = shard.layout.data_start + info.begin
+
+                        def check(mm=mm, name=name, offset=offset, info=info, shard=shard) -> tuple[str, str | None]:
+                            got = _adler_region(mm, offset, info.nbytes)
+                            want = shard.layout.checksums[name]
+                            return name, None if got == want else f"got {got}, expected {want}"
+
+                        checks.append(check)
+                        del check
+            bad = _first_error(_run(pool, checks))
+            if bad is not None:
+                name, message = bad
+                where = next(c.where(s.name) for c, s, _ in files if name in s.layout.infos)
+                raise _LoadError(f"shard {where}: tensor {name!r} fails its adler32 check ({message})")
+            timings["verify"] = time.monotonic() - t
+        for ckpt_ in fetch:
+            ckpt_.path = self._store.path(ckpt_.ref)
+
+    def _fetch_range(self, checkpoint: _Checkpoint, shard: _Shard, fd: int, begin: int, end: int) -> None:
+        link = checkpoint.link
+        uri = link.shard_uri(shard.name)
+        try:
+            response = checkpoint.client.get_object(
+                Bucket=link.bucket, Key=link.shard_key(shard.name), Range=f"bytes={begin}-{end - 1}"
+            )
+            data = response["Body"].read()
+        except (ClientError, BotoCoreError) as exc:
+            raise _s3_error(exc, uri) from exc
+        if len(data) != end - begin:
+            raise _LoadError(
+                f"shard {uri}: the ranged GET of bytes {begin}-{end - 1} returned {len(data)} bytes; "
+                "the object changed or is truncated"
+            )
+        _pwrite_all(fd, data, begin)
+        self._progress_sink.add(len(data))
