@@ -193,7 +193,8 @@ class NodeAgent:
 
         def progress(done: int, total: int, source: str) -> None:
             self._patch_status(
-                key, {"bytesDone": done, "bytesTotal": total, "source": source, "lastProgressTime": now_rfc3339()}
+                key,
+                {"bytesDone": done, "bytesTotal": total or None, "source": source, "lastProgressTime": now_rfc3339()},
             )
 
         ctx = LoadContext(model=spec["modelName"], version=version, rank=0, target_id=name, device=spec["device"])

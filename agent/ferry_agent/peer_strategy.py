@@ -131,21 +131,24 @@ class GrpcSourceClient:
 
 
 class ProgressThrottle:
-    """Forwards at most one report per interval, but always the first one and a completion."""
+    """Forwards at most one report per interval, but always the first one, a completion, and any report that
+    changes the source or the total (a new candidate, or a transfer whose size just became known)."""
 
     def __init__(self, callback: Progress | None, interval_s: float, clock: Callable[[], float] = time.monotonic):
         self._callback = callback
         self._interval_s = interval_s
         self._clock = clock
         self._last: float | None = None
+        self._shape: tuple[int, str] | None = None
 
     def __call__(self, done: int, total: int, source: str) -> None:
         if self._callback is None:
             return
         now = self._clock()
-        if self._last is not None and done < total and now - self._last < self._interval_s:
+        shape = (total, source)
+        if self._last is not None and done < total and shape == self._shape and now - self._last < self._interval_s:
             return
-        self._last = now
+        self._last, self._shape = now, shape
         try:
             self._callback(done, total, source)
         except Exception as exc:  # a status writer must not break a transfer
@@ -266,6 +269,7 @@ class PeerStrategy:
 
     def _load_from(self, cand: SourceCandidate, ctx: LoadContext) -> int:
         deadline = self._clock() + self.settings.timeout_s
+        self._progress(0, 0, cand.label)  # which peer we wait on shows before the dial (stall diagnosis)
         lease = self._client.prepare(cand, reader=ctx.target_id, timeout_s=self._rpc_budget(deadline))
         remote_name: str | None = None
         try:

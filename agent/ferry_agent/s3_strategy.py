@@ -1,6 +1,6 @@
 """The ObjectStorage load strategy: a WeightVersion's weights from S3, through the node's checkpoint store.
 
-ModelExpress semantics (reference/modelexpress.md §5.5–§5.7), in four phases:
+ModelExpress semantics (reference/modelexpress.md §5.5 to §5.7), in four phases:
 
 1. Resolve the replay chain with the operator's `resolve_chain` (at most 64 links, rooted at a FullCheckpoint).
    Every link must be Ready, of this model, and stored in S3.
@@ -33,6 +33,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +192,9 @@ class _Progress:
             self._throttle(self.done, self.total, SOURCE)
 
 
-def s3_client(endpoint: str | None, region: str | None, credentials: Mapping[str, str] | None, workers: int) -> Any:
+def bulk_s3_client(
+    endpoint: str | None, region: str | None, credentials: Mapping[str, str] | None, workers: int
+) -> Any:
     """A boto3 client for bulk downloads. Not `ferry_operator.storage.s3_client`: that one is tuned for the
     verifier's small probes (10 s reads, boto's default pool of 10); here `workers` ranged GETs of up to 16 MiB
     run at once."""
@@ -258,26 +261,30 @@ def _mapped(path: Path, *, write: bool = False) -> Iterator[mmap.mmap]:
             mm.close()
 
 
-def _adler_region(mm: mmap.mmap, offset: int, nbytes: int) -> str:
-    return ckpt.adler32_hex(np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset))
+# Per-tensor tasks return (name, error or None) rather than raise, so no traceback keeps a view of a mapping.
+Verdict = tuple[str, str | None]
+
+
+def _check_region(mm: mmap.mmap, name: str, offset: int, nbytes: int, checksum: str) -> Verdict:
+    got = ckpt.adler32_hex(np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset))
+    return name, None if got == checksum else f"got {got}, expected {checksum}"
 
 
 def _xor_tensor(
-    target: mmap.mmap, offset: int, nbytes: int, source: mmap.mmap, begin: int, end: int, checksum: str
-) -> str | None:
-    """Apply one delta frame in place; an error message, or None. Returns rather than raises, so that no
-    traceback keeps a view of the mappings alive."""
+    name: str, target: mmap.mmap, offset: int, nbytes: int, source: mmap.mmap, begin: int, end: int, checksum: str
+) -> Verdict:
+    """Apply one delta frame in place and check the result."""
     region = np.frombuffer(target, dtype=np.uint8, count=nbytes, offset=offset)
     frame = np.frombuffer(source, dtype=np.uint8, count=end - begin, offset=begin)
     try:
         ckpt.apply_xor_delta_into(region, frame)
     except ValueError as exc:
-        return str(exc)
+        return name, str(exc)
     got = ckpt.adler32_hex(region)
-    return None if got == checksum else f"fails its adler32 check after the delta: got {got}, expected {checksum}"
+    return name, None if got == checksum else f"fails its adler32 check after the delta: got {got}, expected {checksum}"
 
 
-def _read_tensor(fd: int, offset: int, tensor: torch.Tensor, checksum: str) -> str | None:
+def _read_tensor(name: str, fd: int, offset: int, tensor: torch.Tensor, checksum: str) -> Verdict:
     """Copy a tensor's bytes from a file into `tensor`, checking adler32 on the bytes copied."""
     flat = tensor.reshape(-1).view(torch.uint8)
     nbytes = flat.numel()
@@ -294,7 +301,27 @@ def _read_tensor(fd: int, offset: int, tensor: torch.Tensor, checksum: str) -> s
             running = zlib.adler32(chunk, running)
             flat[start : start + len(chunk)].copy_(torch.from_numpy(chunk))
         got = f"{running & 0xFFFFFFFF:08x}"
-    return None if got == checksum else f"fails its adler32 check: got {got}, expected {checksum}"
+    return name, None if got == checksum else f"fails its adler32 check: got {got}, expected {checksum}"
+
+
+def _fetch_range(checkpoint: _Checkpoint, shard: _Shard, fd: int, begin: int, end: int, progress: _Progress) -> None:
+    """One ranged GET, written at its offset in the shard's file."""
+    link = checkpoint.link
+    uri = link.shard_uri(shard.name)
+    try:
+        response = checkpoint.client.get_object(
+            Bucket=link.bucket, Key=link.shard_key(shard.name), Range=f"bytes={begin}-{end - 1}"
+        )
+        data = response["Body"].read()
+    except (ClientError, BotoCoreError) as exc:
+        raise _s3_error(exc, uri) from exc
+    if len(data) != end - begin:
+        raise _LoadError(
+            f"shard {uri}: the ranged GET of bytes {begin}-{end - 1} returned {len(data)} bytes; "
+            "the object changed or is truncated"
+        )
+    _pwrite_all(fd, data, begin)
+    progress.add(len(data))
 
 
 def _run(pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
@@ -311,7 +338,7 @@ def _run(pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], Any]]) -> list[A
     return [f.result() for f in futures]
 
 
-def _first_error(messages: Sequence[tuple[str, str | None]]) -> tuple[str, str] | None:
+def _first_error(messages: Sequence[Verdict]) -> tuple[str, str] | None:
     return next(((name, msg) for name, msg in messages if msg is not None), None)
 
 
@@ -410,9 +437,8 @@ class ObjectStorageStrategy:
                 raise _LoadError(f"{name} is PeerOnly: it is served from memory only and has nothing stored")
             if view.model_name != ctx.model:
                 raise _LoadError(f"WeightVersion {name}{where} is for model {view.model_name!r}, not {ctx.model!r}")
-            if view.deleting or not view.ready:
-                state = "being released" if view.deleting else "not Ready"
-                raise _LoadError(f"WeightVersion {name}{where} is {state}")
+            if not view.ready:  # resolve_chain checks only the direct base; replay needs every link
+                raise _LoadError(f"WeightVersion {name}{where} is not Ready")
             storage = (body.get("spec") or {}).get("storage") or {}
             try:
                 bucket, key = parse_s3_uri(storage.get("uri", ""))
@@ -567,7 +593,7 @@ class ObjectStorageStrategy:
         key = (endpoint, region, tuple(sorted((creds or {}).items())))
         with self._clients_lock:  # creating a client is slow (tens of ms); one per endpoint and identity
             if key not in self._clients:
-                self._clients[key] = s3_client(endpoint, region, creds, self._workers)
+                self._clients[key] = bulk_s3_client(endpoint, region, creds, self._workers)
             return self._clients[key]
 
     # ------------------------------------------------------------------ phase 3: download, apply, place
@@ -587,10 +613,7 @@ class ObjectStorageStrategy:
                     raise _LoadError(str(exc)) from exc
                 if fetch:
                     self._download(fetch, pool, timings)
-                if materialize:
-                    checksums = self._materialize(plan, pool, timings)
-                else:
-                    checksums = plan.base.checksums
+                checksums = self._materialize(plan, pool, timings) if materialize else plan.base.checksums
                 head = self._store.artifact(plan.head)
                 if head is None:
                     raise _LoadError(f"the stored checkpoint {plan.head} vanished while loading")
@@ -605,70 +628,127 @@ class ObjectStorageStrategy:
         return resident, downloaded
 
     def _download(self, fetch: list[_Checkpoint], pool: ThreadPoolExecutor, timings: dict[str, float]) -> None:
-        """Ranged parallel GETs straight into the artifacts' tmp files; full shards are checksummed before the
-        artifact is renamed into the store."""
+        """Ranged parallel GETs straight into the artifacts' tmp files; every full tensor is checksummed before
+        its artifact is renamed into the store."""
         t = time.monotonic()
+        progress = _Progress(self._progress, sum(s.layout.size for c in fetch for s in c.shards.values()))
         with contextlib.ExitStack() as stack:
             tasks: list[Callable[[], None]] = []
             files: list[tuple[_Checkpoint, _Shard, Path]] = []
-            for ckpt_ in fetch:
-                tmp = stack.enter_context(self._store.write(ckpt_.ref, {"uri": ckpt_.link.uri}))
-                (tmp / ckpt.INDEX_NAME).write_bytes(ckpt_.index_raw)
-                for shard in ckpt_.shards.values():
+            for checkpoint in fetch:
+                tmp = stack.enter_context(self._store.write(checkpoint.ref, {"uri": checkpoint.link.uri}))
+                (tmp / ckpt.INDEX_NAME).write_bytes(checkpoint.index_raw)
+                for shard in checkpoint.shards.values():
                     fd = os.open(tmp / shard.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-                    stack.callback(os.close, fd)  # closed before the artifact is committed (LIFO)
+                    stack.callback(os.close, fd)  # LIFO: closed before the artifact is committed
                     os.ftruncate(fd, shard.layout.size)
-                    files.append((ckpt_, shard, tmp / shard.name))
+                    files.append((checkpoint, shard, tmp / shard.name))
                     for begin in range(0, shard.layout.size, self._range_bytes):
                         end = min(begin + self._range_bytes, shard.layout.size)
-                        tasks.append(lambda c=ckpt_, s=shard, f=fd, b=begin, e=end: self._fetch_range(c, s, f, b, e))
-            progress = _Progress(self._progress, sum(s.layout.size for _, s, _ in files))
-            self._progress_sink = progress
+                        tasks.append(partial(_fetch_range, checkpoint, shard, fd, begin, end, progress))
             _run(pool, tasks)
             timings["download"] = time.monotonic() - t
             t = time.monotonic()
             checks: list[Callable[[], tuple[str, str | None]]] = []
-            maps = []
-            for ckpt_, shard, path in files:
+            for checkpoint, shard, path in files:
                 with open(path, "rb") as f:
                     if f.read(shard.layout.data_start) != shard.header:
-                        raise _LoadError(f"shard {ckpt_.where(shard.name)} changed while it was being downloaded")
-                if ckpt_.ref.kind == ArtifactKind.FULL:
+                        raise _LoadError(f"shard {checkpoint.where(shard.name)} changed while it was downloaded")
+                if checkpoint.ref.kind == ArtifactKind.FULL:
                     mm = stack.enter_context(_mapped(path))
-                    maps.append(mm)
-                    for name, info in shard.layout.infos.items():
-                        offset = shard.layout.data_start + info.begin
-
-                        def check(mm=mm, name=name, offset=offset, info=info, shard=shard) -> tuple[str, str | None]:
-                            got = _adler_region(mm, offset, info.nbytes)
-                            want = shard.layout.checksums[name]
-                            return name, None if got == want else f"got {got}, expected {want}"
-
-                        checks.append(check)
-                        del check
+                    checks.extend(
+                        partial(_check_region, mm, name, shard.layout.data_start + info.begin, info.nbytes,
+                                shard.layout.checksums[name])
+                        for name, info in shard.layout.infos.items()
+                    )  # fmt: skip
             bad = _first_error(_run(pool, checks))
             if bad is not None:
                 name, message = bad
                 where = next(c.where(s.name) for c, s, _ in files if name in s.layout.infos)
                 raise _LoadError(f"shard {where}: tensor {name!r} fails its adler32 check ({message})")
             timings["verify"] = time.monotonic() - t
-        for ckpt_ in fetch:
-            ckpt_.path = self._store.path(ckpt_.ref)
+        for checkpoint in fetch:
+            checkpoint.path = self._store.path(checkpoint.ref)
 
-    def _fetch_range(self, checkpoint: _Checkpoint, shard: _Shard, fd: int, begin: int, end: int) -> None:
-        link = checkpoint.link
-        uri = link.shard_uri(shard.name)
-        try:
-            response = checkpoint.client.get_object(
-                Bucket=link.bucket, Key=link.shard_key(shard.name), Range=f"bytes={begin}-{end - 1}"
+    def _materialize(self, plan: _Plan, pool: ThreadPoolExecutor, timings: dict[str, float]) -> dict[str, str]:
+        """Build materialized/<target>: a copy of the base with every delta applied in place, in chain order.
+        The base is copied, never renamed, so the previous good version stays intact until this one is done."""
+        base = plan.base
+        assert base.path is not None
+        t = time.monotonic()
+        target_link = plan.deltas[-1].link
+        with self._store.write(plan.head, {"uri": target_link.uri, "chain": list(plan.chain)}) as tmp:
+            for name in (ckpt.INDEX_NAME, *base.shards):
+                shutil.copyfile(base.path / name, tmp / name)
+            timings["copy"] = time.monotonic() - t
+            t = time.monotonic()
+            checksums = dict(base.checksums)
+            for delta in plan.deltas:
+                self._apply(delta, plan, tmp, pool)
+                checksums.update(delta.checksums)
+            (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=1, sort_keys=True))
+            (tmp / CHAIN_FILE).write_text(
+                json.dumps({"version": plan.chain[-1], "full_version": plan.chain[0], "deltas": plan.chain[1:]})
             )
-            data = response["Body"].read()
-        except (ClientError, BotoCoreError) as exc:
-            raise _s3_error(exc, uri) from exc
-        if len(data) != end - begin:
+            timings["apply"] = time.monotonic() - t
+        return checksums
+
+    @staticmethod
+    def _apply(delta: _Checkpoint, plan: _Plan, tmp: Path, pool: ThreadPoolExecutor) -> None:
+        """Apply one delta's tensors in parallel. Fsync happens when the store commits the artifact (on Linux
+        fsync also writes pages dirtied through a shared mapping)."""
+        assert delta.path is not None
+        with contextlib.ExitStack() as stack:
+            targets = {name: stack.enter_context(_mapped(tmp / name, write=True)) for name in plan.base.shards}
+            tasks: list[Callable[[], tuple[str, str | None]]] = []
+            for shard in delta.shards.values():
+                source = stack.enter_context(_mapped(delta.path / shard.name))
+                for name, info in shard.layout.infos.items():
+                    base_shard, base_info = plan.layout[name]
+                    tasks.append(
+                        partial(
+                            _xor_tensor, name, targets[base_shard.name],
+                            base_shard.layout.data_start + base_info.begin, base_info.nbytes,
+                            source, shard.layout.data_start + info.begin, shard.layout.data_start + info.end,
+                            shard.layout.checksums[name],
+                        )
+                    )  # fmt: skip
+            bad = _first_error(_run(pool, tasks))
+        if bad is not None:
+            name, message = bad
+            shard_name = delta.index.weight_map[name]
             raise _LoadError(
-                f"shard {uri}: the ranged GET of bytes {begin}-{end - 1} returned {len(data)} bytes; "
-                "the object changed or is truncated"
+                f"delta shard {delta.where(shard_name)}: tensor {name!r} {message} "
+                f"(applying {delta.link.name} on {delta.link.base}); the store stays at its previous version",
+                discard=delta.ref,
             )
-        _pwrite_all(fd, data, begin)
-        self._progress_sink.add(len(data))
+
+    @staticmethod
+    def _place(
+        ctx: LoadContext, plan: _Plan, head: Path, checksums: Mapping[str, str], pool: ThreadPoolExecutor
+    ) -> ResidentWeights:
+        """Allocate the pool on the target device and read every tensor into it, checking adler32."""
+        try:
+            resident = ResidentWeights.allocate(plan.specs, ctx.device)
+        except (RuntimeError, ValueError) as exc:  # e.g. out of device memory
+            raise _LoadError(
+                f"cannot allocate {sum(s.nbytes for s in plan.specs)} bytes on {ctx.device}: {exc}"
+            ) from exc
+        with contextlib.ExitStack() as stack:
+            fds: dict[str, int] = {}
+            for name in plan.base.shards:
+                fds[name] = os.open(head / name, os.O_RDONLY)
+                stack.callback(os.close, fds[name])
+            tasks = [
+                partial(_read_tensor, name, fds[shard.name], shard.layout.data_start + info.begin,
+                        resident.tensors[name], checksums[name])
+                for name, (shard, info) in plan.layout.items()
+            ]  # fmt: skip
+            bad = _first_error(_run(pool, tasks))
+        if bad is not None:
+            name, message = bad
+            raise _LoadError(
+                f"stored checkpoint {head}: tensor {name!r} {message}; it is discarded and fetched again on retry",
+                discard=plan.head,
+            )
+        return resident

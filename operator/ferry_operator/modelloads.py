@@ -133,7 +133,9 @@ def plan_replicas(
     plan.create = [replica_body(modelload, node, desired) for node in chosen if node not in by_node]
     kept = [by_node[n] for n in chosen if n in by_node]
     behind = [r for r in kept if r["spec"]["version"] != desired]
-    in_flight = [r for r in kept if r["spec"]["version"] == desired and _phase(r) != "Serving"]
+    # In flight until the agent reports Serving *that* version: a replica still serving the old one after its spec
+    # moved (agent slow or down) must hold the rollout back too.
+    in_flight = [r for r in kept if r["spec"]["version"] == desired and not serves(r, desired)]
     if behind and not in_flight:
         # Prefer a node that already holds the new version, then one not serving anything useful anyway.
         holding = set(holders)

@@ -161,8 +161,8 @@ def test_republish_identical_succeeds_and_different_fails(s3, cluster, namespace
     assert code == 0, err
     assert f"0 objects written, {len(before)} already there" in out and "v1 unchanged" in out
 
-    # The real console script, so the exit status is what a shell sees.
-    other = write_dir(tmp_path / "other", weights(2))
+    # The real console script, so the exit status is what a shell sees. Other tensors: another index.
+    other = write_dir(tmp_path / "other", weights(2, n=3))
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "ferry"), "publish", str(other), *args],
         capture_output=True,
@@ -240,23 +240,30 @@ def test_if_none_match_race(s3, env, size: int) -> None:
     assert not client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads")
 
 
+def set_status(cluster: LocalCluster, namespace: str, name: str, phase: str, ready: str, reason: str) -> None:
+    """Play the operator (not running in these tests): write the status it would."""
+    condition = {
+        "type": "Ready", "status": ready, "reason": reason, "message": f"{reason} for the test",
+        "lastTransitionTime": "2026-01-01T00:00:00Z",
+    }  # fmt: skip
+    patch = json.dumps({"status": {"phase": phase, "conditions": [condition]}})
+    cluster.kubectl("patch", "wv", name, "-n", namespace, "--subresource=status", "--type=merge", "-p", patch)
+
+
 def test_wait_for_ready(s3, cluster, namespace, prefix, tmp_path, capsys) -> None:
-    args = [write_dir(tmp_path / "w", weights(5)), "--version=w1", *common(s3, cluster, namespace, prefix)]
+    source = write_dir(tmp_path / "w", weights(5))
+    args = [source, "--version=w1", *common(s3, cluster, namespace, prefix)]
     code, _, err = run(capsys, *args, "--wait", "--timeout=1")
     assert code == 1 and "is not Ready after 1s" in err
-    status = {
-        "phase": "Ready",
-        "conditions": [
-            {"type": "Ready", "status": "True", "reason": "Verified", "message": "ok",
-             "lastTransitionTime": "2026-01-01T00:00:00Z"}
-        ],
-    }  # fmt: skip
-    cluster.kubectl(
-        "patch", "wv", "w1", "-n", namespace, "--subresource=status", "--type=merge", "-p",
-        json.dumps({"status": status}),
-    )  # fmt: skip
+    set_status(cluster, namespace, "w1", "Ready", "True", "Verified")
     code, out, err = run(capsys, *args, "--wait", "--timeout=5")
     assert code == 0 and "w1 unchanged" in out, err
+
+    args = [source, "--version=w2", *common(s3, cluster, namespace, prefix)]
+    assert run(capsys, *args)[0] == 0
+    set_status(cluster, namespace, "w2", "Failed", "False", "LayoutMismatch")
+    code, _, err = run(capsys, *args, "--wait", "--timeout=60")  # a Failed phase ends the wait at once
+    assert code == 1 and "failed (Failed: LayoutMismatch: LayoutMismatch for the test)" in err
 
 
 def test_delta_with_base_dir_and_no_apply(s3, cluster, namespace, prefix, tmp_path, capsys) -> None:

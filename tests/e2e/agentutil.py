@@ -45,7 +45,9 @@ def replica(cluster, namespace: str, name: str, node_name: str, version: str) ->
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
 
 
-def start_agent(cluster, tmp_path, node_name: str, *seeds: str, retry_seconds: float = 1.0) -> ManagedProcess:
+def start_agent(
+    cluster, tmp_path, node_name: str, *seeds: str, retry_seconds: float = 1.0, lease_seconds: int = 3
+) -> ManagedProcess:
     argv = [
         sys.executable,
         "-m",
@@ -53,7 +55,7 @@ def start_agent(cluster, tmp_path, node_name: str, *seeds: str, retry_seconds: f
         "--node",
         node_name,
         "--lease-seconds",
-        "3",
+        str(lease_seconds),
         "--poll-seconds",
         "0.3",
         "--retry-seconds",
@@ -71,3 +73,22 @@ def wait_phase(cluster, namespace, name, phase, proc, timeout=60):
         timeout, f"{name} {phase}",
         lambda: json.dumps((get(cluster, namespace, "wr", name) or {}).get("status"), indent=1) + proc.log_tail(),
     )  # fmt: skip
+
+
+def read_back(rank_entry: dict, replica_name: str) -> str:
+    """Pull a replica's rank 0 over NIXL as an independent reader; the content sha256 of what it serves."""
+    from ferry_agent.candidate import SourceCandidate
+    from ferry_agent.nixl_transfer import NixlPeer
+    from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
+    from ferry_agent.strategy import LoadContext
+
+    reader = NixlPeer(f"reader-{os.getpid()}-{replica_name}")
+    cand = SourceCandidate(replica_name, 0, rank_entry["agentName"], rank_entry["grpcEndpoint"])
+    strategy = PeerStrategy(peer=reader, candidates=lambda ctx: [cand], settings=TransferSettings(timeout_s=30))
+    try:
+        result = strategy.load(LoadContext(model="m", version="any", rank=0, target_id=f"reader-{replica_name}"))
+        digest = content_sha256(result.resident.tensors)
+        reader.deregister(result.resident)
+        return digest
+    finally:
+        reader.shutdown()

@@ -77,6 +77,9 @@ def test_version_change_rolls_one_replica_at_a_time():
     assert len(first.retarget) == 1
     moving = [wr("a", "v2", phase="Loading"), wr("b", "v1"), wr("c", "v1")]
     assert plan_replicas(ml(version="v2"), moving, nodes, []).retarget == [], "wait while one is in flight"
+    unseen = [wr("a", "v1"), wr("b", "v1"), wr("c", "v1")]
+    unseen[0]["spec"]["version"] = "v2"  # retargeted, but its agent still serves v1
+    assert plan_replicas(ml(version="v2"), unseen, nodes, []).retarget == []
     moved = [wr("a", "v2"), wr("b", "v1"), wr("c", "v1")]
     assert len(plan_replicas(ml(version="v2"), moved, nodes, []).retarget) == 1
 

@@ -439,7 +439,8 @@ def test_progress_reports_start_and_completion_per_source() -> None:
     seen: list[tuple[int, int, str]] = []
     log: list[tuple] = []
     strategy(FakePeer(log), FakeClient(log), [cand("a")], progress=lambda *a: seen.append(a)).load(ctx())
-    assert seen == [(0, SOURCE.total_bytes, "peer/a"), (SOURCE.total_bytes, SOURCE.total_bytes, "peer/a")]
+    total = SOURCE.total_bytes
+    assert seen == [(0, 0, "peer/a"), (0, total, "peer/a"), (total, total, "peer/a")]
 
 
 def test_progress_throttle() -> None:

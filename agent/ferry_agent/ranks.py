@@ -1,0 +1,269 @@
+"""Rank agreement for a desired-version cold start (reference/modelexpress.md §5.9; DESIGN.md "Ranks").
+
+The ranks of one replica load the same version or none of them does. Rank 0 broadcasts the desired version;
+every later step is all-gathered and any disagreement raises `StrategyRecoveryError` on every rank, so the
+chain stops everywhere instead of one rank falling back to another source while the others load.
+
+- `agree_desired_version`: rank 0's value wins; a rank configured with a different non-empty value is fatal.
+  A rank with nothing configured follows rank 0 (that is what the broadcast is for).
+- `agree_phase`: (phase, pinned, configured, result) must agree on every rank.
+- `agree_source_order`, `agree_peer_outcome`: uniform, and a peer outcome is loaded | miss on all ranks or fatal.
+- `s3_phases`: chain → local-leader prepare → all prepared → loaded → activated; one rank's failure in any
+  phase is fatal for all, and every rank's exception carries the failing ranks' error text.
+
+Every function is a collective: all ranks of the group must call it in the same order.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from ferry_agent.strategy import StrategyRecoveryError
+
+log = logging.getLogger(__name__)
+
+PeerOutcome = Literal["loaded", "miss", "fatal"]
+PEER_OUTCOMES: tuple[str, ...] = ("loaded", "miss", "fatal")
+DEFAULT_TIMEOUT = dt.timedelta(minutes=5)
+
+
+@runtime_checkable
+class RankGroup(Protocol):
+    """The collectives the agreement needs (vLLM's `all_gather_state` / `broadcast_state` in ModelExpress)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, indexed by rank."""
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s `obj` on every rank."""
+
+
+class SingleRank:
+    """A one-rank replica: every collective is the identity."""
+
+    rank = 0
+    world_size = 1
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if src != 0:
+            raise ValueError(f"a single-rank group has no rank {src}")
+        return obj
+
+
+class TorchRankGroup:
+    """torch.distributed object collectives on a CPU (gloo) group: the default group, or `group` within it."""
+
+    def __init__(self, group: Any = None, *, owned: bool = False) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._group = group
+        self._owned = owned
+
+    @classmethod
+    def init(
+        cls,
+        *,
+        rank: int,
+        world_size: int,
+        store: Any = None,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        timeout: dt.timedelta = DEFAULT_TIMEOUT,
+    ) -> TorchRankGroup:
+        """Initialise the default process group with gloo, from a store (TCPStore, FileStore) or over TCP at
+        master_addr:master_port (default $MASTER_ADDR or 127.0.0.1, $MASTER_PORT). The timeout bounds every
+        collective, so a dead peer fails the others instead of hanging them."""
+        import torch.distributed as dist
+
+        if store is None:
+            addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+            port = master_port or int(os.environ.get("MASTER_PORT", "0"))
+            if not port:
+                raise ValueError("TorchRankGroup.init needs a store, a master_port or $MASTER_PORT")
+            store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        return cls(owned=True)
+
+    @property
+    def rank(self) -> int:
+        return self._dist.get_rank(self._group)
+
+    @property
+    def world_size(self) -> int:
+        return self._dist.get_world_size(self._group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        # broadcast_object_list takes a global rank; `src` is a rank within this group.
+        root = src if self._group is None else self._dist.get_global_rank(self._group, src)
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=root, group=self._group)
+        return box[0]
+
+    def close(self) -> None:
+        if self._owned and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+            self._owned = False
+
+    def __enter__(self) -> TorchRankGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- agreement
+
+
+def _ranks(values: Sequence[Any]) -> str:
+    return "; ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+
+
+def _conflicts(pinned: str | None, configured: Sequence[Any]) -> list[tuple[int, Any]]:
+    return [(r, c) for r, c in enumerate(configured) if c and c != pinned]
+
+
+def agree_desired_version(group: RankGroup, configured: str | None) -> str | None:
+    """Rank 0's desired version, on every rank. None (nothing configured on rank 0) means only the
+    version-agnostic load path may run."""
+    configured = configured or None  # an empty variable is "not set"
+    desired = group.broadcast_object(configured, src=0)
+    if desired is not None and not isinstance(desired, str):
+        raise StrategyRecoveryError(f"rank 0 broadcast a desired version of type {type(desired).__name__}")
+    gathered = group.all_gather_object(configured)
+    conflicts = _conflicts(desired, gathered)
+    if conflicts:
+        others = ", ".join(f"rank {r} is configured with {c!r}" for r, c in conflicts)
+        raise StrategyRecoveryError(
+            f"desired-version disagreement: rank 0 pins {desired!r} but {others}; every rank of a replica must load "
+            "the same version"
+        )
+    if desired is None:
+        log.warning(
+            "no desired version configured on rank 0: only the version-agnostic load path runs "
+            "(no desired-version peer or S3 strategy)"
+        )
+    else:
+        log.info("rank %d/%d: desired version %s agreed", group.rank, group.world_size, desired)
+    return desired
+
+
+def _gather_phase(group: RankGroup, phase: str, pinned: str | None, configured: str | None, result: Any) -> list[Any]:
+    """Every rank's result for `phase`, after checking all ranks are in the same phase with the same pinned
+    version and no conflicting configured one."""
+    configured = configured or None
+    states = group.all_gather_object((phase, pinned, configured, result))
+    for rank, state in enumerate(states):
+        if not (isinstance(state, tuple) and len(state) == 4):
+            raise StrategyRecoveryError(f"invalid phase state from rank {rank} during {phase}: {state!r}")
+    if any(s[0] != phase for s in states):
+        raise StrategyRecoveryError(f"phase disagreement during {phase}: {_ranks(states)}")
+    if any(s[1] != pinned for s in states) or _conflicts(pinned, [s[2] for s in states]):
+        raise StrategyRecoveryError(f"desired-version disagreement during {phase}: {_ranks(states)}")
+    return [s[3] for s in states]
+
+
+def agree_phase(group: RankGroup, phase: str, *, pinned: str | None, configured: str | None, result: Any) -> Any:
+    """The result every rank got in `phase`; any difference in (phase, pinned, configured, result) is fatal."""
+    results = _gather_phase(group, phase, pinned, configured, result)
+    if any(r != results[0] for r in results):
+        states = [(phase, pinned, configured or None, r) for r in results]
+        raise StrategyRecoveryError(f"result disagreement during {phase}: {_ranks(states)}")
+    return results[0]
+
+
+def agree_source_order(group: RankGroup, order: Sequence[str]) -> tuple[str, ...]:
+    """The source order, which must be the same on every rank (a rank trying S3 while another waits on a peer
+    would deadlock the later collectives)."""
+    orders = group.all_gather_object(tuple(order))
+    if any(o != orders[0] for o in orders):
+        raise StrategyRecoveryError(f"source order disagreement: {_ranks(orders)}")
+    return orders[0]
+
+
+def agree_peer_outcome(group: RankGroup, outcome: PeerOutcome) -> PeerOutcome:
+    """`loaded` or `miss` when every rank got it; mixed outcomes or any `fatal` → StrategyRecoveryError. A mixed
+    loaded/miss is fatal because the loaded ranks hold a version the others would fetch from elsewhere."""
+    if outcome not in PEER_OUTCOMES:
+        raise ValueError(f"peer outcome {outcome!r} is not one of {PEER_OUTCOMES}")
+    outcomes = group.all_gather_object(outcome)
+    fatal = [r for r, o in enumerate(outcomes) if o == "fatal"]
+    if fatal:
+        raise StrategyRecoveryError(f"peer load was fatal on rank(s) {fatal}: {_ranks(outcomes)}")
+    if any(o != outcomes[0] for o in outcomes):
+        raise StrategyRecoveryError(f"mixed peer outcomes: {_ranks(outcomes)}")
+    return outcomes[0]
+
+
+# ---------------------------------------------------------------- S3 cold start
+
+
+@dataclass(frozen=True)
+class S3Steps:
+    """What each S3 phase does on this rank. `resolve_chain` runs on every rank and its (picklable) result must
+    be the same everywhere; `prepare` runs on the local leader first, then on the other ranks (which attach
+    to the leader's prepared checkpoint); `load` on every rank; `activate` on the local leader only."""
+
+    resolve_chain: Callable[[], Any]
+    prepare: Callable[[], None]
+    load: Callable[[], None]
+    activate: Callable[[], None]
+
+
+S3_PHASES = ("s3_chain", "s3_local_leader_prepared", "s3_all_prepared", "s3_engine_loaded", "s3_checkpoint_activated")
+
+
+def _run_phase(
+    group: RankGroup, phase: str, step: Callable[[], Any] | None, *, pinned: str, configured: str | None
+) -> list[Any]:
+    """Run `step` here (None: nothing to do on this rank), then agree; any rank's failure is fatal for all."""
+    failure: Exception | None = None
+    outcome: tuple[str, Any] = ("ok", None)
+    if step is not None:
+        try:
+            outcome = ("ok", step())
+        except Exception as exc:  # reported to every rank, then raised here as the cause
+            failure = exc
+            outcome = ("err", f"{type(exc).__name__}: {exc}")
+    outcomes = _gather_phase(group, phase, pinned, configured, outcome)
+    errors = [(r, o[1]) for r, o in enumerate(outcomes) if o[0] != "ok"]
+    if errors:
+        text = "; ".join(f"rank {r}: {e}" for r, e in errors)
+        raise StrategyRecoveryError(f"S3 cold start of {pinned!r} failed in {phase}: {text}") from failure
+    log.debug("rank %d: %s agreed", group.rank, phase)
+    return [o[1] for o in outcomes]
+
+
+def s3_phases(
+    group: RankGroup, steps: S3Steps, *, pinned: str, configured: str | None, local_rank: int | None = None
+) -> Any:
+    """Run the S3 cold-start phases in lockstep and return the agreed chain. `local_rank` 0 is the node's
+    leader (default: the group rank, i.e. all ranks on one node, as a WeightReplica's are)."""
+    leader = (group.rank if local_rank is None else local_rank) == 0
+    chains = _run_phase(group, S3_PHASES[0], steps.resolve_chain, pinned=pinned, configured=configured)
+    if any(c != chains[0] for c in chains):
+        raise StrategyRecoveryError(f"replay chain disagreement for {pinned!r}: {_ranks(chains)}")
+    _run_phase(group, S3_PHASES[1], steps.prepare if leader else None, pinned=pinned, configured=configured)
+    _run_phase(group, S3_PHASES[2], None if leader else steps.prepare, pinned=pinned, configured=configured)
+    _run_phase(group, S3_PHASES[3], steps.load, pinned=pinned, configured=configured)
+    _run_phase(group, S3_PHASES[4], steps.activate if leader else None, pinned=pinned, configured=configured)
+    return chains[0]

@@ -1,0 +1,481 @@
+"""ObjectStorageStrategy: replay chains from a real S3 server (SeaweedFS) through the node-local checkpoint store.
+
+The chain-validation tests need no server and are marked `unit`; everything that moves bytes is `cluster`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ferry import checkpoint_format as ckpt
+from ferry.localcluster import S3Server
+from ferry_agent.checkpoint_store import ArtifactKind, ArtifactRef, CheckpointStore, StoreStatus, chain_refs
+from ferry_agent.s3_strategy import ObjectStorageStrategy, S3LoadResult
+from ferry_agent.strategy import LoadContext, StrategyFailed
+
+BUCKET = "ferry-s3-strategy"
+MODEL = "org/llama"
+SHARD_BYTES = 200 * 1024  # several shards per full checkpoint
+RANGE_BYTES = 48 * 1024  # several ranged GETs per shard
+FULL, DELTA, MAT = ArtifactKind.FULL, ArtifactKind.DELTA, ArtifactKind.MATERIALIZED
+
+Weights = dict[str, np.ndarray]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def weights(seed: int) -> Weights:
+    """Mixed dtypes and shapes, including a 0-d and an empty tensor."""
+    rng = np.random.default_rng(seed)
+    return {
+        "embed.weight": rng.standard_normal((128, 256)).astype(np.float32),
+        "layers.0.attn.weight": rng.standard_normal((256, 256)).astype(np.float16),
+        "layers.0.mlp.weight": rng.standard_normal((64, 512)).astype(np.float32),
+        "layers.1.mlp.weight": rng.standard_normal((300, 100)).astype(np.float32),
+        "norm.scale": np.float32(rng.standard_normal()).reshape(()),
+        "step": rng.integers(0, 1 << 40, 3, dtype=np.int64),
+        "mask": rng.integers(0, 2, 17).astype(bool),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+    }
+
+
+def evolve(base: Weights, seed: int, names: list[str], *, scramble: bool = False) -> Weights:
+    """A new version: a slice of each named tensor redrawn, or (`scramble`) every byte XORed with noise, which
+    makes the delta frame incompressible (so one flipped stored byte flips one decoded byte)."""
+    rng = np.random.default_rng(seed)
+    new = {name: array.copy() for name, array in base.items()}
+    for name in names:
+        raw = new[name].reshape(-1).view(np.uint8)
+        if scramble:
+            raw ^= rng.integers(0, 256, raw.size, dtype=np.uint8)
+        else:
+            raw[raw.size // 4 : raw.size // 2] = rng.integers(0, 256, raw.size // 2 - raw.size // 4, dtype=np.uint8)
+    return new
+
+
+def full(tensors: Weights) -> dict[str, bytes]:
+    return ckpt.build_full_checkpoint(tensors, SHARD_BYTES)
+
+
+def delta(base: Weights, new: Weights, version: str, base_version: str) -> dict[str, bytes]:
+    return ckpt.build_xor_delta(base, new, version=version, base_version=base_version)
+
+
+def wv(
+    name: str,
+    fmt: str = "XorDelta",
+    base: str | None = None,
+    *,
+    uri: str | None = None,
+    ready: bool = True,
+    model: str = MODEL,
+    endpoint: str | None = None,
+) -> dict[str, Any]:
+    """A WeightVersion object as the API returns it."""
+    spec: dict[str, Any] = {"modelName": model, "format": fmt}
+    if base:
+        spec["baseVersion"] = base
+    if fmt != "PeerOnly":
+        spec["storage"] = {"uri": uri or f"s3://{BUCKET}/nowhere/{name}/{ckpt.INDEX_NAME}"}
+        if endpoint:
+            spec["storage"]["endpoint"] = endpoint
+    status = "True" if ready else "False"
+    return {"metadata": {"name": name}, "spec": spec, "status": {"conditions": [{"type": "Ready", "status": status}]}}
+
+
+class Registry:
+    """Publishes checkpoints to S3 under a fresh prefix and answers `fetch_version` like the API would."""
+
+    def __init__(self, server: S3Server) -> None:
+        self.server = server
+        self.client = server.client()
+        self.prefix = f"llama/{uuid.uuid4().hex[:8]}"
+        self.versions: dict[str, dict[str, Any]] = {}
+
+    def key(self, version: str, file: str) -> str:
+        return f"{self.prefix}/{version}/{file}"
+
+    def uri(self, version: str, file: str = ckpt.INDEX_NAME) -> str:
+        return f"s3://{BUCKET}/{self.key(version, file)}"
+
+    def publish(
+        self, name: str, files: Mapping[str, bytes], fmt: str = "FullCheckpoint", base: str | None = None
+    ) -> None:
+        for file, data in files.items():
+            self.client.put_object(Bucket=BUCKET, Key=self.key(name, file), Body=data)
+        self.versions[name] = wv(name, fmt, base, uri=self.uri(name))  # endpoint: the strategy's default
+
+    def delete(self, version: str, file: str) -> None:
+        self.client.delete_object(Bucket=BUCKET, Key=self.key(version, file))
+
+    def strategy(self, store: CheckpointStore, **kwargs: Any) -> ObjectStorageStrategy:
+        creds = {"AWS_ACCESS_KEY_ID": self.server.access_key, "AWS_SECRET_ACCESS_KEY": self.server.secret_key}
+        return ObjectStorageStrategy(
+            fetch_version=self.versions.get,
+            credentials=lambda storage: creds,
+            store=store,
+            default_endpoint=self.server.endpoint,
+            download_workers=4,
+            range_bytes=RANGE_BYTES,
+            **kwargs,
+        )
+
+
+def ctx(version: str, **kwargs: Any) -> LoadContext:
+    return LoadContext(model=MODEL, version=version, rank=0, target_id="replica-0", **kwargs)
+
+
+def shas(tensors: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, str]:
+    """sha256 of each tensor's raw bytes."""
+    out = {}
+    for name, t in tensors.items():
+        raw = t.reshape(-1).view(torch.uint8).numpy() if isinstance(t, torch.Tensor) else np.ascontiguousarray(t)
+        out[name] = hashlib.sha256(raw.tobytes()).hexdigest()
+    return out
+
+
+def resident_shas(result: S3LoadResult) -> dict[str, str]:
+    return shas(result.resident.tensors)
+
+
+def debris(root: Path) -> list[Path]:
+    return list(root.rglob("*.tmp"))
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(Path(tmp_path_factory.mktemp("s3-strategy")))
+    try:
+        server.start()
+        server.create_bucket(BUCKET)
+        yield server
+    finally:
+        if server.process:  # the data is throwaway; a graceful SeaweedFS stop takes ~25 s
+            server.process.kill()
+
+
+@pytest.fixture
+def registry(s3_server: S3Server) -> Registry:
+    return Registry(s3_server)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[CheckpointStore]:
+    s = CheckpointStore(tmp_path / "store", quota_bytes=1 << 30)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def chain3() -> tuple[Weights, Weights, Weights]:
+    w1 = weights(1)
+    w2 = evolve(w1, 2, ["embed.weight", "layers.0.attn.weight", "mask"])
+    w3 = evolve(w2, 3, ["layers.0.mlp.weight", "norm.scale", "embed.weight", "step"])
+    return w1, w2, w3
+
+
+def publish_chain3(registry: Registry, chain3: tuple[Weights, Weights, Weights]) -> None:
+    w1, w2, w3 = chain3
+    registry.publish("v1", full(w1))
+    registry.publish("v2", delta(w1, w2, "v2", "v1"), "XorDelta", "v1")
+    registry.publish("v3", delta(w2, w3, "v3", "v2"), "XorDelta", "v2")
+
+
+# ---------------------------------------------------------------- replay
+
+
+@pytest.mark.cluster
+def test_replay_equals_independent_full_checkpoints(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    w1, w2, w3 = chain3
+    publish_chain3(registry, chain3)
+    registry.publish("f2", full(w2))
+    registry.publish("f3", full(w3))
+    replay_store = CheckpointStore(tmp_path / "replay", 1 << 30)
+    full_store = CheckpointStore(tmp_path / "full", 1 << 30)
+    reports: list[tuple[int, int, str]] = []
+    replay = registry.strategy(replay_store, progress=lambda *r: reports.append(r))
+    independent = registry.strategy(full_store)
+
+    r3 = replay.load(ctx("v3"))
+    f3 = independent.load(ctx("f3"))
+    assert (r3.source, r3.chain, r3.reused) == ("s3", ("v1", "v2", "v3"), None)
+    assert resident_shas(r3) == resident_shas(f3) == shas(w3)
+    assert r3.resident.content_sha256() == f3.resident.content_sha256() and r3.resident.digest == f3.resident.digest
+    assert r3.bytes_moved == sum(a.nbytes for a in w3.values()) and r3.bytes_downloaded > r3.bytes_moved
+    assert reports and reports[-1][0] == reports[-1][1] and reports[-1][2] == "s3"
+    assert replay_store.state(MODEL).version == "v3" and not debris(tmp_path)
+
+    # v2 replays from what the store already holds (full/v1 and deltas/v2 came with v3): nothing downloaded.
+    r2 = replay.load(ctx("v2"))
+    assert (r2.reused, r2.bytes_downloaded) == ("full/v1", 0)
+    assert resident_shas(r2) == resident_shas(independent.load(ctx("f2"))) == shas(w2)
+
+    again = replay.load(ctx("v3"))
+    assert (again.reused, again.bytes_downloaded) == ("materialized/v3", 0)
+    assert resident_shas(again) == shas(w3)
+
+    # A fourth version downloads only its own delta and starts from materialized/v3.
+    w4 = evolve(w3, 4, ["layers.1.mlp.weight"])
+    files4 = delta(w3, w4, "v4", "v3")
+    registry.publish("v4", files4, "XorDelta", "v3")
+    r4 = replay.load(ctx("v4"))
+    assert (r4.reused, r4.bytes_downloaded) == ("materialized/v3", sum(map(len, files4.values())))
+    assert resident_shas(r4) == shas(w4) and r4.chain == ("v1", "v2", "v3", "v4")
+
+    with pytest.raises(StrategyFailed, match="digest") as exc:
+        replay.load(ctx("v4", expected_manifest_digest="0" * 64))
+    assert not exc.value.mutated
+    replay_store.close()
+    full_store.close()
+
+
+@pytest.mark.cluster
+def test_corrupted_delta_byte_is_caught_and_the_store_keeps_its_state(
+    registry: Registry, store: CheckpointStore
+) -> None:
+    w1 = weights(11)
+    w2 = evolve(w1, 12, ["embed.weight"], scramble=True)
+    registry.publish("v1", full(w1))
+    files = delta(w1, w2, "v2", "v1")
+    shard = ckpt.delta_shard_name(0, 1)
+    header_len, header = ckpt.parse_safetensors_header(files[shard])
+    begin, end = header["embed.weight"]["data_offsets"]
+    corrupted = bytearray(files[shard])
+    corrupted[ckpt.HEADER_PREFIX_BYTES + header_len + (begin + end) // 2] ^= 0x40
+    files[shard] = bytes(corrupted)
+    registry.publish("v2", files, "XorDelta", "v1")
+    strategy = registry.strategy(store)
+    strategy.load(ctx("v1"))
+
+    with pytest.raises(StrategyFailed) as exc:
+        strategy.load(ctx("v2"))
+    message = str(exc.value)
+    assert not exc.value.mutated
+    assert registry.uri("v2", shard) in message and "'embed.weight'" in message and "adler32" in message
+
+    state = store.state(MODEL)
+    assert (state.status, state.version, state.chain) == (StoreStatus.READY, "v1", ("v1",))
+    assert store.artifact(ArtifactRef(MODEL, DELTA, "v2")) is None  # the bad delta is not kept
+    assert store.artifact(ArtifactRef(MODEL, MAT, "v2")) is None and not debris(store.root)
+    again = strategy.load(ctx("v1"))
+    assert (again.reused, again.bytes_downloaded) == ("full/v1", 0) and resident_shas(again) == shas(w1)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("missing", ["delta", "full"])
+def test_missing_shard_fails_before_anything_is_stored(
+    registry: Registry, store: CheckpointStore, missing: str
+) -> None:
+    w1 = weights(21)
+    files = full(w1)
+    registry.publish("v1", files)
+    registry.publish("v2", delta(w1, evolve(w1, 22, ["mask"]), "v2", "v1"), "XorDelta", "v1")
+    if missing == "delta":
+        version, shard = "v2", ckpt.delta_shard_name(0, 1)
+    else:
+        version, shard = "v1", ckpt.parse_index(files[ckpt.INDEX_NAME]).shards[1]
+    registry.delete(version, shard)
+
+    with pytest.raises(StrategyFailed) as exc:
+        registry.strategy(store).load(ctx("v2"))
+    assert not exc.value.mutated
+    assert f"{registry.uri(version, shard)} does not exist" in str(exc.value)
+    # The whole chain is validated first: not even the (intact) full checkpoint was downloaded.
+    assert store.artifacts() == [] and store.state(MODEL).version is None and not debris(store.root)
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from pathlib import Path
+    from ferry import checkpoint_format as ckpt
+    from ferry_agent.checkpoint_store import CheckpointStore
+    from ferry_agent.s3_strategy import ObjectStorageStrategy
+    from ferry_agent.strategy import LoadContext
+
+    root, versions, endpoint, key, secret, model, version = sys.argv[1:]
+    apply, applied = ckpt.apply_xor_delta_into, []
+
+    def apply_then_die(target, frame, *args):
+        apply(target, frame, *args)
+        applied.append(1)
+        if len(applied) == 2:  # mid-replay: one tensor of v2 in, the rest of v2 and all of v3 still to go
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    ckpt.apply_xor_delta_into = apply_then_die
+    strategy = ObjectStorageStrategy(
+        fetch_version=json.loads(Path(versions).read_text()).get,
+        credentials=lambda storage: {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret},
+        store=CheckpointStore(Path(root), 1 << 30), default_endpoint=endpoint, download_workers=1,
+    )
+    strategy.load(LoadContext(model=model, version=version, rank=0, target_id="child"))
+    """
+)
+
+
+@pytest.mark.cluster
+def test_sigkill_mid_apply_then_recover(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    publish_chain3(registry, chain3)
+    root = tmp_path / "store"
+    first = CheckpointStore(root, 1 << 30)
+    registry.strategy(first).load(ctx("v1"))
+    first.close()
+    versions = tmp_path / "versions.json"
+    versions.write_text(json.dumps(registry.versions))
+    server = registry.server
+    argv = [str(root), str(versions), server.endpoint, server.access_key, server.secret_key, MODEL, "v3"]
+    child = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+
+    model_dir = first.model_dir(MODEL)
+    partial = model_dir / "materialized" / "v3.tmp"
+    assert any(p.suffix == ".safetensors" for p in partial.iterdir())
+    assert json.loads((model_dir / "state.json").read_text())["status"] == "UPDATING"
+
+    restarted = CheckpointStore(root, 1 << 30)
+    actions = restarted.recover()
+    assert any("v3.tmp" in a for a in actions) and any("interrupted" in a for a in actions)
+    assert not debris(root)
+    state = restarted.state(MODEL)
+    assert (state.status, state.version) == (StoreStatus.READY, "v1")
+
+    # The deltas were committed before the crash, so the retry downloads nothing and replays correctly.
+    result = registry.strategy(restarted).load(ctx("v3"))
+    assert (result.reused, result.bytes_downloaded) == ("full/v1", 0)
+    assert resident_shas(result) == shas(chain3[2])
+    assert restarted.state(MODEL).version == "v3"
+    restarted.close()
+
+
+@pytest.mark.cluster
+def test_quota_eviction_never_evicts_the_active_chain(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    w1, w2, w3 = chain3
+    publish_chain3(registry, chain3)
+    w4 = evolve(w3, 5, ["mask"])
+    files4 = delta(w3, w4, "v4", "v3")
+    registry.publish("v4", files4, "XorDelta", "v3")
+
+    # Learn the sizes with a roomy store, then replay the same loads under a quota that fits exactly one more
+    # delta: the v4 load must evict something, and the only artifact outside every protected set is the
+    # intermediate materialized/v2.
+    probe = CheckpointStore(tmp_path / "probe", 1 << 30)
+    for version in ("v2", "v3"):
+        registry.strategy(probe).load(ctx(version))
+    quota = probe.usage() + sum(map(len, files4.values())) + 16 * 1024
+    probe.close()
+
+    store = CheckpointStore(tmp_path / "store", quota)
+    strategy = registry.strategy(store)
+    for version in ("v2", "v3"):
+        strategy.load(ctx(version))
+    before = {a.ref for a in store.artifacts()}
+    assert ArtifactRef(MODEL, MAT, "v2") in before
+
+    result = strategy.load(ctx("v4"))
+    assert resident_shas(result) == shas(w4) and result.reused == "materialized/v3"
+    after = {a.ref for a in store.artifacts()}
+    assert before - after == {ArtifactRef(MODEL, MAT, "v2")}
+    assert chain_refs(MODEL, ("v1", "v2", "v3", "v4")) <= after and store.usage() <= quota
+
+    # Another model that cannot fit without evicting the active chain: refused up front, nothing evicted.
+    # (It needs more than the free room plus materialized/v3, which is evictable now that v4 is active.)
+    registry.publish("big", full({"huge": np.ones((1024, 1024), np.uint8)}))
+    registry.versions["big"]["spec"]["modelName"] = "other"
+    with pytest.raises(StrategyFailed, match="cannot fit") as exc:
+        strategy.load(LoadContext(model="other", version="big", rank=0, target_id="r"))
+    assert not exc.value.mutated and f"{MODEL}:full/v1" in str(exc.value)
+    assert {a.ref for a in store.artifacts()} == after
+    assert (store.state(MODEL).status, store.state(MODEL).version) == (StoreStatus.READY, "v4")
+    assert resident_shas(strategy.load(ctx("v4"))) == shas(w4)
+    store.close()
+
+
+# ---------------------------------------------------------------- chain validation (no server needed)
+
+
+def offline(store: CheckpointStore, versions: Mapping[str, dict[str, Any]]) -> ObjectStorageStrategy:
+    def no_credentials(storage: Mapping[str, Any]) -> None:
+        raise RuntimeError("offline test: reaching S3 means the chain was accepted")
+
+    return ObjectStorageStrategy(fetch_version=versions.get, credentials=no_credentials, store=store)
+
+
+def linear(n: int) -> dict[str, dict[str, Any]]:
+    versions = {"v0": wv("v0", "FullCheckpoint")}
+    versions.update({f"v{i}": wv(f"v{i}", base=f"v{i - 1}") for i in range(1, n)})
+    return versions
+
+
+def fails(store: CheckpointStore, versions: Mapping[str, dict[str, Any]], version: str) -> str:
+    with pytest.raises(StrategyFailed) as exc:
+        offline(store, versions).load(ctx(version))
+    assert not exc.value.mutated
+    assert store.artifacts() == [] and store.state(MODEL).version is None
+    return str(exc.value)
+
+
+@pytest.mark.unit
+def test_cycle_is_refused(store: CheckpointStore) -> None:
+    versions = {"a": wv("a", base="b"), "b": wv("b", base="c"), "c": wv("c", base="a")}
+    message = fails(store, versions, "a")
+    assert "ChainCycle" in message and "cycle: a → b → c → a" in message
+
+
+@pytest.mark.unit
+def test_chain_longer_than_64_is_refused_and_64_accepted(store: CheckpointStore) -> None:
+    message = fails(store, linear(65), "v64")
+    assert "ChainTooLong" in message and "more than 64" in message
+    accepted = fails(store, linear(64), "v63")
+    assert "reaching S3 means the chain was accepted" in accepted
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("not_ready", "target", "match"),
+    [
+        ("v1", "v2", "BaseNotReady: Base version v1 is not Ready"),
+        ("v1", "v3", r"WeightVersion v1 \(in the replay chain of v3\) is not Ready"),
+        ("v3", "v3", "WeightVersion v3 is not Ready"),
+    ],
+)
+def test_links_must_all_be_ready(store: CheckpointStore, not_ready: str, target: str, match: str) -> None:
+    versions = {"v1": wv("v1", "FullCheckpoint"), "v2": wv("v2", base="v1"), "v3": wv("v3", base="v2")}
+    versions[not_ready]["status"]["conditions"][0]["status"] = "False"
+    assert re.search(match, fails(store, versions, target))
+
+
+@pytest.mark.unit
+def test_model_mismatch_peer_only_and_availability(store: CheckpointStore) -> None:
+    versions = {
+        "v1": wv("v1", "FullCheckpoint", model="mistral"),
+        "p1": wv("p1", "PeerOnly"),
+        "d1": wv("d1", base="missing"),
+    }
+    assert "for model 'mistral', not 'org/llama'" in fails(store, versions, "v1")
+    assert "PeerOnly" in fails(store, versions, "p1")
+    assert "BaseNotFound" in fails(store, versions, "d1")
+    strategy = offline(store, versions)
+    assert strategy.is_available(ctx("v1")) and not strategy.is_available(ctx("p1"))
+    assert not strategy.is_available(ctx("nope"))
+    strategy.rollback(ctx("v1"))  # holds nothing

@@ -1,0 +1,164 @@
+"""Failure paths of the full system: a wedged source peer is reported as PeerStalled and the target completes from
+another peer with correct bytes; the operator killed in the middle of a version rollout converges after restart."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+
+import pytest
+import torch
+from agentutil import content_sha256, node, read_back, start_agent
+from safetensors.torch import save_file
+from wvutil import condition, get, wait_for
+
+from ferry.api.models import API_VERSION
+from ferry_agent.registry import source_candidates
+from ferry_agent.selector import make_selector
+from ferry_operator.modelloads import choose_nodes, replica_name
+
+pytestmark = pytest.mark.e2e
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": torch.randn((256, 256), generator=gen) for i in range(4)}
+
+
+def modelload(namespace: str, replicas: int, version: str, **transfer) -> dict:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ModelLoad",
+        "metadata": {"name": "serve"},
+        "spec": {
+            "modelName": "m", "desiredVersion": version, "replicas": replicas, "device": "cpu",
+            "nodeSelector": {"ferry.dev/pool": namespace},
+            "transfer": {"timeoutSeconds": 20, "stallSeconds": 2, "selector": "rendezvousHash", **transfer},
+        },
+    }  # fmt: skip
+
+
+def apply(cluster, namespace, body):
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+
+
+def ml_status(cluster, namespace) -> dict:
+    return (get(cluster, namespace, "ml", "serve") or {}).get("status") or {}
+
+
+def replicas(cluster, namespace) -> dict[str, dict]:
+    items = json.loads(cluster.kubectl("get", "wr", "-n", namespace, "-o", "json").stdout)["items"]
+    return {r["metadata"]["name"]: r for r in items}
+
+
+def leases(cluster, namespace) -> dict[str, dict]:
+    items = json.loads(cluster.kubectl("get", "lease", "-n", namespace, "-o", "json").stdout)["items"]
+    return {lease["metadata"]["name"]: lease for lease in items}
+
+
+def events(cluster, namespace) -> str:
+    return cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=ModelLoad").stdout
+
+
+def test_wedged_source_is_reported_and_the_target_completes_elsewhere(cluster, namespace, operator, tmp_path):
+    seed = tmp_path / "v1.safetensors"
+    save_file(weights(1), str(seed))
+    expected = content_sha256(weights(1))
+    names = [f"{namespace}-n{i}" for i in range(3)]
+    for n in names:
+        node(cluster, n, {"ferry.dev/pool": namespace})
+    # Long leases: a stopped agent still looks alive, exactly the case a stall must expose.
+    agents = {n: start_agent(cluster, tmp_path, n, f"v1={seed}", lease_seconds=60) for n in names}
+    stopped = None
+
+    def describe() -> str:
+        return json.dumps(ml_status(cluster, namespace), indent=1) + "".join(a.log_tail(10) for a in agents.values())
+
+    try:
+        apply(cluster, namespace, modelload(namespace, 2, "v1"))
+        wait_for(lambda: ml_status(cluster, namespace).get("ready") == "2/2", 60, "2/2", describe)
+        serving = replicas(cluster, namespace)
+        nodes = [{"metadata": {"name": n, "labels": {"ferry.dev/pool": namespace}}, "spec": {}} for n in names]
+        spec = modelload(namespace, 3, "v1")["spec"]
+        current = [r["spec"]["nodeName"] for r in serving.values()]
+        newcomer = replica_name("serve", choose_nodes(spec, nodes, current, [], salt="serve")[2])
+        now = dt.datetime.now(dt.UTC)
+        cands = source_candidates(serving.values(), leases(cluster, namespace), version="v1", rank=0,
+                                  self_replica=newcomer, now=now)  # fmt: skip
+        first = make_selector("rendezvousHash").order(cands, model="m", target_id=newcomer, target_rank=0)[0]
+        stopped = agents[serving[first.replica]["spec"]["nodeName"]]
+        os.kill(stopped.proc.pid, signal.SIGSTOP)  # wedged: connections open, nothing answers
+
+        cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"replicas":3}}')
+        stalled = wait_for(
+            lambda: (c := condition({"status": ml_status(cluster, namespace)}, "PeerStalled")).get("status") == "True"
+            and c,
+            30, "PeerStalled", describe,
+        )  # fmt: skip
+        assert newcomer in stalled["message"] and f"peer/{first.replica}" in stalled["message"]
+        done = wait_for(
+            lambda: (r := replicas(cluster, namespace).get(newcomer)) and r["status"].get("phase") == "Serving" and r,
+            60, f"{newcomer} Serving", describe,
+        )  # fmt: skip
+        status = done["status"]
+        assert status["source"].startswith("peer/") and status["source"] != f"peer/{first.replica}"
+        failed = [a for a in status["attempts"] if a["source"] == f"peer/{first.replica}"]
+        assert failed and failed[0]["outcome"] == "Failed"
+        assert read_back(status["ranks"][0], newcomer) == expected, "the completed replica serves the exact bytes"
+        wait_for(
+            lambda: condition({"status": ml_status(cluster, namespace)}, "PeerStalled").get("status") == "False",
+            20, "stall cleared", describe,
+        )  # fmt: skip
+        assert "NoProgress" in events(cluster, namespace)
+    finally:
+        if stopped is not None and stopped.alive:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+        for a in agents.values():
+            a.stop()
+
+
+def test_operator_restart_mid_rollout_converges(cluster, namespace, operator, tmp_path):
+    files = {}
+    for version, seed in (("v1", 1), ("v2", 2)):
+        files[version] = tmp_path / f"{version}.safetensors"
+        save_file(weights(seed), str(files[version]))
+    names = [f"{namespace}-n{i}" for i in range(3)]
+    for n in names:
+        node(cluster, n, {"ferry.dev/pool": namespace})
+    agents = {n: start_agent(cluster, tmp_path, n, f"v1={files['v1']}", f"v2={files['v2']}") for n in names}
+
+    def describe() -> str:
+        return json.dumps(ml_status(cluster, namespace), indent=1) + operator.process.log_tail(20)
+
+    try:
+        apply(cluster, namespace, modelload(namespace, 3, "v1"))
+        wait_for(lambda: ml_status(cluster, namespace).get("ready") == "3/3", 60, "3/3 on v1", describe)
+        # Freeze the agent of the replica the rollout moves first, so the rollout is provably mid-way.
+        first = sorted(replicas(cluster, namespace))[0]
+        frozen = agents[replicas(cluster, namespace)[first]["spec"]["nodeName"]]
+        os.kill(frozen.proc.pid, signal.SIGSTOP)
+        cluster.kubectl(
+            "patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"desiredVersion":"v2"}}'
+        )
+        wait_for(
+            lambda: replicas(cluster, namespace)[first]["spec"]["version"] == "v2", 30, "rollout started", describe
+        )
+        operator.kill()
+        versions = sorted(r["spec"]["version"] for r in replicas(cluster, namespace).values())
+        assert versions == ["v1", "v1", "v2"], "one replica at a time"
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+        operator.start()
+        wait_for(
+            lambda: ml_status(cluster, namespace).get("loadedVersion") == "v2"
+            and ml_status(cluster, namespace).get("ready") == "3/3",
+            90, "3/3 on v2 after restart", describe,
+        )  # fmt: skip
+        final = replicas(cluster, namespace)
+        assert {r["status"]["version"] for r in final.values()} == {"v2"}
+        assert {r["metadata"]["labels"]["ferry.dev/version"] for r in final.values()} == {"v2"}
+        assert "RollingOut" in events(cluster, namespace)
+    finally:
+        for a in agents.values():
+            a.stop()

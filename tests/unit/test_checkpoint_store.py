@@ -1,0 +1,309 @@
+"""The node-local checkpoint store: atomic artifacts, update/commit/rollback, crash recovery (including a real
+SIGKILL mid-write), quota eviction that never touches an active chain; plus the streamed delta decoder and shard
+header checks it relies on (ferry.checkpoint_format)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+
+from ferry import checkpoint_format as ckpt
+from ferry_agent.checkpoint_store import (
+    MARKER,
+    STATE_FILE,
+    ArtifactKind,
+    ArtifactRef,
+    CheckpointCacheCapacityError,
+    CheckpointStore,
+    StoreStatus,
+    chain_refs,
+)
+
+pytestmark = pytest.mark.unit
+
+FULL, DELTA, MAT = ArtifactKind.FULL, ArtifactKind.DELTA, ArtifactKind.MATERIALIZED
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[CheckpointStore]:
+    s = CheckpointStore(tmp_path / "store", quota_bytes=1 << 30)
+    yield s
+    s.close()
+
+
+def put(store: CheckpointStore, model: str, kind: ArtifactKind, version: str, nbytes: int = 1000) -> Path:
+    with store.write(ArtifactRef(model, kind, version), {"uri": f"s3://b/{version}"}) as tmp:
+        (tmp / "data.bin").write_bytes(b"x" * nbytes)
+    return store.path(ArtifactRef(model, kind, version))
+
+
+def debris(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*.tmp"))
+
+
+def activate(store: CheckpointStore, model: str, chain: tuple[str, ...]) -> None:
+    with store.update(model, chain[-1], chain) as update:
+        update.commit()
+
+
+# ---------------------------------------------------------------- artifacts
+
+
+def test_write_is_atomic_and_fingerprinted(store: CheckpointStore) -> None:
+    ref = ArtifactRef("org/llama", FULL, "v1")
+    final = store.path(ref)
+    assert final.parent.parent.name == "org%2Fllama"  # the model name is one path component
+    with store.write(ref, {"uri": "s3://b/v1/model.safetensors.index.json"}) as tmp:
+        assert tmp.name == "v1.tmp" and not final.exists()
+        (tmp / "a.safetensors").write_bytes(b"abc")
+        assert store.artifact(ref) is None
+    assert store.artifact(ref) == final and not debris(store.root)
+    assert json.loads((final / MARKER).read_text())["files"] == {"a.safetensors": 3}
+    assert store.source(ref) == {"uri": "s3://b/v1/model.safetensors.index.json"}
+    with pytest.raises(FileExistsError, match="immutable"), store.write(ref, {}):
+        pass
+
+
+def test_failed_write_leaves_nothing(store: CheckpointStore) -> None:
+    ref = ArtifactRef("m", DELTA, "v2")
+    with pytest.raises(RuntimeError, match="boom"), store.write(ref, {}) as tmp:
+        (tmp / "part").write_bytes(b"half")
+        raise RuntimeError("boom")
+    assert not store.path(ref).exists() and not debris(store.root)
+
+
+def test_artifact_whose_files_changed_is_discarded(store: CheckpointStore) -> None:
+    path = put(store, "m", FULL, "v1")
+    (path / "data.bin").write_bytes(b"short")
+    assert store.artifact(ArtifactRef("m", FULL, "v1")) is None
+    assert not path.exists() and not debris(store.root)
+
+
+@pytest.mark.parametrize(("model", "version"), [("..", "v1"), ("", "v1"), ("m", "v1.tmp"), ("m", "a/b"), ("m", "")])
+def test_names_that_cannot_be_stored(store: CheckpointStore, model: str, version: str) -> None:
+    with pytest.raises(ValueError, match="cannot be stored"):
+        store.path(ArtifactRef(model, FULL, version))
+
+
+# ---------------------------------------------------------------- updates
+
+
+def test_update_commit_and_rollback(store: CheckpointStore) -> None:
+    assert store.state("m").version is None
+    with store.update("m", "v1", ("v1",)) as update:
+        state = store.state("m")
+        assert (state.status, state.version, state.target) == (StoreStatus.UPDATING, None, "v1")
+        put(store, "m", FULL, "v1")
+        update.commit()
+    assert (store.state("m").status, store.state("m").version) == (StoreStatus.READY, "v1")
+
+    with pytest.raises(RuntimeError, match="apply failed"), store.update("m", "v2", ("v1", "v2")):
+        assert store.state("m").status == StoreStatus.UPDATING
+        raise RuntimeError("apply failed")
+    state = store.state("m")
+    assert (state.status, state.version, state.chain, state.target) == (StoreStatus.READY, "v1", ("v1",), None)
+
+    with store.update("m", "v2", ("v1", "v2")) as update, pytest.raises(RuntimeError, match="not in the store"):
+        update.commit()  # materialized/v2 was never written
+    assert store.state("m").version == "v1"
+
+
+# ---------------------------------------------------------------- recovery
+
+
+def test_recover_removes_debris_and_undoes_an_interrupted_update(store: CheckpointStore) -> None:
+    put(store, "m", FULL, "v1")
+    activate(store, "m", ("v1",))
+    put(store, "m", DELTA, "v2")
+    model_dir = store.model_dir("m")
+    (model_dir / "materialized" / "v3.tmp").mkdir(parents=True)
+    (model_dir / "materialized" / "v3.tmp" / "model-00001-of-00001.safetensors").write_bytes(b"partial")
+    (model_dir / "deltas" / "v3.tmp").mkdir()
+    (model_dir / "full" / "v9").mkdir()  # no marker: never completed
+    (model_dir / "full" / "v9" / "data.bin").write_bytes(b"?")
+    (model_dir / "state.json.tmp").write_text("{")
+    state = json.loads((model_dir / STATE_FILE).read_text())
+    state.update(status="UPDATING", target="v3", target_chain=["v1", "v2", "v3"])
+    (model_dir / STATE_FILE).write_text(json.dumps(state))
+
+    actions = store.recover()
+    assert any("interrupted" in a for a in actions) and any("v9" in a for a in actions)
+    assert not debris(store.root) and not (model_dir / "full" / "v9").exists()
+    state = store.state("m")
+    assert (state.status, state.version, state.chain, state.target) == (StoreStatus.READY, "v1", ("v1",), None)
+    assert store.artifact(ArtifactRef("m", DELTA, "v2")) is not None  # complete artifacts survive
+    assert store.recover() == []  # idempotent
+
+
+def test_recover_rebuilds_an_unreadable_or_dangling_state(store: CheckpointStore) -> None:
+    (store.model_dir("a")).mkdir()
+    (store.model_dir("a") / STATE_FILE).write_text('{"status": "READ')
+    put(store, "b", FULL, "v1")
+    activate(store, "b", ("v1",))
+    store.discard(ArtifactRef("b", FULL, "v1"))  # e.g. removed by hand
+    actions = store.recover()
+    assert any("unreadable" in a for a in actions) and any("no longer stored" in a for a in actions)
+    for model in ("a", "b"):
+        assert (store.state(model).status, store.state(model).version) == (StoreStatus.READY, None)
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    from ferry_agent.checkpoint_store import ArtifactKind, ArtifactRef, CheckpointStore
+
+    store = CheckpointStore(Path(sys.argv[1]), 1 << 30)
+    with store.update("m", "v2", ("v1", "v2")):
+        with store.write(ArtifactRef("m", ArtifactKind.MATERIALIZED, "v2"), {}) as tmp:
+            with open(tmp / "model-00001-of-00001.safetensors", "wb") as f:
+                f.write(b"half of the shard")
+                f.flush()
+                os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_sigkill_mid_write_then_recover(store: CheckpointStore) -> None:
+    put(store, "m", FULL, "v1")
+    activate(store, "m", ("v1",))
+    put(store, "m", DELTA, "v2")
+    child = subprocess.run([sys.executable, "-c", CHILD, str(store.root)], capture_output=True, text=True, timeout=60)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    tmp = store.model_dir("m") / "materialized" / "v2.tmp"
+    assert (tmp / "model-00001-of-00001.safetensors").read_bytes() == b"half of the shard"
+    assert store.state("m").status == StoreStatus.UPDATING
+
+    restarted = CheckpointStore(store.root, 1 << 30)  # the dead child's flock is gone with it
+    try:
+        assert restarted.recover()
+        assert not debris(store.root)
+        state = restarted.state("m")
+        assert (state.status, state.version) == (StoreStatus.READY, "v1")
+        with restarted.update("m", "v2", ("v1", "v2")) as update:  # the update can now run to completion
+            put(restarted, "m", MAT, "v2")
+            update.commit()
+        assert restarted.state("m").chain == ("v1", "v2")
+    finally:
+        restarted.close()
+
+
+# ---------------------------------------------------------------- quota
+
+
+def test_chain_refs_protect_root_deltas_and_head_only() -> None:
+    assert chain_refs("m", ("v1", "v2", "v3")) == {
+        ArtifactRef("m", FULL, "v1"),
+        ArtifactRef("m", DELTA, "v2"),
+        ArtifactRef("m", DELTA, "v3"),
+        ArtifactRef("m", MAT, "v3"),
+    }
+    assert chain_refs("m", ("v1",)) == {ArtifactRef("m", FULL, "v1")}
+
+
+def test_eviction_order_never_touches_active_chains(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "store", quota_bytes=20_000)
+    try:
+        sizes = 1000
+        active = ("v1", "v2", "v3")
+        for kind, version in [(FULL, "v1"), (DELTA, "v2"), (DELTA, "v3"), (MAT, "v3"), (MAT, "v2")]:
+            put(store, "m", kind, version, sizes)
+        activate(store, "m", active)
+        for kind, version in [(FULL, "old"), (DELTA, "old2"), (MAT, "old2"), (MAT, "older")]:
+            put(store, "m", kind, version, sizes)
+        put(store, "n", FULL, "w1", sizes)  # another model's active chain
+        activate(store, "n", ("w1",))
+        put(store, "n", DELTA, "w2", sizes)  # pinned below by an update in progress
+        t = time.time() - 1000
+        for i, artifact in enumerate(reversed(store.artifacts())):  # deterministic ages, newest listed first
+            os.utime(artifact.path, (t + i, t + i))
+
+        protected = chain_refs("m", active) | {ArtifactRef("n", FULL, "w1"), ArtifactRef("n", DELTA, "w2")}
+        evictable = [a for a in store.artifacts() if a.ref not in protected]
+        order = sorted(evictable, key=lambda a: ([MAT, DELTA, FULL].index(a.ref.kind), a.mtime))
+        assert [a.ref.kind for a in order] == [MAT, MAT, MAT, DELTA, FULL]
+        with store.update("n", "w2", ("w1", "w2")):
+            free = store.quota_bytes - store.usage()
+            evicted = store.reserve(free + order[0].size + order[1].size + 1)  # three artifacts must go
+            assert evicted == [a.ref for a in order[:3]]
+            with pytest.raises(CheckpointCacheCapacityError, match="active chains") as exc:
+                store.reserve(store.quota_bytes)
+            assert "m:full/v1" in str(exc.value)
+        remaining = {a.ref for a in store.artifacts()}
+        assert protected <= remaining and {a.ref for a in order[3:]} <= remaining  # a failed reserve evicts nothing
+        assert store.reserve(0) == []
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------- format helpers the store's users rely on
+
+
+def test_streamed_xor_matches_the_reference_decoder() -> None:
+    rng = np.random.default_rng(7)
+    base = rng.standard_normal(300_000).astype(np.float32)
+    new = base.copy()
+    new[1000:90_000] = rng.standard_normal(89_000)
+    files = ckpt.build_xor_delta({"w": base}, {"w": new}, version="v2", base_version="v1")
+    index = ckpt.parse_index(files[ckpt.INDEX_NAME])
+    shard = files[index.weight_map["w"]]
+    layout = ckpt.check_shard(shard, len(shard), {"w"}, checksummed=True)
+    info = layout.infos["w"]
+    frame = shard[layout.data_start + info.begin : layout.data_start + info.end]
+    target = base.view(np.uint8).copy()
+    ckpt.apply_xor_delta_into(target, frame, chunk_bytes=4096)
+    reference = ckpt.apply_xor_delta(base, frame, layout.checksums["w"])
+    assert target.tobytes() == reference.tobytes() == new.tobytes()
+    assert ckpt.adler32_hex(target) == layout.checksums["w"]
+
+
+@pytest.mark.parametrize(
+    ("mangle", "match"),
+    [
+        (lambda f: f[:-7], "truncated|does not decode"),
+        (lambda f: f + b"junk", "does not decode"),
+        (lambda f: f + zstandard.ZstdCompressor().compress(b"extra"), "more than"),
+        (lambda f: b"\x00" * 16, "zstd header"),
+    ],
+    ids=["truncated", "trailing-garbage", "trailing-frame", "not-zstd"],
+)
+def test_streamed_xor_rejects_bad_frames(mangle, match: str) -> None:
+    target = np.zeros(50_000, dtype=np.uint8)
+    frame = zstandard.ZstdCompressor(level=1).compress(np.ones(50_000, dtype=np.uint8).tobytes())
+    with pytest.raises(ValueError, match=match):
+        ckpt.apply_xor_delta_into(target, mangle(frame))
+    with pytest.raises(ValueError, match="declares"):
+        ckpt.apply_xor_delta_into(np.zeros(10, dtype=np.uint8), frame)
+
+
+def test_check_shard_rejects_inconsistent_shards() -> None:
+    files = ckpt.build_full_checkpoint({"a": np.ones(16, np.float32), "b": np.zeros(4, np.int64)}, shard_bytes=1 << 20)
+    shard = files["model-00001-of-00001.safetensors"]
+    assert ckpt.check_shard(shard, len(shard), {"a", "b"}, checksummed=True).size == len(shard)
+    with pytest.raises(ckpt.InvalidShard, match="truncated"):
+        ckpt.check_shard(shard, len(shard) - 1, {"a", "b"}, checksummed=True)
+    with pytest.raises(ckpt.InvalidShard, match="longer"):
+        ckpt.check_shard(shard, len(shard) + 1, {"a", "b"}, checksummed=True)
+    with pytest.raises(ckpt.InvalidShard, match=r"lacks tensors .*'c'"):
+        ckpt.check_shard(shard, len(shard), {"a", "b", "c"}, checksummed=True)
+    with pytest.raises(ckpt.InvalidShard, match=r"not in the index: \['b'\]"):
+        ckpt.check_shard(shard, len(shard), {"a"}, checksummed=True)
+    unchecked = ckpt.build_full_checkpoint({"a": np.ones(4, np.float32)}, 1 << 20)["model-00001-of-00001.safetensors"]
+    length, header = ckpt.parse_safetensors_header(unchecked)
+    header["__metadata__"] = {"a": "XYZ"}
+    body = json.dumps(header, separators=(",", ":")).encode().ljust(length)
+    forged = len(body).to_bytes(8, "little") + body + unchecked[8 + length :]
+    with pytest.raises(ckpt.InvalidShard, match="no valid adler32"):
+        ckpt.check_shard(forged, len(forged), {"a"}, checksummed=True)

@@ -1,0 +1,200 @@
+"""Rank agreement over real gloo process groups: 2-3 forked processes on 127.0.0.1 sharing a FileStore."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from ferry.localcluster import free_port
+from ferry_agent.ranks import (
+    S3Steps,
+    SingleRank,
+    TorchRankGroup,
+    agree_desired_version,
+    agree_peer_outcome,
+    agree_phase,
+    agree_source_order,
+    s3_phases,
+)
+from ferry_agent.strategy import StrategyRecoveryError
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+def _worker(rank: int, world: int, store_path: str | None, fn: Callable[..., Any], queue: Any) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        # Without a store file: TCP rendezvous at $MASTER_ADDR:$MASTER_PORT, which the parent set.
+        store = dist.FileStore(store_path, world) if store_path else None
+        with TorchRankGroup.init(rank=rank, world_size=world, store=store, timeout=dt.timedelta(seconds=10)) as g:
+            try:
+                queue.put((rank, ("ok", fn(g))))
+            except StrategyRecoveryError as exc:
+                queue.put((rank, ("fatal", str(exc), type(exc.__cause__).__name__)))
+    except BaseException as exc:  # anything else is a test bug: report it instead of hanging the parent
+        queue.put((rank, ("crash", repr(exc))))
+
+
+def spawn(tmp_path: Path | None, world: int, fn: Callable[[TorchRankGroup], Any]) -> list[tuple[Any, ...]]:
+    """Run `fn(group)` on `world` ranks (a FileStore in `tmp_path`, else TCP); each rank's ("ok", value) or
+    ("fatal", message, cause type)."""
+    # fork: the children inherit the torch this module imported, so a rank starts in milliseconds, not seconds.
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    store = str(tmp_path / "store") if tmp_path else None
+    procs = [ctx.Process(target=_worker, args=(r, world, store, fn, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=30) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+def _steps(calls: list[tuple[str, float]], fail: dict[str, str] | None = None) -> S3Steps:
+    def step(name: str, value: Any = None) -> Callable[[], Any]:
+        def run() -> Any:
+            calls.append((name, time.monotonic()))
+            if fail and name in fail:
+                raise OSError(fail[name])
+            return value
+
+        return run
+
+    return S3Steps(step("chain", ("v1", "v3")), step("prepare"), step("load"), step("activate"))
+
+
+def _agree_everything(group: TorchRankGroup) -> Any:
+    configured = {0: "v3", 1: None, 2: "v3"}[group.rank]  # rank 1 configures nothing and follows rank 0
+    desired = agree_desired_version(group, configured)
+    order = agree_source_order(group, ["Peer", "ObjectStorage"])
+    available = agree_phase(group, "s3_available", pinned=desired, configured=configured, result=True)
+    outcome = agree_peer_outcome(group, "miss")
+    calls: list[tuple[str, float]] = []
+    chain = s3_phases(group, _steps(calls), pinned=desired, configured=configured)
+    return desired, order, available, outcome, chain, calls
+
+
+@pytest.mark.parametrize("rendezvous", ["file-store", "tcp"])
+def test_agreement_succeeds(tmp_path: Path, rendezvous: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    results = spawn(tmp_path if rendezvous == "file-store" else None, 3, _agree_everything)
+    assert all(r[0] == "ok" for r in results), results
+    for _, (desired, order, available, outcome, chain, _) in results:
+        assert (desired, order, available, outcome, chain) == (
+            "v3",
+            ("Peer", "ObjectStorage"),
+            True,
+            "miss",
+            ("v1", "v3"),
+        )
+    calls = [dict(r[1][5]) for r in results]
+    assert list(calls[0]) == ["chain", "prepare", "load", "activate"]  # rank 0 leads: prepares first, activates
+    assert all(list(c) == ["chain", "prepare", "load"] for c in calls[1:])
+    assert all(calls[0]["prepare"] < c["prepare"] for c in calls[1:])  # followers attach to the leader's prepare
+    assert max(c["prepare"] for c in calls) < min(c["load"] for c in calls)
+    assert calls[0]["activate"] > max(c["load"] for c in calls)  # activated only once every rank loaded
+
+
+def test_no_desired_version_runs_only_version_agnostic_path(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="ferry_agent.ranks"):
+        assert agree_desired_version(SingleRank(), "") is None
+    assert "only the version-agnostic load path runs" in caplog.text
+    assert agree_desired_version(SingleRank(), "v1") == "v1"
+
+
+def _conflicting_versions(group: TorchRankGroup) -> Any:
+    return agree_desired_version(group, {0: "v1", 1: "v2", 2: None}[group.rank])
+
+
+def test_different_desired_versions_are_fatal_on_every_rank(tmp_path: Path) -> None:
+    results = spawn(tmp_path, 3, _conflicting_versions)
+    for result in results:
+        assert result[0] == "fatal", results
+        assert "rank 0 pins 'v1' but rank 1 is configured with 'v2'" in result[1]
+        assert "rank 2" not in result[1]  # nothing configured is not a conflict
+
+
+def _peer_outcomes(group: TorchRankGroup) -> Any:
+    messages = []
+    for outcomes in (("loaded", "miss", "loaded"), ("miss", "miss", "fatal")):
+        try:
+            agree_peer_outcome(group, outcomes[group.rank])
+        except StrategyRecoveryError as exc:
+            messages.append(str(exc))
+    return messages, agree_peer_outcome(group, "loaded")
+
+
+def test_mixed_peer_outcomes_are_fatal_on_every_rank(tmp_path: Path) -> None:
+    results = spawn(tmp_path, 3, _peer_outcomes)
+    for status, (messages, agreed) in results:
+        assert status == "ok" and agreed == "loaded"
+        assert messages == [
+            "mixed peer outcomes: rank 0: 'loaded'; rank 1: 'miss'; rank 2: 'loaded'",
+            "peer load was fatal on rank(s) [2]: rank 0: 'miss'; rank 1: 'miss'; rank 2: 'fatal'",
+        ]
+
+
+def _phase_disagreements(group: TorchRankGroup) -> Any:
+    messages = []
+    attempts: list[Callable[[], Any]] = [
+        lambda: agree_phase(group, "s3_available", pinned="v1", configured="v1", result=group.rank == 0),
+        lambda: agree_phase(group, f"phase{group.rank}", pinned="v1", configured=None, result=True),
+        lambda: agree_source_order(group, ["Peer", "ObjectStorage"][:: 1 if group.rank else -1]),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+        except StrategyRecoveryError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_phase_and_order_disagreement_are_fatal_on_every_rank(tmp_path: Path) -> None:
+    results = spawn(tmp_path, 2, _phase_disagreements)
+    for status, messages in results:
+        assert status == "ok" and len(messages) == 3, results
+        assert messages[0] == (
+            "result disagreement during s3_available: "
+            "rank 0: ('s3_available', 'v1', 'v1', True); rank 1: ('s3_available', 'v1', 'v1', False)"
+        )
+        assert messages[1].startswith("phase disagreement during phase") and "'phase0'" in messages[1]
+        assert "'phase1'" in messages[1]
+        assert (
+            messages[2]
+            == "source order disagreement: rank 0: ('ObjectStorage', 'Peer'); rank 1: ('Peer', 'ObjectStorage')"
+        )
+
+
+def _s3_follower_fails(group: TorchRankGroup) -> Any:
+    calls: list[tuple[str, float]] = []
+    fail = {"prepare": "disk full on rank 2"} if group.rank == 2 else None
+    try:
+        s3_phases(group, _steps(calls, fail), pinned="v3", configured="v3")
+    except StrategyRecoveryError as exc:
+        return str(exc), type(exc.__cause__).__name__, [name for name, _ in calls]
+    return None
+
+
+def test_one_rank_failing_prepared_phase_fails_all_ranks(tmp_path: Path) -> None:
+    results = spawn(tmp_path, 3, _s3_follower_fails)
+    for rank, (status, outcome) in enumerate(results):
+        assert status == "ok" and outcome is not None, results
+        message, cause, calls = outcome
+        assert message == "S3 cold start of 'v3' failed in s3_all_prepared: rank 2: OSError: disk full on rank 2"
+        assert cause == ("OSError" if rank == 2 else "NoneType")  # the local failure is the cause where it happened
+        assert calls == ["chain", "prepare"]  # the leader prepared, rank 2 tried; nobody went on to load
