@@ -314,6 +314,25 @@ def _check_names(names: Mapping[str, Any]) -> None:
             raise ValueError(f"invalid tensor name {name!r}")
 
 
+def canonical_shard(shard: bytes, dtypes: Mapping[str, str] | None = None) -> bytes:
+    """The shard with a deterministic header, and carrier dtypes renamed (U16 → BF16, ...) when `dtypes` is given.
+
+    The safetensors writer emits `__metadata__` in hash order, so two builds of the same weights differ by a few
+    header bytes; an immutable re-publish must produce identical bytes to be recognised as a retry. Tensor
+    offsets are relative to the data, so only the header changes.
+    """
+    length, header = parse_safetensors_header(shard)
+    metadata = header.pop(METADATA_KEY, None)
+    if dtypes is not None:
+        for name, entry in header.items():
+            entry["dtype"] = dtypes[name]
+    ordered: dict[str, Any] = {} if metadata is None else {METADATA_KEY: dict(sorted(metadata.items()))}
+    ordered.update(sorted(header.items(), key=lambda item: (item[1]["data_offsets"], item[0])))
+    text = json.dumps(ordered, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads so that the data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text + shard[HEADER_PREFIX_BYTES + length :]
+
+
 def build_full_checkpoint(tensors: dict[str, np.ndarray], shard_bytes: int) -> dict[str, bytes]:
     """{file name: bytes} for a full checkpoint: shards of at most `shard_bytes` tensor bytes (a larger tensor
     gets a shard of its own), in insertion order, plus the index."""
@@ -337,7 +356,7 @@ def build_full_checkpoint(tensors: dict[str, np.ndarray], shard_bytes: int) -> d
     for number, group in enumerate(groups, start=1):
         shard = full_shard_name(number, len(groups))
         part = {name: arrays[name] for name in group}
-        files[shard] = save(part, metadata={name: adler32_hex(_raw(a)) for name, a in part.items()})
+        files[shard] = canonical_shard(save(part, metadata={name: adler32_hex(_raw(a)) for name, a in part.items()}))
         weight_map.update(dict.fromkeys(group, shard))
     total = sum(a.nbytes for a in arrays.values())
     files[INDEX_NAME] = _index_bytes({"total_size": total, "checksum_format": CHECKSUM_FORMAT}, weight_map)
@@ -377,7 +396,7 @@ def build_xor_delta(
     weight_map: dict[str, str] = {}
     if frames:
         shard = delta_shard_name(0, 1)
-        files[shard] = save(frames, metadata=checksums)
+        files[shard] = canonical_shard(save(frames, metadata=checksums))
         weight_map = dict.fromkeys(frames, shard)
     metadata = {
         "version": version,

@@ -18,7 +18,6 @@ import hashlib
 import json
 import math
 import re
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -195,25 +194,6 @@ def check_same_layout(base: Weights, new: Weights, base_version: str) -> None:
         )
 
 
-def canonical_shard(shard: bytes, dtypes: Mapping[str, str] | None = None) -> bytes:
-    """The shard with a deterministic header, and carrier dtypes renamed (U16 → BF16, ...) when `dtypes` is given.
-
-    The safetensors writer emits `__metadata__` in hash order, so two builds of the same weights differ by a few
-    header bytes; an immutable re-publish must produce identical bytes to be recognised as a retry. Tensor
-    offsets are relative to the data, so only the header changes.
-    """
-    length, header = ckpt.parse_safetensors_header(shard)
-    metadata = header.pop(ckpt.METADATA_KEY, None)
-    if dtypes is not None:
-        for name, entry in header.items():
-            entry["dtype"] = dtypes[name]
-    ordered: dict[str, Any] = {} if metadata is None else {ckpt.METADATA_KEY: dict(sorted(metadata.items()))}
-    ordered.update(sorted(header.items(), key=lambda item: (item[1]["data_offsets"], item[0])))
-    text = json.dumps(ordered, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # safetensors pads so that the data starts 8-byte aligned
-    return struct.pack("<Q", len(text)) + text + shard[ckpt.HEADER_PREFIX_BYTES + length :]
-
-
 def build_files(
     weights: Weights, *, version: str, shard_bytes: int, base: tuple[str, Weights] | None = None
 ) -> dict[str, bytes]:
@@ -226,7 +206,7 @@ def build_files(
         check_same_layout(base_weights, weights, base_version)
         files = ckpt.build_xor_delta(base_weights.arrays, weights.arrays, version=version, base_version=base_version)
         dtypes = None  # delta shards hold uint8 frames; the layout check above compared the real dtypes
-    return {n: d if n == ckpt.INDEX_NAME else canonical_shard(d, dtypes) for n, d in files.items()}
+    return {n: d if n == ckpt.INDEX_NAME else ckpt.canonical_shard(d, dtypes) for n, d in files.items()}
 
 
 # ---------------------------------------------------------------- S3
