@@ -1,27 +1,33 @@
-"""`make demo`: the whole control plane on one machine.
+"""`make demo`: the whole system on one machine.
 
-Starts etcd + kube-apiserver + kube-controller-manager + SeaweedFS S3 + the operator (`kopf run`), publishes a small
-full checkpoint and two XOR deltas to S3, applies the sample WeightVersions, and shows them resolve and go Ready.
-Then it deletes the base to show that release waits for its dependents. Ctrl-C tears everything down.
+A real etcd + kube-apiserver + kube-controller-manager, a SeaweedFS S3 server, the operator (`kopf run`) and three
+node agents (one process per simulated GPU node). A trainer publishes a full checkpoint and an XOR delta with
+`ferry publish`; a ModelLoad puts the model on three nodes: the first replica replays it from S3, the others copy
+it from peers over NIXL. Then the desired version moves to the delta and rolls out. Ctrl-C tears everything down.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
+import torch
+from safetensors.torch import save_file
 
-from ferry import checkpoint_format as cf
-from ferry.localcluster import REPO_ROOT, LocalCluster, local_stack, start_operator
+from ferry.api.models import API_VERSION
+from ferry.localcluster import LocalCluster, ManagedProcess, S3Server, local_stack, start_operator
 
-SAMPLES = REPO_ROOT / "crds" / "samples"
+MODEL = "llama-tiny"
+NAMESPACE = "default"
 BUCKET = "ferry-models"
-VERSIONS = ["llama-tiny-v1", "llama-tiny-v2", "llama-tiny-v3"]
+NODES = ["gpu-node-1", "gpu-node-2", "gpu-node-3"]
 
 
 def say(text: str) -> None:
@@ -33,23 +39,70 @@ def show(cluster: LocalCluster, *args: str) -> None:
     print(cluster.kubectl(*args, check=False).stdout.rstrip(), flush=True)
 
 
-def publish(s3, rng: np.random.Generator) -> None:
-    """Full checkpoint v1, then v2 and v3 as XOR deltas that each change one layer."""
-    weights = {f"model.layers.{i}.mlp.weight": rng.standard_normal((256, 256)).astype(np.float32) for i in range(8)}
-    s3.create_bucket(BUCKET)
-    client = s3.client()
-    for i, version in enumerate(VERSIONS):
-        if i == 0:
-            files = cf.build_full_checkpoint(weights, shard_bytes=1 << 20)
-        else:
-            new = dict(weights)
-            layer = f"model.layers.{i}.mlp.weight"
-            new[layer] = weights[layer] + np.float32(0.01)
-            files = cf.build_xor_delta(weights, new, version=version, base_version=VERSIONS[i - 1])
-            weights = new
-        for name, data in files.items():
-            client.put_object(Bucket=BUCKET, Key=f"llama-tiny/{version[len('llama-tiny-') :]}/{name}", Body=data)
-        print(f"  s3://{BUCKET}/llama-tiny/{version[len('llama-tiny-') :]}/  {len(files)} objects", flush=True)
+def make_weights(directory: Path, seed: int, base: dict[str, torch.Tensor] | None, size_mib: int) -> dict:
+    """`size_mib` of float32 layers; with a base, a quarter of the layers change (a fine-tuning step)."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = max(4, size_mib // 4)
+    if base is None:
+        weights = {f"model.layers.{i}.mlp.weight": torch.randn((1024, 1024), generator=gen) for i in range(layers)}
+    else:
+        weights = {k: (v + 0.01 * torch.randn(v.shape, generator=gen)) if i % 4 == 0 else v.clone()
+                   for i, (k, v) in enumerate(base.items())}  # fmt: skip
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(directory / "model.safetensors"))
+    return weights
+
+
+def publish(cluster: LocalCluster, s3: S3Server, source: Path, version: str, base: str | None) -> None:
+    argv = [
+        sys.executable, "-m", "ferry.cli", "publish", str(source), "--version", version, "--model", MODEL,
+        "--uri-prefix", f"s3://{BUCKET}/{MODEL}", "--layout-signature", f"{MODEL}/f32/tp1", "-n", NAMESPACE,
+        "--kubeconfig", str(cluster.kubeconfig), "--wait", "--timeout", "120",
+    ]  # fmt: skip
+    if base:
+        argv += ["--base", base]
+    print(f"$ ferry publish {source.name} --version {version}" + (f" --base {base}" if base else ""), flush=True)
+    subprocess.run(argv, check=True, env={**os.environ, **s3.env()})
+
+
+def start_agents(cluster: LocalCluster, s3: S3Server, workdir: Path) -> list[ManagedProcess]:
+    agents = []
+    for node in NODES:
+        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": {"ferry.dev/gpu": "true"}}}
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+        argv = [sys.executable, "-m", "ferry_agent", "--node", node, "--checkpoint-dir", str(workdir / node),
+                "--poll-seconds", "0.5", "--retry-seconds", "1"]  # fmt: skip
+        env = {**os.environ, **cluster.env(), **s3.env(), "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
+        agents.append(ManagedProcess(f"agent-{node}", argv, workdir / f"agent-{node}.log", env=env).start())
+    return agents
+
+
+def _time(value: str | None) -> dt.datetime | None:
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
+
+
+def summary(cluster: LocalCluster) -> None:
+    items = json.loads(cluster.kubectl("get", "wr", "-n", NAMESPACE, "-o", "json").stdout)["items"]
+    print(f"{'replica':<28} {'node':<12} {'version':<14} {'source':<32} {'bytes':>12} {'seconds':>8} {'GB/s':>6}")
+    for r in sorted(items, key=lambda r: r["status"].get("completedTime") or ""):
+        st = r["status"]
+        start, end = _time(st.get("startedTime")), _time(st.get("completedTime"))
+        seconds = (end - start).total_seconds() if start and end else float("nan")
+        rate = (st.get("bytesDone") or 0) / seconds / 1e9 if seconds and seconds > 0 else float("nan")
+        print(f"{r['metadata']['name']:<28} {r['spec']['nodeName']:<12} {st.get('version', ''):<14} "
+              f"{st.get('source', ''):<32} {st.get('bytesDone') or 0:>12} {seconds:>8.2f} {rate:>6.2f}")  # fmt: skip
+
+
+def wait_modelload(cluster: LocalCluster, version: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ml = json.loads(cluster.kubectl("get", "ml", MODEL, "-n", NAMESPACE, "-o", "json").stdout)
+        status = ml.get("status") or {}
+        if status.get("loadedVersion") == version and status.get("readyReplicas") == ml["spec"]["replicas"]:
+            return
+        time.sleep(0.5)
+    show(cluster, "describe", "ml", MODEL, "-n", NAMESPACE)
+    raise TimeoutError(f"ModelLoad {MODEL} did not reach {version}")
 
 
 def wait_for_interrupt() -> None:
@@ -65,47 +118,51 @@ def wait_for_interrupt() -> None:
         time.sleep(0.5)
 
 
-def run(wait: bool, workdir: Path | None) -> int:
+def run(wait: bool, workdir: Path | None, size_mib: int) -> int:
     say("Starting etcd, kube-apiserver, kube-controller-manager and SeaweedFS S3 on 127.0.0.1")
     with local_stack(workdir) as (cluster, s3):
-        print(f"  apiserver {cluster.server}   S3 {s3.endpoint}")
-        print(f"  export KUBECONFIG={cluster.kubeconfig}")
-        show(cluster, "api-resources", "--categories=ferry")
+        root = cluster.workdir.parent
+        print(f"  apiserver {cluster.server}   S3 {s3.endpoint}\n  export KUBECONFIG={cluster.kubeconfig}")
+        s3.create_bucket(BUCKET)
+        say("Starting the operator (kopf run) and three node agents")
+        operator = start_operator(cluster, root / "operator", env={**s3.env(), "FERRY_RESYNC_SECONDS": "2"})
+        agents = start_agents(cluster, s3, root / "agents")
+        print(f"  logs under {root}")
+        try:
+            say(f"Trainer: publish v1 (full, {size_mib} MiB) and v2 (XOR delta of a quarter of the layers)")
+            v1 = make_weights(root / "train" / "step-1", 1, None, size_mib)
+            make_weights(root / "train" / "step-2", 2, v1, size_mib)
+            publish(cluster, s3, root / "train" / "step-1", f"{MODEL}-v1", None)
+            publish(cluster, s3, root / "train" / "step-2", f"{MODEL}-v2", f"{MODEL}-v1")
+            show(cluster, "get", "wv", "-n", NAMESPACE)
 
-        say("Starting the operator (kopf run)")
-        operator = start_operator(cluster, cluster.workdir, env={**s3.env(), "FERRY_RESYNC_SECONDS": "5"})
-        print(f"  log: {operator.log_path}")
+            say("Apply a ModelLoad: 3 replicas of v1")
+            ml = {
+                "apiVersion": API_VERSION, "kind": "ModelLoad", "metadata": {"name": MODEL},
+                "spec": {"modelName": MODEL, "desiredVersion": f"{MODEL}-v1", "replicas": 3, "device": "cpu",
+                         "nodeSelector": {"ferry.dev/gpu": "true"}},
+            }  # fmt: skip
+            cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=json.dumps(ml))
+            wait_modelload(cluster, f"{MODEL}-v1")
+            show(cluster, "get", "ml,wr", "-n", NAMESPACE, "-o", "wide")
+            summary(cluster)
 
-        say("Publishing a full checkpoint and two XOR/zstd deltas to S3")
-        publish(s3, np.random.default_rng(7))
+            say("Roll out v2: one replica at a time; the first applies the delta, the others copy it from a peer")
+            patch = json.dumps({"spec": {"desiredVersion": f"{MODEL}-v2"}})
+            cluster.kubectl("patch", "ml", MODEL, "-n", NAMESPACE, "--type=merge", "-p", patch)
+            wait_modelload(cluster, f"{MODEL}-v2")
+            show(cluster, "get", "ml,wr", "-n", NAMESPACE, "-o", "wide")
+            summary(cluster)
+            show(cluster, "describe", "ml", MODEL, "-n", NAMESPACE)
 
-        say("Applying the sample WeightVersions (crds/samples/01-weightversions.yaml)")
-        started = time.monotonic()
-        show(cluster, "apply", "-f", str(SAMPLES / "01-weightversions.yaml"))
-        cluster.kubectl("wait", "--for=condition=Ready", *(f"wv/{v}" for v in VERSIONS), "--timeout=90s")
-        print(f"  all Ready in {time.monotonic() - started:.1f}s")
-        show(cluster, "get", "wv", "-o", "wide")
-        show(cluster, "get", "wv", VERSIONS[-1], "-o", "jsonpath={.status.chain}{'\\n'}")
-
-        say("Deleting the full checkpoint while deltas still need it: the release waits")
-        cluster.kubectl("delete", "wv", VERSIONS[0], "--wait=false")
-        time.sleep(3)
-        show(cluster, "get", "wv")
-        show(
-            cluster, "get", "wv", VERSIONS[0], "-o", 'jsonpath={.status.conditions[?(@.type=="Ready")].message}{"\\n"}'
-        )
-
-        say("Deleting the deltas releases the base too")
-        cluster.kubectl("delete", "wv", *VERSIONS[1:])
-        cluster.kubectl("wait", "--for=delete", f"wv/{VERSIONS[0]}", "--timeout=30s")
-        show(cluster, "get", "wv")
-        show(cluster, "get", "events", "--sort-by=.lastTimestamp")
-
-        if wait:
-            say("The cluster stays up for kubectl (see KUBECONFIG above). Ctrl-C to tear down.")
-            wait_for_interrupt()
-        operator.stop()
-        say("Tearing down")
+            if wait:
+                say("Everything stays up for kubectl (KUBECONFIG above). Ctrl-C to tear down.")
+                wait_for_interrupt()
+        finally:
+            say("Tearing down")
+            for agent in agents:
+                agent.stop()
+            operator.stop()
     print("done")
     return 0
 
@@ -114,10 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ferry-demo", description=__doc__)
     parser.add_argument("--no-wait", action="store_true", help="tear down right after the walkthrough")
     parser.add_argument("--workdir", type=Path, help="keep state here instead of a temporary directory")
+    parser.add_argument("--size-mib", type=int, default=128, help="model size")
     args = parser.parse_args(argv)
     try:
-        return run(wait=not args.no_wait and sys.stdin.isatty(), workdir=args.workdir)
-    except subprocess.CalledProcessError as exc:
+        return run(wait=not args.no_wait and sys.stdin.isatty(), workdir=args.workdir, size_mib=args.size_mib)
+    except (subprocess.CalledProcessError, TimeoutError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         return 1
 

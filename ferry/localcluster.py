@@ -95,6 +95,7 @@ class ManagedProcess:
     proc: subprocess.Popen | None = None
 
     def start(self) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         self.proc = subprocess.Popen(
             list(self.argv),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kubernetes import client, config
 
+from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.node_agent import NodeAgent
 from ferry_agent.registry import DEFAULT_LEASE_SECONDS
 
@@ -32,6 +33,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--poll-seconds", type=float, default=1.0)
     parser.add_argument("--bind-address", default=os.environ.get("POD_IP", "127.0.0.1"),
                         help="address peers reach this agent's worker service on (env POD_IP)")  # fmt: skip
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=Path(os.environ.get("FERRY_CHECKPOINT_DIR", "/var/lib/ferry/checkpoints")),
+        help="local checkpoint store for the ObjectStorage strategy (env FERRY_CHECKPOINT_DIR)",
+    )
+    parser.add_argument("--checkpoint-quota-gib", type=float, default=500.0)
+    parser.add_argument(
+        "--s3-endpoint",
+        default=os.environ.get("FERRY_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL"),
+        help="S3 endpoint for versions that name none",
+    )
     parser.add_argument("--retry-seconds", type=float, default=5.0, help="first backoff after a failed load")
     args = parser.parse_args(argv)
     if not args.node:
@@ -45,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         client.ApiClient(), args.node, seeds=dict(args.seed), lease_seconds=args.lease_seconds,
         poll_seconds=args.poll_seconds, retry_seconds=args.retry_seconds,
         bind_address=args.bind_address,
+        store=CheckpointStore(args.checkpoint_dir, int(args.checkpoint_quota_gib * 2**30)),
+        s3_endpoint=args.s3_endpoint,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())

@@ -22,19 +22,23 @@ from kubernetes.client.exceptions import ApiException
 
 from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION
+from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
 from ferry_agent.registry import (
     DEFAULT_LEASE_SECONDS,
     LABEL_NODE,
     LABEL_VERSION,
+    first_loader,
     lease_body,
     lease_name,
     source_candidates,
 )
 from ferry_agent.resident import ResidentWeights
+from ferry_agent.s3_strategy import ObjectStorageStrategy
 from ferry_agent.strategy import LoadContext, StrategyFailed, run_strategy_chain
 from ferry_agent.worker_service import WorkerServer, serve_resident
+from ferry_operator.storage import credentials_from_secret_data
 
 log = logging.getLogger("ferry.agent")
 PLURAL = "weightreplicas"
@@ -94,6 +98,8 @@ class NodeAgent:
         poll_seconds: float = 1.0,
         retry_seconds: float = 5.0,
         bind_address: str = "127.0.0.1",
+        store: CheckpointStore | None = None,
+        s3_endpoint: str | None = None,
         peer_factory: Callable[[str], NixlPeer] = NixlPeer,
     ) -> None:
         self.node = node
@@ -110,6 +116,8 @@ class NodeAgent:
         self._failed: dict[tuple[str, str], tuple[str, int, float]] = {}
         self._retry_seconds = retry_seconds
         self._bind_address = bind_address
+        self._store = store
+        self._s3_endpoint = s3_endpoint
         self._stopping = threading.Event()
 
     # ------------------------------------------------------------------ loop
@@ -158,8 +166,8 @@ class NodeAgent:
         namespace, name = key
         self._objects.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": status})
 
-    def _candidates(self, namespace: str, version: str, self_name: str) -> Callable[[LoadContext], list]:
-        def listing(ctx: LoadContext) -> list:
+    def _candidates(self, namespace: str, version: str, self_name: str, wait_s: float) -> Callable[[LoadContext], list]:
+        def once(ctx: LoadContext) -> tuple[list, list]:
             replicas = self._objects.list_namespaced_custom_object(
                 GROUP, VERSION, namespace, PLURAL, label_selector=f"{LABEL_VERSION}={version}"
             )["items"]
@@ -167,11 +175,46 @@ class NodeAgent:
                 lease.metadata.name: self._api.sanitize_for_serialization(lease)
                 for lease in self._leases.list_namespaced_lease(namespace).items
             }
-            return source_candidates(
+            found = source_candidates(
                 replicas, leases, version=version, rank=ctx.rank, self_replica=self_name, now=dt.datetime.now(dt.UTC)
             )
+            return found, replicas
+
+        def listing(ctx: LoadContext) -> list:
+            found, replicas = once(ctx)
+            deadline = time.monotonic() + wait_s
+            # No source yet, but another replica is already fetching this version: wait to copy from it.
+            while not found and time.monotonic() < deadline:
+                leader = first_loader(replicas, version=version, self_replica=self_name)
+                if leader == self_name or self._stopping.is_set():
+                    break
+                self._patch_status((namespace, self_name), {"message": f"waiting for {leader} to load {version}"})
+                time.sleep(0.5)
+                found, replicas = once(ctx)
+            return found
 
         return listing
+
+    def _version_reader(self, namespace: str) -> Callable[[str], dict | None]:
+        def read(name: str) -> dict | None:
+            try:
+                return self._objects.get_namespaced_custom_object(GROUP, VERSION, namespace, "weightversions", name)
+            except ApiException as exc:
+                if exc.status == 404:
+                    return None
+                raise
+
+        return read
+
+    def _credentials_reader(self, namespace: str) -> Callable[[Mapping], dict[str, str] | None]:
+        def read(storage: Mapping) -> dict[str, str] | None:
+            secret = storage.get("credentialsSecret")
+            if not secret:
+                return None  # the agent's own environment (instance role, env vars)
+            data = client.CoreV1Api(self._api).read_namespaced_secret(secret, namespace).data
+            return credentials_from_secret_data(data)
+
+        return read
 
     def _load(self, key: tuple[str, str], wr: dict[str, Any]) -> None:
         namespace, name = key
@@ -181,7 +224,7 @@ class NodeAgent:
         if spec.get("ranks", 1) != 1:
             self._fail(key, version, generation, "multi-rank replicas need the rank process group, not yet supported")
             return
-        started = now_rfc3339()
+        started = _micro_now()
         self._patch_status(
             key,
             {
@@ -201,10 +244,16 @@ class NodeAgent:
         settings = TransferSettings.from_spec(spec.get("transfer") or {})
         strategies = {
             "Peer": PeerStrategy(
-                peer=self._peer, candidates=self._candidates(namespace, version, name), settings=settings,
+                peer=self._peer, candidates=self._candidates(namespace, version, name, settings.timeout_s),
+                settings=settings,
                 progress=progress,
             ),
         }  # fmt: skip
+        if self._store is not None:
+            strategies["ObjectStorage"] = ObjectStorageStrategy(
+                fetch_version=self._version_reader(namespace), credentials=self._credentials_reader(namespace),
+                store=self._store, default_endpoint=self._s3_endpoint, progress=progress,
+            )  # fmt: skip
         chain = [strategies[s] for s in spec.get("sourceOrder", ["Peer"]) if s in strategies]
         chain.append(LocalFileStrategy(self._seeds))
         t0 = time.monotonic()
@@ -225,7 +274,7 @@ class NodeAgent:
             key,
             {
                 "phase": "Serving", "source": source, "bytesDone": result.bytes_moved,
-                "bytesTotal": result.bytes_moved, "completedTime": now_rfc3339(), "lastProgressTime": now_rfc3339(),
+                "bytesTotal": result.bytes_moved, "completedTime": _micro_now(), "lastProgressTime": _micro_now(),
                 "attempts": [a.to_status() for a in ctx.attempts], "activeLeases": 0,
                 "message": f"loaded {result.bytes_moved} bytes from {source} in {seconds:.2f}s",
                 "ranks": [{

@@ -67,3 +67,17 @@ def lease_body(replica: str, holder: str, now: str, duration: int = DEFAULT_LEAS
             "renewTime": now,
         },
     }
+
+
+def first_loader(replicas: Iterable[Mapping[str, Any]], *, version: str, self_replica: str) -> str:
+    """Among replicas of `version` that are not serving it yet (self included), the one that goes to object
+    storage when no peer has it; the others wait for it and copy from it, so N cold replicas cost one S3 read.
+    Deterministic (smallest name), so every agent agrees without talking."""
+    loading = {self_replica}
+    for wr in replicas:
+        status = wr.get("status") or {}
+        if wr["metadata"].get("deletionTimestamp") or (wr.get("spec") or {}).get("version") != version:
+            continue
+        if status.get("phase") in (None, "Pending", "Loading"):
+            loading.add(wr["metadata"]["name"])
+    return min(loading)

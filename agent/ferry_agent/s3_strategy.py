@@ -8,11 +8,12 @@ ModelExpress semantics (reference/modelexpress.md §5.5 to §5.7), in four phase
    and every shard header (exact object size, the tensor set the index promises, checksums), delta tensors
    against the root's layout. Loading starts from the newest version of the chain the store already holds, so
    only what is missing is fetched (and validated) from S3.
-3. Download what is missing with parallel ranged GETs into the store (tmp + rename), verifying every full
-   tensor's adler32 before the rename; materialize the target by applying the XOR deltas in place (streamed
-   zstd, numpy XOR), checking the exact decoded size and adler32 of every changed tensor.
-4. Copy the target into a freshly allocated `ResidentWeights` pool on `ctx.device`, checking adler32 of every
-   tensor on the bytes actually copied, then activate the version in the store.
+3. Download what is missing with parallel ranged GETs into the store (tmp + fsync + rename), checking every full
+   tensor's adler32 before the rename.
+4. Build the target in one pass per tensor, in parallel: read the base bytes straight into a freshly allocated
+   `ResidentWeights` pool (CPU; through a host buffer for other devices), check their adler32, apply each delta in
+   place (streamed zstd, numpy XOR) checking the exact decoded size and adler32 after each, and write the result
+   to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
 
 Every failure is `StrategyFailed(mutated=False)`: the new pool is never handed out, so nothing the replica served
 changes, and the store goes back to its last activated version. An artifact found corrupt is discarded, so a
@@ -26,10 +27,8 @@ import json
 import logging
 import mmap
 import os
-import shutil
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -70,7 +69,6 @@ log = logging.getLogger(__name__)
 MIB = 1 << 20
 DEFAULT_RANGE_BYTES = 16 * MIB
 PROGRESS_INTERVAL_S = 1.0
-STAGING_BYTES = 16 * MIB  # bounce buffer per tensor copy to a non-CPU device
 CHECKSUMS_FILE = "checksums.json"  # materialized/<v>/: adler32 per tensor of version v
 CHAIN_FILE = "chain.json"  # materialized/<v>/: the replay chain it was built from
 SOURCE = "s3"
@@ -94,7 +92,7 @@ class S3LoadResult:
     chain: tuple[str, ...]  # root → target
     reused: str | None  # the stored artifact the load started from, e.g. "materialized/v2"
     seconds: float
-    timings: Mapping[str, float]  # seconds per phase: validate, download, verify, copy, apply, place
+    timings: Mapping[str, float]  # seconds per phase: validate, download, verify, build, commit (fsync + rename)
     source: str = SOURCE
 
 
@@ -230,7 +228,7 @@ def _s3_error(exc: Exception, uri: str) -> _LoadError:
     return _LoadError(f"reading {uri} failed: {exc}")
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+def _pwrite_all(fd: int, data: bytes | np.ndarray, offset: int) -> None:
     view = memoryview(data)
     while view:
         written = os.pwrite(fd, view, offset)
@@ -247,10 +245,10 @@ def _pread_into(fd: int, buffer: memoryview, offset: int) -> None:
 
 
 @contextlib.contextmanager
-def _mapped(path: Path, *, write: bool = False) -> Iterator[mmap.mmap]:
-    fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
+def _mapped(path: Path) -> Iterator[mmap.mmap]:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE if write else mmap.ACCESS_READ)
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)  # the mapping keeps the file open
     try:
@@ -261,8 +259,8 @@ def _mapped(path: Path, *, write: bool = False) -> Iterator[mmap.mmap]:
             mm.close()
 
 
-# Per-tensor tasks return (name, error or None) rather than raise, so no traceback keeps a view of a mapping.
-Verdict = tuple[str, str | None]
+# Per-tensor tasks report a failure rather than raise it, so that no traceback keeps a view of a mapping alive.
+Verdict = tuple[str, str | None]  # (tensor, error or None)
 
 
 def _check_region(mm: mmap.mmap, name: str, offset: int, nbytes: int, checksum: str) -> Verdict:
@@ -270,38 +268,64 @@ def _check_region(mm: mmap.mmap, name: str, offset: int, nbytes: int, checksum: 
     return name, None if got == checksum else f"got {got}, expected {checksum}"
 
 
-def _xor_tensor(
-    name: str, target: mmap.mmap, offset: int, nbytes: int, source: mmap.mmap, begin: int, end: int, checksum: str
-) -> Verdict:
-    """Apply one delta frame in place and check the result."""
-    region = np.frombuffer(target, dtype=np.uint8, count=nbytes, offset=offset)
-    frame = np.frombuffer(source, dtype=np.uint8, count=end - begin, offset=begin)
+@dataclass(frozen=True)
+class _Step:
+    """One delta frame to XOR into a tensor, and the adler32 the tensor must have afterwards."""
+
+    source: mmap.mmap  # the delta shard
+    begin: int
+    end: int
+    checksum: str
+    origin: int  # index of the delta in the plan
+
+
+@dataclass(frozen=True)
+class _Failure:
+    tensor: str
+    message: str
+    origin: int  # -1: the base checkpoint; i: plan.deltas[i]
+
+
+def _apply_step(host: np.ndarray, step: _Step) -> str | None:
+    frame = np.frombuffer(step.source, dtype=np.uint8, count=step.end - step.begin, offset=step.begin)
     try:
-        ckpt.apply_xor_delta_into(region, frame)
+        ckpt.apply_xor_delta_into(host, frame)
     except ValueError as exc:
-        return name, str(exc)
-    got = ckpt.adler32_hex(region)
-    return name, None if got == checksum else f"fails its adler32 check after the delta: got {got}, expected {checksum}"
+        return str(exc)
+    got = ckpt.adler32_hex(host)
+    return (
+        None
+        if got == step.checksum
+        else f"fails its adler32 check after the delta: got {got}, expected {step.checksum}"
+    )
 
 
-def _read_tensor(name: str, fd: int, offset: int, tensor: torch.Tensor, checksum: str) -> Verdict:
-    """Copy a tensor's bytes from a file into `tensor`, checking adler32 on the bytes copied."""
+def _build_tensor(
+    name: str,
+    tensor: torch.Tensor,
+    source: tuple[int, int],
+    checksum: str,
+    steps: Sequence[_Step],
+    out: tuple[int, int] | None,
+) -> _Failure | None:
+    """One tensor, in one pass: read its base bytes (fd, offset) into the resident pool, check them, apply its
+    deltas in order (checking each), write the result to the materialized file (`out`) when there is one."""
     flat = tensor.reshape(-1).view(torch.uint8)
-    nbytes = flat.numel()
-    if tensor.device.type == "cpu":
-        target = flat.numpy()
-        _pread_into(fd, memoryview(target), offset)
-        got = ckpt.adler32_hex(target)
-    else:
-        staging = np.empty(min(nbytes, STAGING_BYTES), dtype=np.uint8)
-        running = zlib.adler32(b"")
-        for start in range(0, nbytes, len(staging) or 1):
-            chunk = staging[: min(len(staging), nbytes - start)]
-            _pread_into(fd, memoryview(chunk), offset + start)
-            running = zlib.adler32(chunk, running)
-            flat[start : start + len(chunk)].copy_(torch.from_numpy(chunk))
-        got = f"{running & 0xFFFFFFFF:08x}"
-    return name, None if got == checksum else f"fails its adler32 check: got {got}, expected {checksum}"
+    # A non-CPU pool is filled through a host buffer of the tensor's size; a CPU pool is worked on directly.
+    host = flat.numpy() if tensor.device.type == "cpu" else np.empty(flat.numel(), dtype=np.uint8)
+    _pread_into(source[0], memoryview(host), source[1])
+    got = ckpt.adler32_hex(host)
+    if got != checksum:  # checked before any delta, so that a bad base is not blamed on a delta
+        return _Failure(name, f"fails its adler32 check: got {got}, expected {checksum}", -1)
+    for step in steps:
+        error = _apply_step(host, step)
+        if error is not None:
+            return _Failure(name, error, step.origin)
+    if out is not None:
+        _pwrite_all(out[0], host, out[1])
+    if tensor.device.type != "cpu":
+        flat.copy_(torch.from_numpy(host))
+    return None
 
 
 def _fetch_range(checkpoint: _Checkpoint, shard: _Shard, fd: int, begin: int, end: int, progress: _Progress) -> None:
@@ -338,8 +362,22 @@ def _run(pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], Any]]) -> list[A
     return [f.result() for f in futures]
 
 
-def _first_error(messages: Sequence[Verdict]) -> tuple[str, str] | None:
-    return next(((name, msg) for name, msg in messages if msg is not None), None)
+def _first_error(verdicts: Sequence[Verdict]) -> tuple[str, str] | None:
+    return next(((name, msg) for name, msg in verdicts if msg is not None), None)
+
+
+_clients: dict[tuple[Any, ...], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _cached_client(endpoint: str | None, region: str | None, creds: Mapping[str, str] | None, workers: int) -> Any:
+    """Creating a boto3 client costs tens of milliseconds and the agent builds strategies per load, so clients
+    are shared process-wide, one per endpoint, region, identity and pool size (boto3 clients are thread-safe)."""
+    key = (endpoint, region, tuple(sorted((creds or {}).items())), workers)
+    with _clients_lock:
+        if key not in _clients:
+            _clients[key] = bulk_s3_client(endpoint, region, creds, workers)
+        return _clients[key]
 
 
 class ObjectStorageStrategy:
@@ -369,8 +407,6 @@ class ObjectStorageStrategy:
         self._workers = download_workers
         self._progress = progress
         self._range_bytes = range_bytes
-        self._clients: dict[tuple[Any, ...], Any] = {}
-        self._clients_lock = threading.Lock()
 
     # ------------------------------------------------------------------ LoadStrategy
 
@@ -393,6 +429,8 @@ class ObjectStorageStrategy:
                 resident, downloaded = self._execute(ctx, plan, pool, timings)
         except _LoadError as exc:
             raise StrategyFailed(f"ObjectStorage: {exc}", mutated=False) from exc
+        except OSError as exc:  # local I/O (disk full, permissions): the new pool was never handed out
+            raise StrategyFailed(f"ObjectStorage: local checkpoint store I/O failed: {exc}", mutated=False) from exc
         seconds = time.monotonic() - t0
         log.info(
             "loaded %s (%d bytes, chain %s) from %s in %.2fs, %d bytes downloaded",
@@ -590,11 +628,7 @@ class ObjectStorageStrategy:
             creds = self._credentials(link.storage)
         except Exception as exc:
             raise _LoadError(f"no S3 credentials for {link.uri}: {exc}") from exc
-        key = (endpoint, region, tuple(sorted((creds or {}).items())))
-        with self._clients_lock:  # creating a client is slow (tens of ms); one per endpoint and identity
-            if key not in self._clients:
-                self._clients[key] = bulk_s3_client(endpoint, region, creds, self._workers)
-            return self._clients[key]
+        return _cached_client(endpoint, region, creds, self._workers)
 
     # ------------------------------------------------------------------ phase 3: download, apply, place
 
@@ -603,8 +637,7 @@ class ObjectStorageStrategy:
     ) -> tuple[ResidentWeights, int]:
         fetch = [c for c in (plan.base, *plan.deltas) if c.path is None]
         downloaded = sum(c.stored_bytes for c in fetch)
-        materialize = plan.base.ref != plan.head
-        needed = downloaded + (plan.base.stored_bytes if materialize else 0)
+        needed = downloaded + (plan.base.stored_bytes if plan.deltas else 0)  # + the materialized target
         with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
             try:
                 try:
@@ -613,13 +646,7 @@ class ObjectStorageStrategy:
                     raise _LoadError(str(exc)) from exc
                 if fetch:
                     self._download(fetch, pool, timings)
-                checksums = self._materialize(plan, pool, timings) if materialize else plan.base.checksums
-                head = self._store.artifact(plan.head)
-                if head is None:
-                    raise _LoadError(f"the stored checkpoint {plan.head} vanished while loading")
-                t = time.monotonic()
-                resident = self._place(ctx, plan, head, checksums, pool)
-                timings["place"] = time.monotonic() - t
+                resident = self._build(ctx, plan, pool, timings)
                 update.commit()
             except _LoadError as exc:
                 if exc.discard is not None:
@@ -667,88 +694,89 @@ class ObjectStorageStrategy:
                 where = next(c.where(s.name) for c, s, _ in files if name in s.layout.infos)
                 raise _LoadError(f"shard {where}: tensor {name!r} fails its adler32 check ({message})")
             timings["verify"] = time.monotonic() - t
+            t = time.monotonic()
+        timings["commit"] = time.monotonic() - t  # fsync + rename of every downloaded artifact
         for checkpoint in fetch:
             checkpoint.path = self._store.path(checkpoint.ref)
 
-    def _materialize(self, plan: _Plan, pool: ThreadPoolExecutor, timings: dict[str, float]) -> dict[str, str]:
-        """Build materialized/<target>: a copy of the base with every delta applied in place, in chain order.
-        The base is copied, never renamed, so the previous good version stays intact until this one is done."""
-        base = plan.base
-        assert base.path is not None
-        t = time.monotonic()
-        target_link = plan.deltas[-1].link
-        with self._store.write(plan.head, {"uri": target_link.uri, "chain": list(plan.chain)}) as tmp:
-            for name in (ckpt.INDEX_NAME, *base.shards):
-                shutil.copyfile(base.path / name, tmp / name)
-            timings["copy"] = time.monotonic() - t
-            t = time.monotonic()
-            checksums = dict(base.checksums)
-            for delta in plan.deltas:
-                self._apply(delta, plan, tmp, pool)
-                checksums.update(delta.checksums)
-            (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=1, sort_keys=True))
-            (tmp / CHAIN_FILE).write_text(
-                json.dumps({"version": plan.chain[-1], "full_version": plan.chain[0], "deltas": plan.chain[1:]})
-            )
-            timings["apply"] = time.monotonic() - t
-        return checksums
-
-    @staticmethod
-    def _apply(delta: _Checkpoint, plan: _Plan, tmp: Path, pool: ThreadPoolExecutor) -> None:
-        """Apply one delta's tensors in parallel. Fsync happens when the store commits the artifact (on Linux
-        fsync also writes pages dirtied through a shared mapping)."""
-        assert delta.path is not None
-        with contextlib.ExitStack() as stack:
-            targets = {name: stack.enter_context(_mapped(tmp / name, write=True)) for name in plan.base.shards}
-            tasks: list[Callable[[], tuple[str, str | None]]] = []
-            for shard in delta.shards.values():
-                source = stack.enter_context(_mapped(delta.path / shard.name))
-                for name, info in shard.layout.infos.items():
-                    base_shard, base_info = plan.layout[name]
-                    tasks.append(
-                        partial(
-                            _xor_tensor, name, targets[base_shard.name],
-                            base_shard.layout.data_start + base_info.begin, base_info.nbytes,
-                            source, shard.layout.data_start + info.begin, shard.layout.data_start + info.end,
-                            shard.layout.checksums[name],
-                        )
-                    )  # fmt: skip
-            bad = _first_error(_run(pool, tasks))
-        if bad is not None:
-            name, message = bad
-            shard_name = delta.index.weight_map[name]
-            raise _LoadError(
-                f"delta shard {delta.where(shard_name)}: tensor {name!r} {message} "
-                f"(applying {delta.link.name} on {delta.link.base}); the store stays at its previous version",
-                discard=delta.ref,
-            )
-
-    @staticmethod
-    def _place(
-        ctx: LoadContext, plan: _Plan, head: Path, checksums: Mapping[str, str], pool: ThreadPoolExecutor
+    def _build(
+        self, ctx: LoadContext, plan: _Plan, pool: ThreadPoolExecutor, timings: dict[str, float]
     ) -> ResidentWeights:
-        """Allocate the pool on the target device and read every tensor into it, checking adler32."""
+        """Fill a new pool from the base, applying the deltas on the way, and (when there are deltas) write the
+        result to materialized/<target> in the same pass. The base is read, never changed or renamed, so the
+        previous good version stays intact until the new one is committed."""
+        base = plan.base
+        assert base.path is not None and all(d.path is not None for d in plan.deltas)
+        t = time.monotonic()
         try:
             resident = ResidentWeights.allocate(plan.specs, ctx.device)
         except (RuntimeError, ValueError) as exc:  # e.g. out of device memory
-            raise _LoadError(
-                f"cannot allocate {sum(s.nbytes for s in plan.specs)} bytes on {ctx.device}: {exc}"
-            ) from exc
+            nbytes = sum(s.nbytes for s in plan.specs)
+            raise _LoadError(f"cannot allocate {nbytes} bytes on {ctx.device}: {exc}") from exc
+        checksums = dict(base.checksums)
+        for delta in plan.deltas:
+            checksums.update(delta.checksums)
         with contextlib.ExitStack() as stack:
-            fds: dict[str, int] = {}
-            for name in plan.base.shards:
-                fds[name] = os.open(head / name, os.O_RDONLY)
-                stack.callback(os.close, fds[name])
-            tasks = [
-                partial(_read_tensor, name, fds[shard.name], shard.layout.data_start + info.begin,
-                        resident.tensors[name], checksums[name])
-                for name, (shard, info) in plan.layout.items()
-            ]  # fmt: skip
-            bad = _first_error(_run(pool, tasks))
-        if bad is not None:
-            name, message = bad
-            raise _LoadError(
-                f"stored checkpoint {head}: tensor {name!r} {message}; it is discarded and fetched again on retry",
-                discard=plan.head,
-            )
+            sources: dict[str, int] = {}
+            for shard in base.shards:
+                sources[shard] = os.open(base.path / shard, os.O_RDONLY)
+                stack.callback(os.close, sources[shard])
+            outputs: dict[str, int] = {}
+            if plan.deltas:
+                tmp = stack.enter_context(
+                    self._store.write(plan.head, {"uri": plan.deltas[-1].link.uri, "chain": list(plan.chain)})
+                )
+                (tmp / ckpt.INDEX_NAME).write_bytes(base.index_raw)
+                (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=1, sort_keys=True))
+                (tmp / CHAIN_FILE).write_text(
+                    json.dumps({"version": plan.chain[-1], "full_version": plan.chain[0], "deltas": plan.chain[1:]})
+                )
+                for shard in base.shards.values():
+                    outputs[shard.name] = os.open(tmp / shard.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                    stack.callback(os.close, outputs[shard.name])  # LIFO: closed before the commit
+                    _pwrite_all(outputs[shard.name], shard.header, 0)
+                    os.ftruncate(outputs[shard.name], shard.layout.size)
+            steps: dict[str, list[_Step]] = {}
+            for origin, delta in enumerate(plan.deltas):
+                assert delta.path is not None
+                for shard in delta.shards.values():
+                    mm = stack.enter_context(_mapped(delta.path / shard.name))
+                    for name, info in shard.layout.infos.items():
+                        begin = shard.layout.data_start + info.begin
+                        step = _Step(mm, begin, begin + info.nbytes, shard.layout.checksums[name], origin)
+                        steps.setdefault(name, []).append(step)
+            tasks = []
+            for name, (shard, info) in plan.layout.items():
+                offset = shard.layout.data_start + info.begin
+                out = (outputs[shard.name], offset) if outputs else None
+                tasks.append(
+                    partial(
+                        _build_tensor, name, resident.tensors[name], (sources[shard.name], offset),
+                        base.checksums[name], steps.get(name, ()), out,
+                    )
+                )  # fmt: skip
+            failure = next((f for f in _run(pool, tasks) if f is not None), None)
+            if failure is not None:
+                raise self._failure(plan, failure)
+            timings["build"] = time.monotonic() - t
+            t = time.monotonic()
+        if plan.deltas:
+            timings["commit"] = timings.get("commit", 0.0) + time.monotonic() - t  # fsync + rename
         return resident
+
+    @staticmethod
+    def _failure(plan: _Plan, failure: _Failure) -> _LoadError:
+        if failure.origin < 0:
+            shard = plan.layout[failure.tensor][0].name
+            return _LoadError(
+                f"stored checkpoint {plan.base.where(shard)}: tensor {failure.tensor!r} {failure.message}; "
+                "it is discarded and fetched again on retry",
+                discard=plan.base.ref,
+            )
+        delta = plan.deltas[failure.origin]
+        return _LoadError(
+            f"delta shard {delta.where(delta.index.weight_map[failure.tensor])}: tensor {failure.tensor!r} "
+            f"{failure.message} (applying {delta.link.name} on {delta.link.base}); "
+            "the store stays at its previous version",
+            discard=delta.ref,
+        )

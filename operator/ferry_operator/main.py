@@ -24,6 +24,7 @@ from ferry_operator.config import CONFIG
 from ferry_operator.modelloads import (
     DEGRADED,
     PEER_STALLED,
+    PROGRESSING,
     aggregate_status,
     node_matches,
     plan_replicas,
@@ -281,7 +282,8 @@ def _emit_transitions(body: kopf.Body, before: list, after: list) -> None:
     old = {c["type"]: c["status"] for c in before}
     for c in after:
         if old.get(c["type"], "Unknown") != c["status"]:
-            healthy = (c["type"] in (DEGRADED, PEER_STALLED)) != (c["status"] == "True")
+            bad = c["status"] == "True" if c["type"] in (DEGRADED, PEER_STALLED) else c["status"] == "False"
+            healthy = c["type"] == PROGRESSING or not bad
             (kopf.info if healthy else kopf.warn)(
                 body, reason=c["reason"], message=f"{c['type']}={c['status']}: {c['message']}"
             )

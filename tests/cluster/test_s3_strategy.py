@@ -203,7 +203,7 @@ def publish_chain3(registry: Registry, chain3: tuple[Weights, Weights, Weights])
 def test_replay_equals_independent_full_checkpoints(
     registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
 ) -> None:
-    w1, w2, w3 = chain3
+    _, w2, w3 = chain3
     publish_chain3(registry, chain3)
     registry.publish("f2", full(w2))
     registry.publish("f3", full(w3))
@@ -370,7 +370,7 @@ def test_sigkill_mid_apply_then_recover(
 def test_quota_eviction_never_evicts_the_active_chain(
     registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
 ) -> None:
-    w1, w2, w3 = chain3
+    w3 = chain3[2]
     publish_chain3(registry, chain3)
     w4 = evolve(w3, 5, ["mask"])
     files4 = delta(w3, w4, "v4", "v3")

@@ -1,0 +1,332 @@
+"""S3 throughput of the ObjectStorage strategy on a local SeaweedFS, against plain baselines, in one run.
+
+    ~/.cache/ferry/venv/bin/python bench/bench_s3.py [--size 256M --shards 4 --workers 8]
+
+- full load: `ObjectStorageStrategy.load` of a FullCheckpoint into an empty store (validate, ranged GETs into
+  the store with fsync, adler32 of every tensor, copy into a CPU ResidentWeights pool with adler32 again) vs the
+  same ranged GETs with plain boto3 into memory (same client settings, workers and range size).
+- warm load: the same version again, now served from the store (no S3 data traffic).
+- delta apply: the strategy's apply phase for an XorDelta that touches every tensor (streamed zstd decode + XOR
+  into the mapped materialized file + adler32) vs numpy XOR of in-memory buffers of the same sizes (one thread,
+  XOR only); plus the in-memory decoder (`apply_xor_delta_into`, no files) and the whole delta load
+  (store holds v1: copy v1, apply, fsync, place).
+Writes bench/results/s3.json and s3.md. GB/s means 1e9 bytes per second; delta rates count target tensor bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import boto3
+import numpy as np
+import torch
+
+from ferry import checkpoint_format as ckpt
+from ferry.localcluster import S3Server
+from ferry_agent.checkpoint_store import CheckpointStore
+from ferry_agent.s3_strategy import DEFAULT_RANGE_BYTES, ObjectStorageStrategy, S3LoadResult, bulk_s3_client
+from ferry_agent.strategy import LoadContext
+
+MIB = 1 << 20
+BUCKET = "ferry-bench"
+MODEL = "bench-model"
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+
+
+def summary(nbytes: int, seconds: Sequence[float]) -> dict[str, Any]:
+    rates = [nbytes / s / 1e9 for s in seconds]
+    return {
+        "seconds": [round(s, 5) for s in seconds],
+        "gbps_median": round(statistics.median(rates), 3),
+        "gbps_best": round(max(rates), 3),
+    }
+
+
+def timed(fn: Callable[[], float | None], reps: int) -> list[float]:
+    """Runs fn reps+1 times (the first is a warm-up); fn may return its own measured seconds."""
+    fn()
+    out = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        inner = fn()
+        out.append(inner if inner is not None else time.perf_counter() - start)
+    return out
+
+
+def make_weights(total: int, tensor_bytes: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    count = max(1, total // tensor_bytes)
+    return {
+        f"layers.{i}.weight": np.frombuffer(rng.bytes(tensor_bytes), dtype=np.float32).reshape(-1, 1024).copy()
+        for i in range(count)
+    }
+
+
+def evolve(base: dict[str, np.ndarray], seed: int, fraction: float) -> dict[str, np.ndarray]:
+    """Every tensor changes: a contiguous `fraction` of its bytes is redrawn (a fine-tuning step touches all)."""
+    rng = np.random.default_rng(seed)
+    new = {}
+    for name, array in base.items():
+        raw = array.reshape(-1).view(np.uint8).copy()
+        span = int(raw.size * fraction)
+        start = int(rng.integers(0, raw.size - span + 1))
+        raw[start : start + span] = np.frombuffer(rng.bytes(span), dtype=np.uint8)
+        new[name] = raw.view(array.dtype).reshape(array.shape)
+    return new
+
+
+def shas(tensors: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    for name, t in tensors.items():
+        raw = t.reshape(-1).view(torch.uint8).numpy() if isinstance(t, torch.Tensor) else t
+        out[name] = hashlib.sha256(raw.tobytes()).hexdigest()
+    return out
+
+
+def version(name: str, fmt: str, uri: str, base: str | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"modelName": MODEL, "format": fmt, "storage": {"uri": uri}}
+    if base:
+        spec["baseVersion"] = base
+    return {"metadata": {"name": name}, "spec": spec, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def raw_ranged_gets(client: Any, objects: dict[str, int], workers: int, range_bytes: int) -> dict[str, bytearray]:
+    """The baseline: parallel ranged GETs of the same shard objects into preallocated memory."""
+    buffers = {key: bytearray(size) for key, size in objects.items()}
+
+    def fetch(key: str, begin: int, end: int) -> None:
+        body = client.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={begin}-{end - 1}")["Body"].read()
+        memoryview(buffers[key])[begin:end] = body
+
+    jobs = [(k, b, min(b + range_bytes, size)) for k, size in objects.items() for b in range(0, size, range_bytes)]
+    with ThreadPoolExecutor(workers) as pool:
+        for future in [pool.submit(fetch, *job) for job in jobs]:
+            future.result()
+    return buffers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="256M", help="full checkpoint tensor bytes")
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--tensor-mib", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--range-mib", type=int, default=DEFAULT_RANGE_BYTES // MIB)
+    parser.add_argument("--delta-fraction", type=float, default=0.1, help="share of each tensor's bytes changed")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    size, range_bytes = parse_size(args.size), args.range_mib * MIB
+
+    work = Path(tempfile.mkdtemp(prefix="ferry-bench-s3-"))
+    server = S3Server(work / "s3")
+    try:
+        server.start()
+        server.create_bucket(BUCKET)
+        report = run(server, work, args, size, range_bytes)
+    finally:
+        if server.process:
+            server.process.kill()  # throwaway data; a graceful SeaweedFS stop takes ~25 s
+        shutil.rmtree(work, ignore_errors=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "s3.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "s3.md").write_text(markdown(report))
+    print(markdown(report))
+    print(f"wrote {args.out / 's3.json'} and {args.out / 's3.md'}")
+    return 0 if report["verified_sha256"] else 1
+
+
+def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range_bytes: int) -> dict[str, Any]:
+    w1 = make_weights(size, args.tensor_mib * MIB, seed=1)
+    w2 = evolve(w1, seed=2, fraction=args.delta_fraction)
+    total = sum(a.nbytes for a in w1.values())
+    uploader = server.client()
+    versions: dict[str, dict[str, Any]] = {}
+    stored: dict[str, dict[str, bytes]] = {}
+    for name, files, fmt, base in [
+        ("v1", ckpt.build_full_checkpoint(w1, -(-total // args.shards)), "FullCheckpoint", None),
+        ("v2", ckpt.build_xor_delta(w1, w2, "v2", "v1"), "XorDelta", "v1"),
+    ]:
+        for file, data in files.items():
+            uploader.put_object(Bucket=BUCKET, Key=f"{name}/{file}", Body=data)
+        versions[name] = version(name, fmt, f"s3://{BUCKET}/{name}/{ckpt.INDEX_NAME}", base)
+        stored[name] = files
+    full_objects = {f"v1/{f}": len(d) for f, d in stored["v1"].items() if f != ckpt.INDEX_NAME}
+    delta_bytes = sum(len(d) for d in stored["v2"].values())
+    del stored
+    creds = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
+
+    def strategy(root: Path) -> ObjectStorageStrategy:
+        return ObjectStorageStrategy(
+            fetch_version=versions.get, credentials=lambda _: creds, store=CheckpointStore(root, quota_bytes=64 << 30),
+            default_endpoint=server.endpoint, download_workers=args.workers, range_bytes=range_bytes,
+        )  # fmt: skip
+
+    ctx = {v: LoadContext(model=MODEL, version=v, rank=0, target_id="bench") for v in versions}
+    last: dict[str, S3LoadResult] = {}
+    timings: dict[str, list[dict[str, float]]] = {"full": [], "delta": []}
+
+    def empty_store() -> ObjectStorageStrategy:
+        shutil.rmtree(work / "cold", ignore_errors=True)  # one cold store at a time keeps the disk tidy
+        return strategy(work / "cold")
+
+    def full_load() -> float:
+        result = empty_store().load(ctx["v1"])
+        last["full"] = result
+        timings["full"].append(dict(result.timings))
+        return result.seconds
+
+    warm_strategy = strategy(work / "warm")
+    warm_strategy.load(ctx["v1"])
+
+    def warm_load() -> float:
+        result = warm_strategy.load(ctx["v1"])
+        last["warm"] = result
+        return result.seconds
+
+    def delta_load() -> tuple[float, float]:
+        s = empty_store()
+        s.load(ctx["v1"])
+        result = s.load(ctx["v2"])
+        last["delta"] = result
+        timings["delta"].append(dict(result.timings))
+        return result.seconds, result.timings["apply"]
+
+    client = bulk_s3_client(server.endpoint, None, creds, args.workers)
+
+    def raw_gets() -> None:
+        raw_ranged_gets(client, full_objects, args.workers, range_bytes)
+
+    raw = timed(raw_gets, args.reps)
+    full = timed(full_load, args.reps)
+    warm = timed(warm_load, args.reps)
+    delta_runs = [delta_load() for _ in range(args.reps + 1)][1:]  # the first is a warm-up
+
+    # Baselines for the delta: the same XOR in memory (numpy only), and the decoder on in-memory frames.
+    xors = {n: np.bitwise_xor(w1[n].reshape(-1).view(np.uint8), w2[n].reshape(-1).view(np.uint8)) for n in w1}
+    targets = {n: w1[n].reshape(-1).view(np.uint8).copy() for n in w1}
+    frames = {n: ckpt.build_xor_delta({n: w1[n]}, {n: w2[n]}, "b", "a") for n in w1}
+    frames = {n: _frame(files, n) for n, files in frames.items()}
+
+    def numpy_xor() -> None:
+        for n, target in targets.items():
+            np.bitwise_xor(target, xors[n], out=target)
+
+    def decoder_in_memory() -> None:
+        for n, target in targets.items():
+            ckpt.apply_xor_delta_into(target, frames[n])
+
+    xor = timed(numpy_xor, args.reps)
+    decoder = timed(decoder_in_memory, args.reps)
+
+    verified = (
+        shas(dict(last["full"].resident.tensors)) == shas(w1)
+        and shas(dict(last["warm"].resident.tensors)) == shas(w1)
+        and shas(dict(last["delta"].resident.tensors)) == shas(w2)
+    )
+    results = {
+        "strategy_full_load": summary(total, full),
+        "raw_boto3_ranged_gets": summary(total, raw),
+        "strategy_warm_load_from_store": summary(total, warm),
+        "strategy_delta_load": summary(total, [s for s, _ in delta_runs]),
+        "strategy_delta_apply_phase": summary(total, [a for _, a in delta_runs]),
+        "decoder_in_memory": summary(total, decoder),
+        "numpy_xor_in_memory": summary(total, xor),
+    }
+    med = {k: v["gbps_median"] for k, v in results.items()}
+    return {
+        "host": f"{platform.node()} ({os.cpu_count()} cpus)",
+        "torch": torch.__version__,
+        "boto3": boto3.__version__,
+        "reps": args.reps,
+        "bytes": total,
+        "shards": len(full_objects),
+        "tensors": len(w1),
+        "tensor_mib": args.tensor_mib,
+        "workers": args.workers,
+        "range_mib": range_bytes // MIB,
+        "delta_fraction": args.delta_fraction,
+        "delta_stored_bytes": delta_bytes,
+        "results": results,
+        "phase_seconds_median": {
+            kind: {k: round(statistics.median(t[k] for t in runs), 4) for k in runs[0]}
+            for kind, runs in timings.items()
+            if runs
+        },
+        "ratios": {
+            "full_load_vs_raw_gets": round(med["strategy_full_load"] / med["raw_boto3_ranged_gets"], 3),
+            "warm_load_vs_raw_gets": round(med["strategy_warm_load_from_store"] / med["raw_boto3_ranged_gets"], 3),
+            "delta_apply_vs_numpy_xor": round(med["strategy_delta_apply_phase"] / med["numpy_xor_in_memory"], 3),
+            "decoder_vs_numpy_xor": round(med["decoder_in_memory"] / med["numpy_xor_in_memory"], 3),
+            "delta_load_vs_numpy_xor": round(med["strategy_delta_load"] / med["numpy_xor_in_memory"], 3),
+        },
+        "verified_sha256": verified,
+    }
+
+
+def _frame(files: dict[str, bytes], name: str) -> bytes:
+    shard = files[ckpt.delta_shard_name(0, 1)]
+    layout = ckpt.check_shard(shard, len(shard), {name}, checksummed=True)
+    info = layout.infos[name]
+    return shard[layout.data_start + info.begin : layout.data_start + info.end]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    r, ratio = report["results"], report["ratios"]
+
+    def cell(key: str) -> str:
+        return f"{r[key]['gbps_median']:.2f} ({r[key]['gbps_best']:.2f})"
+
+    phases = report["phase_seconds_median"]
+    return "\n".join(
+        [
+            "# S3 throughput (ObjectStorage strategy on local SeaweedFS, CPU target)",
+            "",
+            f"{report['host']} · torch {report['torch']} · boto3 {report['boto3']} · reps {report['reps']} "
+            f"(+1 warm-up) · {report['bytes'] // MIB} MiB in {report['shards']} shards, {report['tensors']} tensors "
+            f"of {report['tensor_mib']} MiB · {report['workers']} workers · {report['range_mib']} MiB ranges · "
+            f"delta changes {report['delta_fraction']:.0%} of every tensor ({report['delta_stored_bytes'] // 1024} "
+            "KiB stored) · median (best) GB/s over the checkpoint's tensor bytes",
+            "",
+            "| load | strategy | baseline | ratio |",
+            "|---|---|---|---|",
+            f"| full, empty store | {cell('strategy_full_load')} | {cell('raw_boto3_ranged_gets')} boto3 ranged GETs "
+            f"into memory | {ratio['full_load_vs_raw_gets']:.2f} |",
+            f"| full, from the store | {cell('strategy_warm_load_from_store')} | same boto3 baseline | "
+            f"{ratio['warm_load_vs_raw_gets']:.2f} |",
+            f"| delta apply phase | {cell('strategy_delta_apply_phase')} | {cell('numpy_xor_in_memory')} numpy XOR "
+            f"in memory | {ratio['delta_apply_vs_numpy_xor']:.2f} |",
+            f"| delta decoder in memory | {cell('decoder_in_memory')} | same numpy baseline | "
+            f"{ratio['decoder_vs_numpy_xor']:.2f} |",
+            f"| delta load, store holds v1 | {cell('strategy_delta_load')} | same numpy baseline | "
+            f"{ratio['delta_load_vs_numpy_xor']:.2f} |",
+            "",
+            "Median seconds per phase: "
+            + "; ".join(f"{kind}: " + ", ".join(f"{k} {v:.3f}" for k, v in p.items()) for kind, p in phases.items()),
+            "",
+            f"sha256 of every loaded tensor: {'ok' if report['verified_sha256'] else 'MISMATCH'}",
+            "",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
