@@ -92,7 +92,7 @@ class S3LoadResult:
     chain: tuple[str, ...]  # root → target
     reused: str | None  # the stored artifact the load started from, e.g. "materialized/v2"
     seconds: float
-    timings: Mapping[str, float]  # seconds per phase: validate, download, verify, build, commit (fsync + rename)
+    timings: Mapping[str, float]  # seconds per phase: validate, download (+ checks), build, commit (fsync + rename)
     source: str = SOURCE
 
 
@@ -188,6 +188,22 @@ class _Progress:
         with self._lock:
             self.done += nbytes
             self._throttle(self.done, self.total, SOURCE)
+
+
+class _Countdown:
+    """Runs `action` in the thread that completes the last of `count` parts (e.g. the last range of a shard)."""
+
+    def __init__(self, count: int, action: Callable[[], None]) -> None:
+        self._left = count
+        self._lock = threading.Lock()
+        self._action = action
+
+    def tick(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._action()
 
 
 def bulk_s3_client(
@@ -300,36 +316,51 @@ def _apply_step(host: np.ndarray, step: _Step) -> str | None:
     )
 
 
+def _base_error(source: tuple[int, int], nbytes: int, checksum: str) -> str | None:
+    host = np.empty(nbytes, dtype=np.uint8)
+    _pread_into(source[0], memoryview(host), source[1])
+    got = ckpt.adler32_hex(host)
+    return None if got == checksum else f"fails its adler32 check: got {got}, expected {checksum}"
+
+
 def _build_tensor(
     name: str,
     tensor: torch.Tensor,
     source: tuple[int, int],
     checksum: str,
     steps: Sequence[_Step],
-    out: tuple[int, int] | None,
+    out: tuple[int, int, _Countdown] | None,
 ) -> _Failure | None:
-    """One tensor, in one pass: read its base bytes (fd, offset) into the resident pool, check them, apply its
-    deltas in order (checking each), write the result to the materialized file (`out`) when there is one."""
+    """One tensor, in one pass: read its base bytes (fd, offset) into the resident pool, apply its deltas in
+    order, checking adler32 after each (or of the base bytes when there is none), and write the result to the
+    materialized shard (fd, offset, countdown to its fsync) when there is one."""
     flat = tensor.reshape(-1).view(torch.uint8)
     # A non-CPU pool is filled through a host buffer of the tensor's size; a CPU pool is worked on directly.
     host = flat.numpy() if tensor.device.type == "cpu" else np.empty(flat.numel(), dtype=np.uint8)
     _pread_into(source[0], memoryview(host), source[1])
-    got = ckpt.adler32_hex(host)
-    if got != checksum:  # checked before any delta, so that a bad base is not blamed on a delta
-        return _Failure(name, f"fails its adler32 check: got {got}, expected {checksum}", -1)
+    if not steps:
+        got = ckpt.adler32_hex(host)
+        if got != checksum:
+            return _Failure(name, f"fails its adler32 check: got {got}, expected {checksum}", -1)
     for step in steps:
         error = _apply_step(host, step)
         if error is not None:
-            return _Failure(name, error, step.origin)
+            # The checks after each delta cover the base too; only on a failure is the base checked on its own
+            # (re-read), so that a bad base is not blamed on a good delta.
+            base_error = _base_error(source, host.size, checksum)
+            return _Failure(name, base_error, -1) if base_error else _Failure(name, error, step.origin)
     if out is not None:
         _pwrite_all(out[0], host, out[1])
+        out[2].tick()
     if tensor.device.type != "cpu":
         flat.copy_(torch.from_numpy(host))
     return None
 
 
-def _fetch_range(checkpoint: _Checkpoint, shard: _Shard, fd: int, begin: int, end: int, progress: _Progress) -> None:
-    """One ranged GET, written at its offset in the shard's file."""
+def _fetch_range(
+    checkpoint: _Checkpoint, shard: _Shard, fd: int, begin: int, end: int, progress: _Progress, finish: _Countdown
+) -> None:
+    """One ranged GET, written at its offset in the shard's file; the shard's last range finishes the shard."""
     link = checkpoint.link
     uri = link.shard_uri(shard.name)
     try:
@@ -346,6 +377,30 @@ def _fetch_range(checkpoint: _Checkpoint, shard: _Shard, fd: int, begin: int, en
         )
     _pwrite_all(fd, data, begin)
     progress.add(len(data))
+    finish.tick()
+
+
+def _finish_shard(checkpoint: _Checkpoint, shard: _Shard, path: Path, fd: int) -> None:
+    """A shard is downloaded: check its header is the one validated and (full checkpoints) every tensor's
+    adler32, then start its write-back, overlapping the downloads still running (the commit's fsync is then
+    cheap)."""
+    if os.pread(fd, shard.layout.data_start, 0) != shard.header:
+        raise _LoadError(f"shard {checkpoint.where(shard.name)} changed while it was downloaded")
+    if checkpoint.ref.kind == ArtifactKind.FULL:
+        with _mapped(path) as mm:
+            bad = _first_error(
+                [
+                    _check_region(
+                        mm, name, shard.layout.data_start + info.begin, info.nbytes, shard.layout.checksums[name]
+                    )
+                    for name, info in shard.layout.infos.items()
+                ]
+            )
+        if bad is not None:
+            raise _LoadError(
+                f"shard {checkpoint.link.shard_uri(shard.name)}: tensor {bad[0]!r} fails its adler32 check ({bad[1]})"
+            )
+    os.fdatasync(fd)
 
 
 def _run(pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
@@ -655,45 +710,31 @@ class ObjectStorageStrategy:
         return resident, downloaded
 
     def _download(self, fetch: list[_Checkpoint], pool: ThreadPoolExecutor, timings: dict[str, float]) -> None:
-        """Ranged parallel GETs straight into the artifacts' tmp files; every full tensor is checksummed before
-        its artifact is renamed into the store."""
+        """Ranged parallel GETs straight into the artifacts' tmp files. Each shard is checked (header, and every
+        full tensor's adler32) as soon as its last range lands, so an artifact is only renamed into the store
+        once all of it is verified."""
         t = time.monotonic()
         progress = _Progress(self._progress, sum(s.layout.size for c in fetch for s in c.shards.values()))
         with contextlib.ExitStack() as stack:
             tasks: list[Callable[[], None]] = []
-            files: list[tuple[_Checkpoint, _Shard, Path]] = []
             for checkpoint in fetch:
                 tmp = stack.enter_context(self._store.write(checkpoint.ref, {"uri": checkpoint.link.uri}))
                 (tmp / ckpt.INDEX_NAME).write_bytes(checkpoint.index_raw)
                 for shard in checkpoint.shards.values():
-                    fd = os.open(tmp / shard.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                    path = tmp / shard.name
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
                     stack.callback(os.close, fd)  # LIFO: closed before the artifact is committed
                     os.ftruncate(fd, shard.layout.size)
-                    files.append((checkpoint, shard, tmp / shard.name))
-                    for begin in range(0, shard.layout.size, self._range_bytes):
-                        end = min(begin + self._range_bytes, shard.layout.size)
-                        tasks.append(partial(_fetch_range, checkpoint, shard, fd, begin, end, progress))
+                    ranges = [
+                        (begin, min(begin + self._range_bytes, shard.layout.size))
+                        for begin in range(0, shard.layout.size, self._range_bytes)
+                    ]
+                    finish = _Countdown(len(ranges), partial(_finish_shard, checkpoint, shard, path, fd))
+                    tasks.extend(
+                        partial(_fetch_range, checkpoint, shard, fd, b, e, progress, finish) for b, e in ranges
+                    )
             _run(pool, tasks)
-            timings["download"] = time.monotonic() - t
-            t = time.monotonic()
-            checks: list[Callable[[], tuple[str, str | None]]] = []
-            for checkpoint, shard, path in files:
-                with open(path, "rb") as f:
-                    if f.read(shard.layout.data_start) != shard.header:
-                        raise _LoadError(f"shard {checkpoint.where(shard.name)} changed while it was downloaded")
-                if checkpoint.ref.kind == ArtifactKind.FULL:
-                    mm = stack.enter_context(_mapped(path))
-                    checks.extend(
-                        partial(_check_region, mm, name, shard.layout.data_start + info.begin, info.nbytes,
-                                shard.layout.checksums[name])
-                        for name, info in shard.layout.infos.items()
-                    )  # fmt: skip
-            bad = _first_error(_run(pool, checks))
-            if bad is not None:
-                name, message = bad
-                where = next(c.where(s.name) for c, s, _ in files if name in s.layout.infos)
-                raise _LoadError(f"shard {where}: tensor {name!r} fails its adler32 check ({message})")
-            timings["verify"] = time.monotonic() - t
+            timings["download"] = time.monotonic() - t  # with the checks and write-back it overlaps
             t = time.monotonic()
         timings["commit"] = time.monotonic() - t  # fsync + rename of every downloaded artifact
         for checkpoint in fetch:
@@ -721,7 +762,7 @@ class ObjectStorageStrategy:
             for shard in base.shards:
                 sources[shard] = os.open(base.path / shard, os.O_RDONLY)
                 stack.callback(os.close, sources[shard])
-            outputs: dict[str, int] = {}
+            outputs: dict[str, tuple[int, _Countdown]] = {}
             if plan.deltas:
                 tmp = stack.enter_context(
                     self._store.write(plan.head, {"uri": plan.deltas[-1].link.uri, "chain": list(plan.chain)})
@@ -732,10 +773,12 @@ class ObjectStorageStrategy:
                     json.dumps({"version": plan.chain[-1], "full_version": plan.chain[0], "deltas": plan.chain[1:]})
                 )
                 for shard in base.shards.values():
-                    outputs[shard.name] = os.open(tmp / shard.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-                    stack.callback(os.close, outputs[shard.name])  # LIFO: closed before the commit
-                    _pwrite_all(outputs[shard.name], shard.header, 0)
-                    os.ftruncate(outputs[shard.name], shard.layout.size)
+                    fd = os.open(tmp / shard.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                    stack.callback(os.close, fd)  # LIFO: closed before the commit
+                    _pwrite_all(fd, shard.header, 0)
+                    os.ftruncate(fd, shard.layout.size)
+                    # Write-back of a finished shard overlaps building the others; the commit's fsync is then cheap.
+                    outputs[shard.name] = (fd, _Countdown(len(shard.layout.infos), partial(os.fdatasync, fd)))
             steps: dict[str, list[_Step]] = {}
             for origin, delta in enumerate(plan.deltas):
                 assert delta.path is not None
@@ -748,7 +791,7 @@ class ObjectStorageStrategy:
             tasks = []
             for name, (shard, info) in plan.layout.items():
                 offset = shard.layout.data_start + info.begin
-                out = (outputs[shard.name], offset) if outputs else None
+                out = (outputs[shard.name][0], offset, outputs[shard.name][1]) if outputs else None
                 tasks.append(
                     partial(
                         _build_tensor, name, resident.tensors[name], (sources[shard.name], offset),
