@@ -75,6 +75,26 @@ def test_write_is_atomic_and_fingerprinted(store: CheckpointStore) -> None:
         pass
 
 
+def test_writes_are_fsynced_before_they_are_renamed(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    ref = ArtifactRef("m", FULL, "v1")
+    with store.write(ref, {}) as tmp:
+        (tmp / "a.safetensors").write_bytes(b"abc")
+    final = store.path(ref)
+    assert str(tmp / "a.safetensors") in synced and str(tmp / MARKER) in synced and str(tmp) in synced
+    assert synced[-1] == str(final.parent)  # the rename itself is made durable
+    synced.clear()
+    activate(store, "m", ("v1",))
+    assert str(store.model_dir("m") / STATE_FILE) + ".tmp" in synced and str(store.model_dir("m")) in synced
+
+
 def test_failed_write_leaves_nothing(store: CheckpointStore) -> None:
     ref = ArtifactRef("m", DELTA, "v2")
     with pytest.raises(RuntimeError, match="boom"), store.write(ref, {}) as tmp:
