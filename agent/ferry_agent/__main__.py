@@ -54,11 +54,13 @@ def main(argv: list[str] | None = None) -> None:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
+    store = CheckpointStore(args.checkpoint_dir, int(args.checkpoint_quota_gib * 2**30))
+    store.recover()  # a crash mid-load leaves tmp files and an UPDATING state: repair before serving anything
     agent = NodeAgent(
         client.ApiClient(), args.node, seeds=dict(args.seed), lease_seconds=args.lease_seconds,
         poll_seconds=args.poll_seconds, retry_seconds=args.retry_seconds,
         bind_address=args.bind_address,
-        store=CheckpointStore(args.checkpoint_dir, int(args.checkpoint_quota_gib * 2**30)),
+        store=store,
         s3_endpoint=args.s3_endpoint,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())

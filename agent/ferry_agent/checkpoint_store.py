@@ -162,6 +162,18 @@ def write_json_atomic(path: Path, doc: Any) -> None:
     _fsync_dir(path.parent)
 
 
+def _mkdirs(path: Path) -> None:
+    """mkdir -p that makes each new folder's entry durable too (a crash must not lose a committed artifact's
+    folder chain)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        folder.mkdir(exist_ok=True)
+        _fsync_dir(folder.parent)
+
+
 def _files(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -295,7 +307,7 @@ class CheckpointStore:
 
     def _write_state(self, model: str, state: StoreState) -> None:
         folder = self.model_dir(model)
-        folder.mkdir(parents=True, exist_ok=True)
+        _mkdirs(folder)
         write_json_atomic(folder / STATE_FILE, {"model": model, **state.to_json()})
 
     @contextlib.contextmanager
@@ -308,14 +320,15 @@ class CheckpointStore:
                 raise FileExistsError(f"artifact {ref} already exists; artifacts are immutable")
             tmp = final.with_name(final.name + TMP_SUFFIX)
             _remove(tmp)  # debris of a crashed writer
-            tmp.mkdir(parents=True)
+            _mkdirs(tmp.parent)
+            tmp.mkdir()
             try:
                 yield tmp
                 files = _files(tmp)
                 for name in files:
                     _fsync_file(tmp / name)
+                # Written last; this also fsyncs the folder, making every entry in it durable.
                 write_json_atomic(tmp / MARKER, {"source": dict(source), "files": files})
-                _fsync_dir(tmp)
                 os.rename(tmp, final)
                 _fsync_dir(final.parent)
             except BaseException:

@@ -471,6 +471,7 @@ class ObjectStorageStrategy:
         return body is not None and bool(((body.get("spec") or {}).get("storage") or {}).get("uri"))
 
     def load(self, ctx: LoadContext) -> S3LoadResult:
+        """Replay `ctx.version` into a new pool; every failure is StrategyFailed(mutated=False)."""
         t0 = time.monotonic()
         timings: dict[str, float] = {}
         try:
@@ -537,6 +538,10 @@ class ObjectStorageStrategy:
                 bucket, key = parse_s3_uri(storage.get("uri", ""))
             except ValueError as exc:
                 raise _LoadError(f"WeightVersion {name}{where} has no usable spec.storage.uri: {exc}") from exc
+            try:
+                self._store.path(ArtifactRef(ctx.model, ArtifactKind.FULL, name))
+            except ValueError as exc:  # e.g. a version named *.tmp, which the store reserves for debris
+                raise _LoadError(f"WeightVersion {name}{where}: {exc}") from exc
             links.append(_Link(name, view.format, view.base_version, storage, bucket, key))
         return links
 

@@ -479,6 +479,7 @@ def test_model_mismatch_peer_only_and_availability(store: CheckpointStore) -> No
     assert "for model 'mistral', not 'org/llama'" in fails(store, versions, "v1")
     assert "PeerOnly" in fails(store, versions, "p1")
     assert "BaseNotFound" in fails(store, versions, "d1")
+    assert "cannot be stored" in fails(store, {"v1.tmp": wv("v1.tmp", "FullCheckpoint")}, "v1.tmp")
     strategy = offline(store, versions)
     assert strategy.is_available(ctx("v1")) and not strategy.is_available(ctx("p1"))
     assert not strategy.is_available(ctx("nope"))

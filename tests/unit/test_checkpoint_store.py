@@ -76,6 +76,7 @@ def test_write_is_atomic_and_fingerprinted(store: CheckpointStore) -> None:
 
 
 def test_writes_are_fsynced_before_they_are_renamed(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    put(store, "m", FULL, "v0")  # the folders exist; creating them is fsynced too, which is not checked here
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -88,8 +89,9 @@ def test_writes_are_fsynced_before_they_are_renamed(store: CheckpointStore, monk
     with store.write(ref, {}) as tmp:
         (tmp / "a.safetensors").write_bytes(b"abc")
     final = store.path(ref)
-    assert str(tmp / "a.safetensors") in synced and str(tmp / MARKER) in synced and str(tmp) in synced
-    assert synced[-1] == str(final.parent)  # the rename itself is made durable
+    # The data, the marker (itself written as tmp + rename) and the folder, all before the rename.
+    assert synced[:3] == [str(tmp / "a.safetensors"), str(tmp / MARKER) + ".tmp", str(tmp)]
+    assert synced[3:] == [str(final.parent)]  # then the rename itself is made durable
     synced.clear()
     activate(store, "m", ("v1",))
     assert str(store.model_dir("m") / STATE_FILE) + ".tmp" in synced and str(store.model_dir("m")) in synced
