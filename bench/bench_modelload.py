@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import torch
+from _common import write_results
 from safetensors.torch import save_file
 
 from ferry.api.models import API_VERSION
 from ferry.localcluster import LocalCluster, ManagedProcess, local_stack, start_operator, wait_until
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "bench"
 
 
@@ -113,8 +113,6 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         operator.stop()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "modelload.json").write_text(json.dumps(rows, indent=2))
     lines = [
         f"model {args.size_mib} MiB; S3-only is the reference measured in the same run",
         "",
@@ -128,9 +126,7 @@ def main() -> None:
             f"{s3only['seconds_to_ready'] / peer['seconds_to_ready']:.2f}x | {peer['from_s3']} / {peer['from_peer']} "
             f"| {peer['s3_bytes'] >> 20} MiB vs {s3only['s3_bytes'] >> 20} MiB |"
         )
-    table = "\n".join(lines)
-    (RESULTS / "modelload.md").write_text(table + "\n")
-    print(table)
+    write_results("modelload", rows, "\n".join(lines))
 
 
 if __name__ == "__main__":

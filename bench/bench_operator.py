@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import write_results
 from kubernetes import client, config, watch
 
 from ferry import checkpoint_format as cf
 from ferry.api.models import API_VERSION, GROUP, VERSION
 from ferry.localcluster import local_stack, start_operator, wait_until
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BUCKET = "bench"
 
 
@@ -125,8 +125,6 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         operator.stop()
 
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "operator.json").write_text(json.dumps(rows, indent=2))
     lines = [
         "| versions | apply→Ready p50 | p99 | apiserver watch p50 (reference) | ratio p50 "
         "| all Ready after | operator RSS |",
@@ -139,9 +137,7 @@ def main() -> None:
             f"{r['apiserver_watch_p50_s'] * 1000:.1f} ms | {ratio:.0f}x | {r['ready_all_s']:.1f} s | "
             f"{r['operator_rss_mib']} MiB |"
         )
-    table = "\n".join(lines)
-    (RESULTS / "operator.md").write_text(table + "\n")
-    print(table)
+    write_results("operator", rows, "\n".join(lines))
 
 
 if __name__ == "__main__":

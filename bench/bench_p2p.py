@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import summary
 
 from ferry_agent.candidate import SourceCandidate
 from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
@@ -63,15 +63,6 @@ def timed(fn: Callable[[], Any], reps: int) -> list[float]:
         fn()
         out.append(time.perf_counter() - start)
     return out
-
-
-def summary(nbytes: int, seconds: Sequence[float]) -> dict[str, Any]:
-    rates = [nbytes / s / 1e9 for s in seconds]
-    return {
-        "seconds": [round(s, 5) for s in seconds],
-        "gbps_median": round(statistics.median(rates), 3),
-        "gbps_best": round(max(rates), 3),
-    }
 
 
 def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int) -> dict[str, Any]:

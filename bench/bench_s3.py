@@ -26,7 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from typing import Any
 import boto3
 import numpy as np
 import torch
+from _common import summary
 
 from ferry import checkpoint_format as ckpt
 from ferry.localcluster import S3Server
@@ -49,15 +50,6 @@ MODEL = "bench-model"
 def parse_size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
-
-
-def summary(nbytes: int, seconds: Sequence[float]) -> dict[str, Any]:
-    rates = [nbytes / s / 1e9 for s in seconds]
-    return {
-        "seconds": [round(s, 5) for s in seconds],
-        "gbps_median": round(statistics.median(rates), 3),
-        "gbps_best": round(max(rates), 3),
-    }
 
 
 def timed(fn: Callable[[], float | None], reps: int) -> list[float]:

@@ -36,10 +36,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import boto3
 import numpy as np
 import torch
-from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ferry import checkpoint_format as ckpt
@@ -56,12 +54,10 @@ from ferry_agent.resident import ResidentWeights, TensorSpec, manifest_digest
 from ferry_agent.strategy import LoadContext, StrategyFailed
 from ferry_operator.chain import VersionView, resolve_chain
 from ferry_operator.storage import (
-    ACCESS_KEY,
     HEADER_PROBE_BYTES,
     MAX_INDEX_BYTES,
-    SECRET_KEY,
-    SESSION_TOKEN,
     parse_s3_uri,
+    s3_client,
 )
 
 log = logging.getLogger(__name__)
@@ -209,24 +205,10 @@ class _Countdown:
 def bulk_s3_client(
     endpoint: str | None, region: str | None, credentials: Mapping[str, str] | None, workers: int
 ) -> Any:
-    """A boto3 client for bulk downloads. Not `ferry_operator.storage.s3_client`: that one is tuned for the
-    verifier's small probes (10 s reads, boto's default pool of 10); here `workers` ranged GETs of up to 16 MiB
-    run at once."""
-    creds = credentials or {}
-    return boto3.session.Session().client(  # a private session: the default one is not thread-safe
-        "s3",
-        endpoint_url=endpoint or None,
-        region_name=region or None,
-        aws_access_key_id=creds.get(ACCESS_KEY),
-        aws_secret_access_key=creds.get(SECRET_KEY),
-        aws_session_token=creds.get(SESSION_TOKEN),
-        config=Config(
-            s3={"addressing_style": "path"},
-            connect_timeout=5,
-            read_timeout=60,
-            retries={"total_max_attempts": 3, "mode": "standard"},
-            max_pool_connections=max(10, workers),
-        ),
+    """The verifier's client with bulk settings: `workers` ranged GETs of up to 16 MiB run at once, and a read
+    may take a while."""
+    return s3_client(
+        endpoint, region, credentials, connect_timeout=5, read_timeout=60, max_pool_connections=max(10, workers)
     )
 
 

@@ -106,6 +106,7 @@ def s3_client(
     connect_timeout: float = 3.0,
     read_timeout: float = 10.0,
     max_attempts: int = 3,
+    max_pool_connections: int = 10,
 ) -> Any:
     """A boto3 S3 client for verification: path-style (SeaweedFS, MinIO), short timeouts and few retries, so
     an unreachable endpoint costs a reconcile seconds, not minutes. Without `credentials`: the environment."""
@@ -123,6 +124,7 @@ def s3_client(
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             retries={"total_max_attempts": max_attempts, "mode": "standard"},  # counts the first try
+            max_pool_connections=max_pool_connections,
         ),
     )
 
