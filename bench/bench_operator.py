@@ -51,14 +51,16 @@ class Watcher:
         self._thread.start()
 
     def _run(self) -> None:
-        w = watch.Watch()
-        with contextlib.suppress(Exception):  # the stream ends abruptly when stopped
-            self._consume(w)
+        # A watch can drop (server timeout, a broken chunk); re-establish it until stopped. The re-list replays
+        # current objects, and `setdefault` keeps the first time each state was seen.
+        while not self._stop:
+            with contextlib.suppress(Exception):
+                self._consume(watch.Watch())
 
     def _consume(self, w: watch.Watch) -> None:
         for event in w.stream(
             self._api.list_namespaced_custom_object, GROUP, VERSION, self._namespace, "weightversions",
-            timeout_seconds=600,
+            timeout_seconds=60,
         ):  # fmt: skip
             now = time.monotonic()
             obj = event["object"]
