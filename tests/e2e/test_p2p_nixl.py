@@ -280,7 +280,7 @@ def test_killed_source_mid_transfer_falls_over_to_the_next(sources: dict[str, So
     dead, a = sources["src-dead"], sources["src-a"]
 
     def kill_at_start(done: int, total: int, source: str) -> None:
-        if source == "peer/replica-dead" and done == 0:
+        if source == "peer/replica-dead" and done == 0 and total > 0:  # the READ is about to start
             dead.signal(signal.SIGKILL)
             dead.proc.wait(10)
 
@@ -304,7 +304,7 @@ def test_wedged_source_times_out_then_the_next_loads(sources: dict[str, Source],
     wedged, a = sources["src-wedged"], sources["src-a"]
 
     def stop_at_start(done: int, total: int, source: str) -> None:
-        if source == "peer/replica-wedged" and done == 0:
+        if source == "peer/replica-wedged" and done == 0 and total > 0:
             wedged.signal(signal.SIGSTOP)  # the source can no longer answer the connection handshake
 
     started = time.monotonic()
