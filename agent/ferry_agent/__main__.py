@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kubernetes import client, config
 
+from ferry_agent import metrics
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.node_agent import NodeAgent
 from ferry_agent.registry import DEFAULT_LEASE_SECONDS
@@ -45,6 +46,12 @@ def main(argv: list[str] | None = None) -> None:
         default=os.environ.get("FERRY_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL"),
         help="S3 endpoint for versions that name none",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("FERRY_AGENT_METRICS_PORT", "-1")),
+        help="serve Prometheus metrics on this port (env FERRY_AGENT_METRICS_PORT; -1 = off)",
+    )
     parser.add_argument("--retry-seconds", type=float, default=5.0, help="first backoff after a failed load")
     args = parser.parse_args(argv)
     if not args.node:
@@ -54,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
+    if args.metrics_port >= 0:
+        port = metrics.serve(args.bind_address, args.metrics_port)
+        logging.getLogger("ferry.agent").info("metrics on http://%s:%d/metrics", args.bind_address, port)
     store = CheckpointStore(args.checkpoint_dir, int(args.checkpoint_quota_gib * 2**30))
     store.recover()  # a crash mid-load leaves tmp files and an UPDATING state: repair before serving anything
     agent = NodeAgent(

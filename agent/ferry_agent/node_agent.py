@@ -22,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION
+from ferry_agent import metrics
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
@@ -260,10 +261,15 @@ class NodeAgent:
         try:
             result = run_strategy_chain(chain, ctx, reinit=lambda _ctx: None, publish=lambda _r, _c: None)
         except Exception as exc:  # the chain's own summary names every strategy's failure
+            metrics.LOADS.labels(source_kind="none", outcome="Failed").inc()
             self._fail(key, version, generation, str(exc), [a.to_status() for a in ctx.attempts])
             return
         seconds = time.monotonic() - t0
         source = result.source.label if hasattr(result.source, "label") else result.source
+        kind = metrics.source_kind(source)
+        metrics.LOADS.labels(source_kind=kind, outcome="Loaded").inc()
+        metrics.BYTES.labels(source_kind=kind).inc(result.bytes_moved)
+        metrics.LOAD_SECONDS.labels(source_kind=kind).observe(seconds)
         server = serve_resident(
             result.resident, self._peer, rank=0, host=self._bind_address, transfer_timeout_s=settings.timeout_s
         )
@@ -327,6 +333,7 @@ class NodeAgent:
     def _publish_lease_count(self, key: tuple[str, str], served: Served) -> None:
         """Only on change: the Lease is the heartbeat, the status is not rewritten to say "still here"."""
         count = served.server.leases.active_count()
+        metrics.READ_LEASES.set(sum(x.server.leases.active_count() for x in self._served.values()))
         if count != served.published_leases:
             self._patch_status(key, {"activeLeases": count})
             served.published_leases = count

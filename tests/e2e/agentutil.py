@@ -60,6 +60,8 @@ def start_agent(
         "0.3",
         "--retry-seconds",
         str(retry_seconds),
+        "--metrics-port",
+        "0",
     ]
     for seed in seeds:
         argv += ["--seed", seed]
@@ -92,3 +94,13 @@ def read_back(rank_entry: dict, replica_name: str) -> str:
         return digest
     finally:
         reader.shutdown()
+
+
+def agent_metrics(agent: ManagedProcess) -> str:
+    """The agent's Prometheus text, from the port it logged at start."""
+    import re
+    import urllib.request
+
+    match = re.search(r"metrics on (http://\S+)", agent.log_path.read_text(errors="replace"))
+    assert match, agent.log_tail()
+    return urllib.request.urlopen(match.group(1), timeout=5).read().decode()

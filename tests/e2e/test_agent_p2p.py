@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from agentutil import content_sha256, node, replica, start_agent, wait_phase
+from agentutil import agent_metrics, content_sha256, node, replica, start_agent, wait_phase
 from safetensors.torch import save_file
 from wvutil import get, wait_for
 
@@ -63,6 +63,9 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, tmp_path):
         assert content_sha256(result.resident.tensors) == expected
         reader.deregister(result.resident)
         reader.shutdown()
+
+        assert 'ferry_agent_loads_total{outcome="Loaded",source_kind="peer"} 1.0' in agent_metrics(agent_b)
+        assert 'ferry_agent_loads_total{outcome="Loaded",source_kind="local"} 1.0' in agent_metrics(agent_a)
 
         # B's read lease on A was released; A publishes the count only when it changes.
         assert (get(cluster, namespace, "wr", "wr-a")["status"].get("activeLeases") or 0) == 0
