@@ -22,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION
+from ferry.storage import credentials_from_secret_data
 from ferry_agent import metrics
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.nixl_transfer import NixlPeer
@@ -39,7 +40,6 @@ from ferry_agent.resident import ResidentWeights
 from ferry_agent.s3_strategy import ObjectStorageStrategy
 from ferry_agent.strategy import LoadContext, StrategyFailed, run_strategy_chain
 from ferry_agent.worker_service import WorkerServer, serve_resident
-from ferry_operator.storage import credentials_from_secret_data
 
 log = logging.getLogger("ferry.agent")
 PLURAL = "weightreplicas"

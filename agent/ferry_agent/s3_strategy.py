@@ -42,6 +42,13 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from ferry import checkpoint_format as ckpt
 from ferry.api.models import MAX_CHAIN_LENGTH, WeightFormat
+from ferry.chain import VersionView, resolve_chain
+from ferry.storage import (
+    HEADER_PROBE_BYTES,
+    MAX_INDEX_BYTES,
+    parse_s3_uri,
+    s3_client,
+)
 from ferry_agent.checkpoint_store import (
     ArtifactKind,
     ArtifactRef,
@@ -52,13 +59,6 @@ from ferry_agent.checkpoint_store import (
 from ferry_agent.peer_strategy import ProgressThrottle
 from ferry_agent.resident import ResidentWeights, TensorSpec, manifest_digest
 from ferry_agent.strategy import LoadContext, StrategyFailed
-from ferry_operator.chain import VersionView, resolve_chain
-from ferry_operator.storage import (
-    HEADER_PROBE_BYTES,
-    MAX_INDEX_BYTES,
-    parse_s3_uri,
-    s3_client,
-)
 
 log = logging.getLogger(__name__)
 

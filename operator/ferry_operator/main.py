@@ -18,8 +18,15 @@ import kopf
 
 from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, LABEL_VERSION, VERSION
+from ferry.chain import VersionView, dependents, resolve_chain
+from ferry.storage import (
+    StorageReason,
+    StorageReport,
+    credentials_from_secret_data,
+    s3_client,
+    verify_checkpoint,
+)
 from ferry_operator import kubeapi, metrics
-from ferry_operator.chain import VersionView, dependents, resolve_chain
 from ferry_operator.config import CONFIG
 from ferry_operator.modelloads import (
     DEGRADED,
@@ -30,13 +37,6 @@ from ferry_operator.modelloads import (
     plan_replicas,
     serves,
     stale_replicas,
-)
-from ferry_operator.storage import (
-    StorageReason,
-    StorageReport,
-    credentials_from_secret_data,
-    s3_client,
-    verify_checkpoint,
 )
 from ferry_operator.versions import (
     READY,

@@ -11,8 +11,8 @@ from typing import Any
 
 from ferry.api.conditions import get_condition, human_bytes, set_condition
 from ferry.api.models import WeightVersionPhase
-from ferry_operator.chain import ChainReason, ChainResult
-from ferry_operator.storage import StorageReason, StorageReport
+from ferry.chain import ChainReason, ChainResult
+from ferry.storage import StorageReason, StorageReport
 
 CHAIN_RESOLVED = "ChainResolved"
 STORAGE_VERIFIED = "StorageVerified"

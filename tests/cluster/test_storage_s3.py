@@ -13,7 +13,7 @@ import pytest
 
 from ferry import checkpoint_format as ckpt
 from ferry.localcluster import S3Server, free_port
-from ferry_operator.storage import StorageReason, StorageReport, s3_client, verify_checkpoint
+from ferry.storage import StorageReason, StorageReport, s3_client, verify_checkpoint
 
 pytestmark = pytest.mark.cluster
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ferry_operator.chain import ChainReason, ChainResult, VersionView, dependents, resolve_chain
+from ferry.chain import ChainReason, ChainResult, VersionView, dependents, resolve_chain
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,7 @@ from botocore.exceptions import (
 from safetensors.numpy import save
 
 from ferry import checkpoint_format as ckpt
-from ferry_operator.storage import (
+from ferry.storage import (
     StorageReason,
     StorageReport,
     credentials_from_secret_data,

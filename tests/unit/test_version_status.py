@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ferry_operator.chain import ChainReason, ChainResult
-from ferry_operator.storage import StorageReason, StorageReport
+from ferry.chain import ChainReason, ChainResult
+from ferry.storage import StorageReason, StorageReport
 from ferry_operator.versions import plan_version_status, release_blockers, storage_from_status
 
 pytestmark = pytest.mark.unit
