@@ -71,7 +71,7 @@ def start_agents(cluster: LocalCluster, s3: S3Server, workdir: Path) -> list[Man
         body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": {"ferry.dev/gpu": "true"}}}
         cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
         argv = [sys.executable, "-m", "ferry_agent", "--node", node, "--checkpoint-dir", str(workdir / node),
-                "--poll-seconds", "0.5", "--retry-seconds", "1"]  # fmt: skip
+                "--poll-seconds", "2", "--retry-seconds", "1"]  # fmt: skip
         env = {**os.environ, **cluster.env(), **s3.env(), "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
         agents.append(ManagedProcess(f"agent-{node}", argv, workdir / f"agent-{node}.log", env=env).start())
     return agents

@@ -31,7 +31,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=_seed, action="append", default=[], metavar="VERSION=PATH",
                         help="a local safetensors file that holds VERSION")  # fmt: skip
     parser.add_argument("--lease-seconds", type=int, default=DEFAULT_LEASE_SECONDS)
-    parser.add_argument("--poll-seconds", type=float, default=1.0)
+    parser.add_argument(
+        "--poll-seconds",
+        type=float,
+        default=10.0,
+        help="resync period; changes to this node's WeightReplicas are watched and act at once",
+    )
     parser.add_argument("--bind-address", default=os.environ.get("POD_IP", "127.0.0.1"),
                         help="address peers reach this agent's worker service on (env POD_IP)")  # fmt: skip
     parser.add_argument(

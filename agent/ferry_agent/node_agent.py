@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client
+from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api.conditions import now_rfc3339
@@ -120,21 +120,41 @@ class NodeAgent:
         self._store = store
         self._s3_endpoint = s3_endpoint
         self._stopping = threading.Event()
+        self._wake = threading.Event()
 
     # ------------------------------------------------------------------ loop
 
     def run(self) -> None:
         log.info("agent %s serving node %s", self.agent_name, self.node)
+        threading.Thread(target=self._watch, name="ferry-watch", daemon=True).start()
         while not self._stopping.is_set():
+            self._wake.clear()
             try:
                 self.reconcile_once()
             except ApiException as exc:
                 log.warning("API error, retrying: %s %s", exc.status, exc.reason)
-            self._stopping.wait(self._poll_seconds)
+            # A watch event wakes us at once; the timeout is the resync (retry backoffs, lease counts).
+            self._wake.wait(self._poll_seconds)
         self.shutdown()
 
     def stop(self) -> None:
         self._stopping.set()
+        self._wake.set()
+
+    def _watch(self) -> None:
+        """Wake the loop on any change to this node's WeightReplicas."""
+        while not self._stopping.is_set():
+            try:
+                for _event in watch.Watch().stream(
+                    self._objects.list_cluster_custom_object, GROUP, VERSION, PLURAL,
+                    label_selector=f"{LABEL_NODE}={self.node}", timeout_seconds=300,
+                ):  # fmt: skip
+                    self._wake.set()
+                    if self._stopping.is_set():
+                        return
+            except Exception as exc:  # a dropped watch only delays us to the next resync
+                log.debug("watch ended: %s", exc)
+                self._stopping.wait(1.0)
 
     def reconcile_once(self) -> None:
         listed = self._objects.list_cluster_custom_object(

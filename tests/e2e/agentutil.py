@@ -57,7 +57,7 @@ def start_agent(
         "--lease-seconds",
         str(lease_seconds),
         "--poll-seconds",
-        "0.3",
+        "3",  # changes arrive through the watch; this is only the resync
         "--retry-seconds",
         str(retry_seconds),
         "--metrics-port",
