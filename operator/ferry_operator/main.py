@@ -109,6 +109,25 @@ def _views_in(index: kopf.Index, namespace: str) -> list[VersionView]:
     return [view for (ns, _), store in index.items() if ns == namespace for view in store]
 
 
+# (object uid, condition type) -> (status, reason) last announced as an Event. The timer and the event handler of one
+# object can both see the same flip in a stale body; one Event per flip is enough.
+_announced: dict[tuple[str, str], tuple[str, str]] = {}
+
+
+def _announce(body: kopf.Body, type_: str, status: str, reason: str, message: str, *, warning: bool) -> None:
+    key = (body["metadata"]["uid"], type_)
+    if _announced.get(key) == (status, reason):
+        return
+    _announced[key] = (status, reason)
+    (kopf.warn if warning else kopf.info)(body, reason=reason, message=f"{type_}={status}: {message}")
+
+
+def _forget_announced(body: kopf.Body) -> None:
+    uid = body["metadata"].get("uid")
+    for key in [k for k in _announced if k[0] == uid]:
+        del _announced[key]
+
+
 # ---------------------------------------------------------------- WeightVersion reconcile
 
 
@@ -192,7 +211,7 @@ async def _reconcile_version(
     if plan.differs_from(body.get("status")):
         patch.status.update(plan.status)
     for t in plan.transitions:
-        (kopf.warn if t.warning else kopf.info)(body, reason=t.reason, message=f"{t.type}={t.status}: {t.message}")
+        _announce(body, t.type, t.status, t.reason, t.message, warning=t.warning)
     if plan.became_ready:
         logger.info("%s/%s is Ready (chain %s)", namespace, name, " → ".join(plan.status["chain"] or []))
     metrics.record_phase(namespace, name, plan.status["phase"])
@@ -206,6 +225,7 @@ async def version_changed(event: dict, namespace: str, name: str, body: kopf.Bod
                           lease_index: kopf.Index, **_: Any) -> None:  # fmt: skip
     if event.get("type") == "DELETED":
         metrics.forget(namespace, name)
+        _forget_announced(body)
         return
     await _reconcile_version(namespace, name, body, patch, logger, version_index, desired_index, lease_index)
     await _wake_dependents(namespace, name, body, version_index)
@@ -283,10 +303,8 @@ def _emit_transitions(body: kopf.Body, before: list, after: list) -> None:
     for c in after:
         if old.get(c["type"], "Unknown") != c["status"]:
             bad = c["status"] == "True" if c["type"] in (DEGRADED, PEER_STALLED) else c["status"] == "False"
-            healthy = c["type"] == PROGRESSING or not bad
-            (kopf.info if healthy else kopf.warn)(
-                body, reason=c["reason"], message=f"{c['type']}={c['status']}: {c['message']}"
-            )
+            warning = c["type"] != PROGRESSING and bad
+            _announce(body, c["type"], c["status"], c["reason"], c["message"], warning=warning)
 
 
 def _version_problem(version_index: kopf.Index, namespace: str, version: str) -> str | None:
@@ -352,6 +370,7 @@ async def modelload_changed(event: dict, namespace: str, name: str, body: kopf.B
                             node_index: kopf.Index, replica_index: kopf.Index, replica_lease_index: kopf.Index,
                             version_index: kopf.Index, **_: Any) -> None:  # fmt: skip
     if event.get("type") == "DELETED":
+        _forget_announced(body)
         return
     await _reconcile_modelload(
         namespace, name, body, patch, node_index, replica_index, replica_lease_index, version_index

@@ -130,7 +130,12 @@ def plan_replicas(
     chosen = choose_nodes(modelload["spec"], nodes, list(by_node), holders, salt=modelload["metadata"]["name"])
     plan = ReplicaPlan()
     plan.delete = sorted(r["metadata"]["name"] for node, r in by_node.items() if node not in chosen)
-    plan.create = [replica_body(modelload, node, desired) for node in chosen if node not in by_node]
+    # Created in name order: an agent that sees its replica also sees every smaller-named one, so all agree on
+    # which cold replica reads S3 first (ferry_agent.registry.first_loader).
+    plan.create = sorted(
+        (replica_body(modelload, node, desired) for node in chosen if node not in by_node),
+        key=lambda body: body["metadata"]["name"],
+    )
     kept = [by_node[n] for n in chosen if n in by_node]
     behind = [r for r in kept if r["spec"]["version"] != desired]
     # In flight until the agent reports Serving *that* version: a replica still serving the old one after its spec

@@ -60,6 +60,8 @@ def test_choose_nodes_respects_selector_keeps_placements_and_prefers_holders():
 def test_plan_creates_owned_replicas_and_scales_down():
     plan = plan_replicas(ml(replicas=2), [], [node("a"), node("b"), node("c")], [])
     assert len(plan.create) == 2 and not plan.delete
+    names = [b["metadata"]["name"] for b in plan.create]
+    assert names == sorted(names), "created in name order, so agents agree on the first loader"
     body = plan.create[0]
     owner = body["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["uid"], owner["controller"]) == ("ModelLoad", "u-1", True)
