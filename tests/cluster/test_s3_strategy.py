@@ -158,15 +158,10 @@ def debris(root: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(Path(tmp_path_factory.mktemp("s3-strategy")))
-    try:
-        server.start()
-        server.create_bucket(BUCKET)
-        yield server
-    finally:
-        if server.process:  # the data is throwaway; a graceful SeaweedFS stop takes ~25 s
-            server.process.kill()
+def s3_server(s3: S3Server) -> S3Server:
+    """The session's SeaweedFS (tests/conftest.py), with this module's bucket."""
+    s3.create_bucket(BUCKET)
+    return s3
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,16 +19,10 @@ BUCKET = "ferry-verify"
 
 
 @pytest.fixture(scope="module")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(Path(tmp_path_factory.mktemp("s3-verify")))
-    try:
-        server.start()
-        server.create_bucket(BUCKET)
-        yield server
-    finally:
-        # A graceful SeaweedFS shutdown takes ~25 s and S3Server.stop() waits 10 s of it; the data is throwaway.
-        if server.process:
-            server.process.kill()
+def s3_server(s3: S3Server) -> S3Server:
+    """The session's SeaweedFS (tests/conftest.py), with this module's bucket."""
+    s3.create_bucket(BUCKET)
+    return s3
 
 
 @pytest.fixture(scope="module")

@@ -4,19 +4,15 @@ file, agent B loads the same version from A over NIXL, and a third reader verifi
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
-from agentutil import agent_metrics, content_sha256, node, replica, start_agent, wait_phase
+from agentutil import agent_metrics, content_sha256, node, read_back, replica, start_agent, wait_phase
 from safetensors.torch import save_file
 from wvutil import get, wait_for
 
-from ferry_agent.nixl_transfer import NixlPeer
-from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
 from ferry_agent.registry import lease_name
 from ferry_agent.resident import ResidentWeights
-from ferry_agent.strategy import LoadContext
 
 pytestmark = pytest.mark.e2e
 
@@ -53,16 +49,7 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, tmp_path):
         assert "Stale" not in status["phase"]
 
         # A third reader pulls from B (not the seed) and checks every byte.
-        reader = NixlPeer(f"reader-{time.monotonic_ns()}")
-        b_entry = status["ranks"][0]
-        from ferry_agent.candidate import SourceCandidate
-
-        cand = SourceCandidate("wr-b", 0, b_entry["agentName"], b_entry["grpcEndpoint"])
-        strategy = PeerStrategy(peer=reader, candidates=lambda ctx: [cand], settings=TransferSettings(timeout_s=30))
-        result = strategy.load(LoadContext(model="m", version="v1", rank=0, target_id="reader"))
-        assert content_sha256(result.resident.tensors) == expected
-        reader.deregister(result.resident)
-        reader.shutdown()
+        assert read_back(status["ranks"][0], "wr-b") == expected
 
         assert 'ferry_agent_loads_total{outcome="Loaded",source_kind="peer"} 1.0' in agent_metrics(agent_b)
         assert 'ferry_agent_loads_total{outcome="Loaded",source_kind="local"} 1.0' in agent_metrics(agent_a)
