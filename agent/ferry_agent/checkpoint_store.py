@@ -8,7 +8,8 @@ Layout under `<root>/<quoted model name>/`:
 - `materialized/<v>/`  a derived full checkpoint of delta version v (the root's index and shard layout with the
                        deltas applied), plus `checksums.json` (v's adler32 per tensor) and `chain.json`;
 - `state.json`         `{status: READY|UPDATING, version, chain, target, target_chain}`: `version` is the last
-                       activated version and `chain` its replay chain; `target` is the one being prepared.
+                       activated version and `chain` its replay chain; `target` is the one being prepared
+                       (UPDATING) or prepared and waiting for every rank to load it before activation (READY).
 
 Every artifact is written into `<kind>/<v>.tmp/`, its files and the folder are fsynced, and then it is renamed
 into place, its marker `source.json` (source URI + file sizes) written last. So a folder without the `.tmp`
@@ -193,19 +194,25 @@ def _remove(path: Path) -> None:
 
 @dataclass
 class Update:
-    """An update in progress (see `CheckpointStore.update`); `commit()` activates the target."""
+    """An update in progress (see `CheckpointStore.update`). `commit()` activates the target; with
+    `activate=False` it only marks it prepared, for `CheckpointStore.activate` once every rank has loaded it."""
 
     store: CheckpointStore
     model: str
     target: str
     chain: tuple[str, ...]
+    previous: StoreState
     committed: bool = field(default=False, init=False)
 
-    def commit(self) -> None:
+    def commit(self, *, activate: bool = True) -> None:
         head = head_ref(self.model, self.chain)
         if self.store.artifact(head) is None:
             raise RuntimeError(f"cannot activate {self.target}: its artifact {head} is not in the store")
-        self.store._write_state(self.model, StoreState(StoreStatus.READY, self.target, self.chain))
+        if activate:
+            state = StoreState(StoreStatus.READY, self.target, self.chain)
+        else:
+            state = StoreState(StoreStatus.READY, self.previous.version, self.previous.chain, self.target, self.chain)
+        self.store._write_state(self.model, state)
         self.committed = True
 
 
@@ -361,7 +368,7 @@ class CheckpointStore:
             previous = self.state(model)
             pins = chain_refs(model, chain) | set(protect)
             self._pins.append(pins)
-            handle = Update(self, model, target, chain)
+            handle = Update(self, model, target, chain, previous)
             try:
                 self._write_state(
                     model, StoreState(StoreStatus.UPDATING, previous.version, previous.chain, target, chain)
@@ -372,16 +379,51 @@ class CheckpointStore:
                 if not handle.committed:
                     self._write_state(model, StoreState(StoreStatus.READY, previous.version, previous.chain))
 
+    def prepared_head(self, model: str, chain: Iterable[str]) -> Path | None:
+        """The folder holding the last version of `chain` when that version is prepared or active, else None:
+        what the other ranks of a replica load from after their local leader prepared it."""
+        chain = tuple(chain)
+        with self.lock():
+            state = self.state(model)
+            if chain not in (state.chain, state.target_chain):
+                return None
+            return self.artifact(head_ref(model, chain))
+
+    def activate(self, model: str, target: str, chain: Iterable[str]) -> None:
+        """Activate a prepared `target` (see `Update.commit(activate=False)`); a no-op if it is already active."""
+        chain = tuple(chain)
+        with self.lock():
+            state = self.state(model)
+            if state.version == target and state.chain == chain:
+                return
+            if state.target != target or state.target_chain != chain:
+                raise RuntimeError(
+                    f"cannot activate {model}:{target}: it is not the prepared version (prepared: {state.target}, "
+                    f"active: {state.version})"
+                )
+            if self.artifact(head_ref(model, chain)) is None:
+                raise RuntimeError(f"cannot activate {model}:{target}: its artifact is no longer in the store")
+            self._write_state(model, StoreState(StoreStatus.READY, target, chain))
+
+    def release_prepared(self, model: str, target: str) -> None:
+        """Forget a prepared, never activated `target`: its chain is no longer protected from eviction."""
+        with self.lock():
+            state = self.state(model)
+            if state.status == StoreStatus.READY and state.target == target:
+                self._write_state(model, StoreState(StoreStatus.READY, state.version, state.chain))
+
     # ------------------------------------------------------------------ quota
 
     def protected(self) -> set[ArtifactRef]:
-        """Artifacts eviction must keep: every model's active chain and the chains of updates in progress."""
+        """Artifacts eviction must keep: every model's active chain, its prepared one, and the chains of updates
+        in progress."""
         refs: set[ArtifactRef] = set().union(*self._pins) if self._pins else set()
         for model_dir in self.root.iterdir():
             if (model_dir / STATE_FILE).is_file():
                 model = urllib.parse.unquote(model_dir.name)
                 with contextlib.suppress(ValueError, KeyError, TypeError):  # unreadable state protects nothing
-                    refs |= chain_refs(model, self.state(model).chain)
+                    state = self.state(model)
+                    refs |= chain_refs(model, state.chain) | chain_refs(model, state.target_chain)
         return refs
 
     def reserve(self, nbytes: int) -> list[ArtifactRef]:

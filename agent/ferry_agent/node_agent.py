@@ -1,8 +1,11 @@
 """The node agent process: loads the WeightReplicas assigned to its node and serves them to peers.
 
-For each WeightReplica with `spec.nodeName` == this node it runs the strategy chain (Peer, then a local seed
-checkpoint when one is configured for that version), publishes the loaded rank as a P2P source in
-`status.ranks[]`, and keeps a coordination Lease alive. It writes only the WeightReplica `/status` and its Leases.
+For each WeightReplica with `spec.nodeName` == this node it runs the desired-version cold start
+(`replica_load.load_rank`: the source order, Peer then ObjectStorage by default, then a local seed checkpoint
+when one is configured for that version), publishes every loaded rank as a P2P source in `status.ranks[]`,
+and keeps a coordination Lease alive. A one-rank replica loads in this process; a replica of N ranks runs one
+`rank_worker` process per rank (`rank_group.RankProcesses`), which agree through a gloo group. The agent writes
+only the WeightReplica `/status` and its Leases.
 """
 
 from __future__ import annotations
@@ -22,70 +25,71 @@ from kubernetes.client.exceptions import ApiException
 
 from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION
-from ferry.storage import credentials_from_secret_data
 from ferry_agent import metrics
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.nixl_transfer import NixlPeer
-from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
+from ferry_agent.peer_strategy import Progress, TransferSettings
+from ferry_agent.rank_group import RankGroupFailed, RankLaunch, RankProcesses
+from ferry_agent.ranks import SingleRank
 from ferry_agent.registry import (
     DEFAULT_LEASE_SECONDS,
     LABEL_NODE,
-    LABEL_VERSION,
-    first_loader,
     lease_body,
     lease_name,
-    source_candidates,
 )
+from ferry_agent.replica_load import PLURAL, ApiSources, load_rank, rank_context, source_label
 from ferry_agent.resident import ResidentWeights
-from ferry_agent.s3_strategy import ObjectStorageStrategy
-from ferry_agent.strategy import LoadContext, StrategyFailed, run_strategy_chain
 from ferry_agent.worker_service import WorkerServer, serve_resident
 
 log = logging.getLogger("ferry.agent")
-PLURAL = "weightreplicas"
+
+
+class InProcessReplica:
+    """A one-rank replica served from the agent's own process."""
+
+    def __init__(self, resident: ResidentWeights, server: WorkerServer, peer: NixlPeer) -> None:
+        self.resident = resident
+        self.server = server
+        self._peer = peer
+
+    def active_leases(self) -> int:
+        return self.server.leases.active_count()
+
+    def failure(self) -> str | None:
+        return None
+
+    def stop(self, drain_s: float) -> None:
+        try:
+            self.server.drain(drain_s)
+        except TimeoutError:
+            log.warning("readers still active after %.0fs; stopping anyway", drain_s)
+        self.server.stop()
+        self._peer.deregister(self.resident)
 
 
 @dataclass
-class LocalLoad:
-    resident: ResidentWeights
+class Loaded:
+    """A replica that every rank has loaded: what goes into its status, and what serves it."""
+
+    handle: InProcessReplica | RankProcesses
+    source: str
     bytes_moved: int
-    source: str = "local"
-
-
-class LocalFileStrategy:
-    """Seeds a version from a safetensors file on this node (how the first replica of a PeerOnly version, or a
-    node with a pre-staged checkpoint, starts). Available only when a file is configured for the version."""
-
-    name = "LocalFile"
-
-    def __init__(self, seeds: Mapping[str, Path]) -> None:
-        self._seeds = seeds
-
-    def is_available(self, ctx: LoadContext) -> bool:
-        return ctx.version in self._seeds
-
-    def load(self, ctx: LoadContext) -> LocalLoad:
-        from safetensors.torch import load_file
-
-        path = self._seeds[ctx.version]
-        try:
-            tensors = load_file(str(path), device=ctx.device)
-        except (OSError, ValueError) as exc:
-            raise StrategyFailed(f"cannot read {path}: {exc}", mutated=False) from exc
-        resident = ResidentWeights(tensors)
-        return LocalLoad(resident, resident.total_bytes)
-
-    def rollback(self, ctx: LoadContext) -> None:
-        """Nothing is held before `load` returns."""
+    attempts: list[dict[str, Any]]
+    ranks: list[dict[str, Any]]
 
 
 @dataclass
 class Served:
     version: str
-    resident: ResidentWeights
-    server: WorkerServer
+    handle: InProcessReplica | RankProcesses
     published_leases: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
+
+
+class LoadFailed(RuntimeError):
+    def __init__(self, message: str, attempts: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.attempts = attempts
 
 
 class NodeAgent:
@@ -102,6 +106,7 @@ class NodeAgent:
         store: CheckpointStore | None = None,
         s3_endpoint: str | None = None,
         peer_factory: Callable[[str], NixlPeer] = NixlPeer,
+        rank_timeout_s: float = 300.0,
     ) -> None:
         self.node = node
         self.agent_name = f"{node}-{uuid.uuid4().hex[:8]}"
@@ -119,6 +124,7 @@ class NodeAgent:
         self._bind_address = bind_address
         self._store = store
         self._s3_endpoint = s3_endpoint
+        self._rank_timeout_s = rank_timeout_s  # bound on each collective of a multi-rank replica
         self._stopping = threading.Event()
         self._wake = threading.Event()
 
@@ -167,8 +173,12 @@ class NodeAgent:
         }
         for key in list(self._served):
             wr = assigned.get(key)
+            failure = self._served[key].handle.failure()
             if wr is None or wr["spec"]["version"] != self._served[key].version:
                 self._unserve(key)
+            elif failure is not None:  # a rank process died: the replica no longer holds the whole version
+                self._unserve(key, drain_seconds=0)
+                self._fail(key, wr["spec"]["version"], wr["metadata"].get("generation"), failure)
         for key, wr in assigned.items():
             served = self._served.get(key)
             if served is not None:
@@ -187,69 +197,15 @@ class NodeAgent:
         namespace, name = key
         self._objects.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": status})
 
-    def _candidates(self, namespace: str, version: str, self_name: str, wait_s: float) -> Callable[[LoadContext], list]:
-        def once(ctx: LoadContext) -> tuple[list, list]:
-            replicas = self._objects.list_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, label_selector=f"{LABEL_VERSION}={version}"
-            )["items"]
-            leases = {
-                lease.metadata.name: self._api.sanitize_for_serialization(lease)
-                for lease in self._leases.list_namespaced_lease(namespace).items
-            }
-            found = source_candidates(
-                replicas, leases, version=version, rank=ctx.rank, self_replica=self_name, now=dt.datetime.now(dt.UTC)
-            )
-            return found, replicas
-
-        def listing(ctx: LoadContext) -> list:
-            found, replicas = once(ctx)
-            deadline = time.monotonic() + wait_s
-            # No source yet, but another replica is already fetching this version: wait to copy from it.
-            while not found and time.monotonic() < deadline:
-                leader = first_loader(replicas, version=version, self_replica=self_name)
-                if leader == self_name or self._stopping.is_set():
-                    break
-                self._patch_status((namespace, self_name), {"message": f"waiting for {leader} to load {version}"})
-                time.sleep(0.5)
-                found, replicas = once(ctx)
-            return found
-
-        return listing
-
-    def _version_reader(self, namespace: str) -> Callable[[str], dict | None]:
-        def read(name: str) -> dict | None:
-            try:
-                return self._objects.get_namespaced_custom_object(GROUP, VERSION, namespace, "weightversions", name)
-            except ApiException as exc:
-                if exc.status == 404:
-                    return None
-                raise
-
-        return read
-
-    def _credentials_reader(self, namespace: str) -> Callable[[Mapping], dict[str, str] | None]:
-        def read(storage: Mapping) -> dict[str, str] | None:
-            secret = storage.get("credentialsSecret")
-            if not secret:
-                return None  # the agent's own environment (instance role, env vars)
-            data = client.CoreV1Api(self._api).read_namespaced_secret(secret, namespace).data
-            return credentials_from_secret_data(data)
-
-        return read
-
     def _load(self, key: tuple[str, str], wr: dict[str, Any]) -> None:
         namespace, name = key
         spec = wr["spec"]
         version = spec["version"]
         generation = wr["metadata"].get("generation")
-        if spec.get("ranks", 1) != 1:
-            self._fail(key, version, generation, "multi-rank replicas need the rank process group, not yet supported")
-            return
-        started = _micro_now()
         self._patch_status(
             key,
             {
-                "phase": "Loading", "version": version, "startedTime": started, "completedTime": None,
+                "phase": "Loading", "version": version, "startedTime": _micro_now(), "completedTime": None,
                 "bytesDone": 0, "bytesTotal": None, "source": None, "attempts": [], "ranks": None,
                 "message": "", "observedGeneration": generation,
             },
@@ -261,58 +217,89 @@ class NodeAgent:
                 {"bytesDone": done, "bytesTotal": total or None, "source": source, "lastProgressTime": now_rfc3339()},
             )
 
-        ctx = LoadContext(model=spec["modelName"], version=version, rank=0, target_id=name, device=spec["device"])
-        settings = TransferSettings.from_spec(spec.get("transfer") or {})
-        strategies = {
-            "Peer": PeerStrategy(
-                peer=self._peer, candidates=self._candidates(namespace, version, name, settings.timeout_s),
-                settings=settings,
-                progress=progress,
-            ),
-        }  # fmt: skip
-        if self._store is not None:
-            strategies["ObjectStorage"] = ObjectStorageStrategy(
-                fetch_version=self._version_reader(namespace), credentials=self._credentials_reader(namespace),
-                store=self._store, default_endpoint=self._s3_endpoint, progress=progress,
-            )  # fmt: skip
-        chain = [strategies[s] for s in spec.get("sourceOrder", ["Peer"]) if s in strategies]
-        chain.append(LocalFileStrategy(self._seeds))
+        def note(message: str) -> None:
+            self._patch_status(key, {"message": message})
+
         t0 = time.monotonic()
         try:
-            result = run_strategy_chain(chain, ctx, reinit=lambda _ctx: None, publish=lambda _r, _c: None)
-        except Exception as exc:  # the chain's own summary names every strategy's failure
+            if spec.get("ranks", 1) == 1:
+                loaded = self._load_here(namespace, name, spec, progress, note)
+            else:
+                loaded = self._load_ranks(namespace, name, spec, progress, note)
+        except LoadFailed as exc:  # the message names every strategy's (or rank's) failure
             metrics.LOADS.labels(source_kind="none", outcome="Failed").inc()
-            self._fail(key, version, generation, str(exc), [a.to_status() for a in ctx.attempts])
+            self._fail(key, version, generation, str(exc), exc.attempts)
             return
         seconds = time.monotonic() - t0
-        source = result.source.label if hasattr(result.source, "label") else result.source
-        kind = metrics.source_kind(source)
+        kind = metrics.source_kind(loaded.source)
         metrics.LOADS.labels(source_kind=kind, outcome="Loaded").inc()
-        metrics.BYTES.labels(source_kind=kind).inc(result.bytes_moved)
+        metrics.BYTES.labels(source_kind=kind).inc(loaded.bytes_moved)
         metrics.LOAD_SECONDS.labels(source_kind=kind).observe(seconds)
-        server = serve_resident(
-            result.resident, self._peer, rank=0, host=self._bind_address, transfer_timeout_s=settings.timeout_s
-        )
-        self._served[key] = Served(version, result.resident, server)
+        self._served[key] = Served(version, loaded.handle)
         self._failed.pop(key, None)
         self._ensure_lease(key)
+        on_ranks = f" on {len(loaded.ranks)} ranks" if len(loaded.ranks) > 1 else ""
         self._patch_status(
             key,
             {
-                "phase": "Serving", "source": source, "bytesDone": result.bytes_moved,
-                "bytesTotal": result.bytes_moved, "completedTime": _micro_now(), "lastProgressTime": _micro_now(),
-                "attempts": [a.to_status() for a in ctx.attempts], "activeLeases": 0,
-                "message": f"loaded {result.bytes_moved} bytes from {source} in {seconds:.2f}s",
-                "ranks": [{
-                    "rank": 0, "agentName": self._peer.name, "grpcEndpoint": server.endpoint,
-                    "metadataEndpoint": "", "tensorCount": len(result.resident.manifest),
-                    "manifestDigest": result.resident.digest, "state": "Ready",
-                }],
+                "phase": "Serving", "source": loaded.source, "bytesDone": loaded.bytes_moved,
+                "bytesTotal": loaded.bytes_moved, "completedTime": _micro_now(), "lastProgressTime": _micro_now(),
+                "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks,
+                "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
             },
         )  # fmt: skip
-        log.info("%s/%s serving %s (%d bytes from %s in %.2fs)", namespace, name, version, result.bytes_moved,
-                 source, seconds)  # fmt: skip
+        log.info("%s/%s serving %s (%d bytes from %s in %.2fs%s)", namespace, name, version, loaded.bytes_moved,
+                 loaded.source, seconds, on_ranks)  # fmt: skip
         threading.Thread(target=self._renew_lease, args=(key, self._served[key].stop), daemon=True).start()
+
+    def _load_here(self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress,
+                   note: Callable[[str], None]) -> Loaded:  # fmt: skip
+        """A one-rank replica, in this process: the same cold start as a rank process, over a one-rank group."""
+        group = SingleRank()
+        ctx = rank_context(group, name, spec)
+        try:
+            result = load_rank(
+                group, ctx, sources=ApiSources(self._api, namespace, self._stopping), spec=spec,
+                configured=spec["version"], peer=self._peer, store=self._store, s3_endpoint=self._s3_endpoint,
+                seeds=self._seeds, progress=progress, note=note,
+            )  # fmt: skip
+        except Exception as exc:
+            raise LoadFailed(str(exc), [a.to_status() for a in ctx.attempts]) from exc
+        timeout_s = TransferSettings.from_spec(spec.get("transfer") or {}).timeout_s
+        server = serve_resident(result.resident, self._peer, rank=0, host=self._bind_address,
+                                transfer_timeout_s=timeout_s)  # fmt: skip
+        rank = {
+            "rank": 0, "agentName": self._peer.name, "grpcEndpoint": server.endpoint, "metadataEndpoint": "",
+            "tensorCount": len(result.resident.manifest), "manifestDigest": result.resident.digest, "state": "Ready",
+        }  # fmt: skip
+        handle = InProcessReplica(result.resident, server, self._peer)
+        return Loaded(handle, source_label(result), result.bytes_moved, [a.to_status() for a in ctx.attempts], [rank])
+
+    def _load_ranks(self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress,
+                    note: Callable[[str], None]) -> Loaded:  # fmt: skip
+        """A multi-rank replica: one process per rank, which agree on everything in a gloo group."""
+        settings = TransferSettings.from_spec(spec.get("transfer") or {})
+        launch = RankLaunch(
+            namespace=namespace, replica=name, world_size=spec["ranks"], version=spec["version"],
+            agent_name=self.agent_name, bind_address=self._bind_address,
+            checkpoint_dir=self._store.root if self._store else None,
+            checkpoint_quota_gib=self._store.quota_bytes / 2**30 if self._store else 500.0,
+            s3_endpoint=self._s3_endpoint, seeds=self._seeds, timeout_s=self._rank_timeout_s,
+        )  # fmt: skip
+        ranks = RankProcesses(launch, progress=progress, note=note, wake=self._wake.set)
+        ranks.start()
+        try:
+            # Loading may wait for the first loader and then copy or replay: the transfer budget twice, plus slack.
+            serving = ranks.wait_loaded(timeout_s=settings.timeout_s * 2 + self._rank_timeout_s)
+        except RankGroupFailed as exc:
+            raise LoadFailed(str(exc), exc.attempts) from exc
+        entries = [
+            {"rank": e["rank"], "agentName": e["agentName"], "grpcEndpoint": e["grpcEndpoint"], "metadataEndpoint": "",
+             "tensorCount": e["tensorCount"], "manifestDigest": e["manifestDigest"], "state": "Ready"}
+            for e in serving
+        ]  # fmt: skip
+        source = ",".join(sorted({e["source"] for e in serving}))  # each rank may copy from a different peer
+        return Loaded(ranks, source, sum(e["bytes"] for e in serving), serving[0]["attempts"], entries)
 
     def _fail(self, key, version, generation, message, attempts=None) -> None:
         log.error("%s/%s failed to load %s: %s", *key, version, message)
@@ -352,8 +339,8 @@ class NodeAgent:
 
     def _publish_lease_count(self, key: tuple[str, str], served: Served) -> None:
         """Only on change: the Lease is the heartbeat, the status is not rewritten to say "still here"."""
-        count = served.server.leases.active_count()
-        metrics.READ_LEASES.set(sum(x.server.leases.active_count() for x in self._served.values()))
+        count = served.handle.active_leases()
+        metrics.READ_LEASES.set(sum(x.handle.active_leases() for x in self._served.values()))
         if count != served.published_leases:
             self._patch_status(key, {"activeLeases": count})
             served.published_leases = count
@@ -363,12 +350,7 @@ class NodeAgent:
     def _unserve(self, key: tuple[str, str], drain_seconds: float = 10.0) -> None:
         served = self._served.pop(key)
         served.stop.set()
-        try:
-            served.server.drain(drain_seconds)
-        except TimeoutError:
-            log.warning("%s/%s: readers still active after %.0fs; stopping anyway", *key, drain_seconds)
-        served.server.stop()
-        self._peer.deregister(served.resident)
+        served.handle.stop(drain_seconds)
         namespace, name = key
         try:
             self._leases.delete_namespaced_lease(lease_name(name), namespace)

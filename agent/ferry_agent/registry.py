@@ -26,13 +26,17 @@ def source_candidates(
     rank: int,
     self_replica: str,
     now: dt.datetime,
+    world_size: int = 1,
 ) -> list[SourceCandidate]:
-    """Sources for one rank of `version`, from WeightReplica objects and Leases keyed by name."""
+    """Sources for one rank of `version`, from WeightReplica objects and Leases keyed by name. Only replicas
+    with the same number of ranks qualify: rank r of a replica holds a share of the tensors that depends on it."""
     found = []
     for wr in replicas:
         name = wr["metadata"]["name"]
         status = wr.get("status") or {}
         if name == self_replica or wr["metadata"].get("deletionTimestamp"):
+            continue
+        if (wr.get("spec") or {}).get("ranks", 1) != world_size:
             continue
         if status.get("phase") != "Serving" or status.get("version") != version:
             continue

@@ -58,6 +58,7 @@ from ferry_agent.checkpoint_store import (
 )
 from ferry_agent.peer_strategy import ProgressThrottle
 from ferry_agent.resident import ResidentWeights, TensorSpec, manifest_digest
+from ferry_agent.sharding import rank_specs
 from ferry_agent.strategy import LoadContext, StrategyFailed
 
 log = logging.getLogger(__name__)
@@ -307,7 +308,8 @@ def _base_error(source: tuple[int, int], nbytes: int, checksum: str) -> str | No
 
 def _build_tensor(
     name: str,
-    tensor: torch.Tensor,
+    tensor: torch.Tensor | None,
+    nbytes: int,
     source: tuple[int, int],
     checksum: str,
     steps: Sequence[_Step],
@@ -315,10 +317,11 @@ def _build_tensor(
 ) -> _Failure | None:
     """One tensor, in one pass: read its base bytes (fd, offset) into the resident pool, apply its deltas in
     order, checking adler32 after each (or of the base bytes when there is none), and write the result to the
-    materialized shard (fd, offset, countdown to its fsync) when there is one."""
-    flat = tensor.reshape(-1).view(torch.uint8)
+    materialized shard (fd, offset, countdown to its fsync) when there is one. `tensor` is None for a tensor
+    another rank holds: it is only materialized."""
+    flat = None if tensor is None else tensor.reshape(-1).view(torch.uint8)
     # A non-CPU pool is filled through a host buffer of the tensor's size; a CPU pool is worked on directly.
-    host = flat.numpy() if tensor.device.type == "cpu" else np.empty(flat.numel(), dtype=np.uint8)
+    host = flat.numpy() if flat is not None and flat.device.type == "cpu" else np.empty(nbytes, dtype=np.uint8)
     _pread_into(source[0], memoryview(host), source[1])
     if not steps:
         got = ckpt.adler32_hex(host)
@@ -334,7 +337,7 @@ def _build_tensor(
     if out is not None:
         _pwrite_all(out[0], host, out[1])
         out[2].tick()
-    if tensor.device.type != "cpu":
+    if flat is not None and flat.device.type != "cpu":
         flat.copy_(torch.from_numpy(host))
     return None
 
@@ -453,10 +456,22 @@ class ObjectStorageStrategy:
         return body is not None and bool(((body.get("spec") or {}).get("storage") or {}).get("uri"))
 
     def load(self, ctx: LoadContext) -> S3LoadResult:
-        """Replay `ctx.version` into a new pool; every failure is StrategyFailed(mutated=False)."""
+        """Replay `ctx.version` into a new pool and activate it in the store (a one-rank replica); every failure
+        is StrategyFailed(mutated=False)."""
+        return self.prepare(ctx, activate=True)
+
+    def resolve(self, ctx: LoadContext) -> tuple[str, ...]:
+        """The replay chain of `ctx.version`, root first (the ranks of a replica agree on it first)."""
+        with self._failures():
+            return tuple(link.name for link in self._resolve(ctx))
+
+    def prepare(self, ctx: LoadContext, *, activate: bool) -> S3LoadResult:
+        """The local leader's step: fetch what the store lacks, replay the chain and load this rank's tensors
+        in the same pass, materializing every rank's tensors in the store. With `activate=False` the store only
+        marks the version prepared; `activate()` follows once every rank has loaded it."""
         t0 = time.monotonic()
         timings: dict[str, float] = {}
-        try:
+        with self._failures():
             links = self._resolve(ctx)
             with (
                 self._store.lock(),
@@ -464,15 +479,71 @@ class ObjectStorageStrategy:
             ):
                 plan = self._plan(ctx, links, pool)
                 timings["validate"] = time.monotonic() - t0
-                resident, downloaded = self._execute(ctx, plan, pool, timings)
+                resident, downloaded = self._execute(ctx, plan, pool, timings, activate=activate)
+        return self._result(ctx, plan, resident, downloaded, t0, timings)
+
+    def attach(self, ctx: LoadContext, chain: Sequence[str]) -> None:
+        """Another rank's check that its local leader prepared `chain` in the node's store."""
+        with self._failures():
+            self._require_prepared(ctx, tuple(chain))
+
+    def _require_prepared(self, ctx: LoadContext, chain: tuple[str, ...]) -> None:
+        if self._store.prepared_head(ctx.model, chain) is None:
+            raise _LoadError(
+                f"{ctx.version} (chain {' → '.join(chain)}) is neither prepared nor active in this node's checkpoint "
+                f"store {self._store.root}; every rank of a replica must share its node's store"
+            )
+
+    def load_prepared(self, ctx: LoadContext) -> S3LoadResult:
+        """Another rank's step: load this rank's tensors from what the local leader prepared (checking every
+        tensor's adler32), without fetching or changing anything in the store."""
+        t0 = time.monotonic()
+        timings: dict[str, float] = {}
+        with self._failures():
+            links = self._resolve(ctx)
+            chain = tuple(link.name for link in links)
+            with ThreadPoolExecutor(self._workers, thread_name_prefix="ferry-s3") as pool:
+                with self._store.lock():
+                    self._require_prepared(ctx, chain)
+                    plan = self._plan(ctx, links, pool, remote=False)
+                if plan.deltas:
+                    raise _LoadError(f"no materialized {ctx.version} in the store: the local leader did not build it")
+                timings["validate"] = time.monotonic() - t0
+                # The prepared chain is protected in the store's state, so it is read outside the lock.
+                resident = self._build(ctx, plan, pool, timings)
+        return self._result(ctx, plan, resident, 0, t0, timings)
+
+    def activate(self, ctx: LoadContext, chain: Sequence[str]) -> None:
+        """Mark the prepared version active in the store (protecting its chain from eviction)."""
+        with self._failures():
+            try:
+                self._store.activate(ctx.model, ctx.version, chain)
+            except RuntimeError as exc:
+                raise _LoadError(str(exc)) from exc
+
+    def release_prepared(self, ctx: LoadContext) -> None:
+        """Undo `prepare(activate=False)` when the replica gives up: the store forgets the prepared version."""
+        self._store.release_prepared(ctx.model, ctx.version)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _failures() -> Iterator[None]:
+        try:
+            yield
         except _LoadError as exc:
             raise StrategyFailed(f"ObjectStorage: {exc}", mutated=False) from exc
         except OSError as exc:  # local I/O (disk full, permissions): the new pool was never handed out
             raise StrategyFailed(f"ObjectStorage: local checkpoint store I/O failed: {exc}", mutated=False) from exc
+
+    @staticmethod
+    def _result(
+        ctx: LoadContext, plan: _Plan, resident: ResidentWeights, downloaded: int, t0: float, timings: dict[str, float]
+    ) -> S3LoadResult:
         seconds = time.monotonic() - t0
         log.info(
-            "loaded %s (%d bytes, chain %s) from %s in %.2fs, %d bytes downloaded",
-            ctx.version, resident.total_bytes, " → ".join(plan.chain), plan.reused or "S3", seconds, downloaded,
+            "rank %d/%d loaded %s (%d bytes, chain %s) from %s in %.2fs, %d bytes downloaded",
+            ctx.rank, ctx.world_size, ctx.version, resident.total_bytes, " → ".join(plan.chain),
+            plan.reused or "S3", seconds, downloaded,
         )  # fmt: skip
         return S3LoadResult(
             resident=resident,
@@ -529,8 +600,16 @@ class ObjectStorageStrategy:
 
     # ------------------------------------------------------------------ phase 2: validate (no mutation)
 
-    def _plan(self, ctx: LoadContext, links: list[_Link], pool: ThreadPoolExecutor) -> _Plan:
+    def _plan(self, ctx: LoadContext, links: list[_Link], pool: ThreadPoolExecutor, *, remote: bool = True) -> _Plan:
+        """What to read and apply. With `remote=False` everything must already be in the store (a rank loading
+        what its local leader prepared)."""
         model = ctx.model
+
+        def fetch(ref: ArtifactRef, link: _Link) -> _Checkpoint:
+            if not remote:
+                raise _LoadError(f"{ref} is not in this node's checkpoint store; the local leader did not prepare it")
+            return self._remote(ref, link, pool)
+
         chain = tuple(link.name for link in links)
         base: _Checkpoint | None = None
         start = 0
@@ -541,12 +620,12 @@ class ObjectStorageStrategy:
                 break
         if base is None:
             ref = ArtifactRef(model, ArtifactKind.FULL, links[0].name)
-            base = self._stored(ref, links[0]) or self._remote(ref, links[0], pool)
+            base = self._stored(ref, links[0]) or fetch(ref, links[0])
         reused = None if base.path is None else f"{base.ref.kind}/{base.ref.version}"
         deltas = []
         for link in links[start + 1 :]:
             ref = ArtifactRef(model, ArtifactKind.DELTA, link.name)
-            deltas.append(self._stored(ref, link) or self._remote(ref, link, pool))
+            deltas.append(self._stored(ref, link) or fetch(ref, link))
 
         layout = {name: (shard, info) for shard in base.shards.values() for name, info in shard.layout.infos.items()}
         for name, (shard, info) in layout.items():
@@ -565,10 +644,14 @@ class ObjectStorageStrategy:
                             f"delta shard {delta.where(shard.name)} stores {name!r} as {info.dtype}{list(info.shape)},"
                             " not as a 1-D U8 zstd frame"
                         )
-        specs = [
-            TensorSpec(name, str(TORCH_DTYPES[info.dtype]), info.shape, info.nbytes)
-            for name, (_, info) in sorted(layout.items())
-        ]
+        specs = rank_specs(
+            [
+                TensorSpec(name, str(TORCH_DTYPES[info.dtype]), info.shape, info.nbytes)
+                for name, (_, info) in sorted(layout.items())
+            ],
+            ctx.rank,
+            ctx.world_size,
+        )
         expected = ctx.expected_manifest_digest
         if expected and manifest_digest(specs) != expected:
             raise _LoadError(
@@ -675,7 +758,7 @@ class ObjectStorageStrategy:
     # ------------------------------------------------------------------ phase 3: download, apply, place
 
     def _execute(
-        self, ctx: LoadContext, plan: _Plan, pool: ThreadPoolExecutor, timings: dict[str, float]
+        self, ctx: LoadContext, plan: _Plan, pool: ThreadPoolExecutor, timings: dict[str, float], *, activate: bool
     ) -> tuple[ResidentWeights, int]:
         fetch = [c for c in (plan.base, *plan.deltas) if c.path is None]
         downloaded = sum(c.stored_bytes for c in fetch)
@@ -689,7 +772,7 @@ class ObjectStorageStrategy:
                 if fetch:
                     self._download(fetch, pool, timings)
                 resident = self._build(ctx, plan, pool, timings)
-                update.commit()
+                update.commit(activate=activate)
             except _LoadError as exc:
                 if exc.discard is not None:
                     self._store.discard(exc.discard)
@@ -777,11 +860,14 @@ class ObjectStorageStrategy:
                         steps.setdefault(name, []).append(step)
             tasks = []
             for name, (shard, info) in plan.layout.items():
+                tensor = resident.tensors.get(name)  # None: another rank's, built only to be materialized
+                if tensor is None and not outputs:
+                    continue
                 offset = shard.layout.data_start + info.begin
                 out = (outputs[shard.name][0], offset, outputs[shard.name][1]) if outputs else None
                 tasks.append(
                     partial(
-                        _build_tensor, name, resident.tensors[name], (sources[shard.name], offset),
+                        _build_tensor, name, tensor, info.nbytes, (sources[shard.name], offset),
                         base.checksums[name], steps.get(name, ()), out,
                     )
                 )  # fmt: skip

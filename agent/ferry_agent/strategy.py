@@ -83,6 +83,7 @@ class LoadContext:
     rank: int
     target_id: str  # this replica's name: the rendezvous-hash key of the target
     device: str = "cpu"
+    world_size: int = 1  # ranks of the replica; each holds its share of the tensors (ferry_agent.sharding)
     expected_manifest_digest: str | None = None  # when known, every source must match it
     attempts: list[Attempt] = field(default_factory=list)
 

@@ -203,7 +203,13 @@ class ModelLoadSpec(_Model):
     desiredVersion: ObjectName = Field(description="Name of the WeightVersion to make resident.")
     nodeSelector: dict[str, str] = Field(default_factory=dict)
     replicas: int = Field(default=1, ge=0, le=4096)
-    ranksPerReplica: int = Field(default=1, ge=1, le=1024)
+    ranksPerReplica: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Processes (one per GPU) of one node that together hold a replica; each holds its share of the "
+        "tensors and copies it from the same rank of a peer (docs/ranks.md).",
+    )
     device: Device = Device.CUDA
     sourceOrder: list[SourceKind] = Field(
         default_factory=lambda: [SourceKind.PEER, SourceKind.OBJECT_STORAGE],
@@ -261,7 +267,7 @@ class WeightReplicaSpec(_Model):
     modelName: str = Field(min_length=1, max_length=253)
     version: ObjectName
     nodeName: ObjectName
-    ranks: int = Field(default=1, ge=1, le=1024)
+    ranks: int = Field(default=1, ge=1, le=1024, description="The ModelLoad's ranksPerReplica.")
     device: Device = Device.CUDA
     sourceOrder: list[SourceKind] = Field(
         default_factory=lambda: [SourceKind.PEER, SourceKind.OBJECT_STORAGE],

@@ -5,191 +5,40 @@ The chain-validation tests need no server and are marked `unit`; everything that
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import signal
 import subprocess
 import sys
 import textwrap
-import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
+from s3util import (
+    DELTA,
+    MAT,
+    MODEL,
+    Registry,
+    Weights,
+    ctx,
+    debris,
+    delta,
+    evolve,
+    full,
+    publish_chain3,
+    resident_shas,
+    shas,
+    weights,
+    wv,
+)
 
 from ferry import checkpoint_format as ckpt
-from ferry.localcluster import S3Server
-from ferry_agent.checkpoint_store import ArtifactKind, ArtifactRef, CheckpointStore, StoreStatus, chain_refs
-from ferry_agent.s3_strategy import ObjectStorageStrategy, S3LoadResult
+from ferry_agent.checkpoint_store import ArtifactRef, CheckpointStore, StoreStatus, chain_refs
+from ferry_agent.s3_strategy import ObjectStorageStrategy
 from ferry_agent.strategy import LoadContext, StrategyFailed
-
-BUCKET = "ferry-s3-strategy"
-MODEL = "org/llama"
-SHARD_BYTES = 200 * 1024  # several shards per full checkpoint
-RANGE_BYTES = 48 * 1024  # several ranged GETs per shard
-FULL, DELTA, MAT = ArtifactKind.FULL, ArtifactKind.DELTA, ArtifactKind.MATERIALIZED
-
-Weights = dict[str, np.ndarray]
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def weights(seed: int) -> Weights:
-    """Mixed dtypes and shapes, including a 0-d and an empty tensor."""
-    rng = np.random.default_rng(seed)
-    return {
-        "embed.weight": rng.standard_normal((128, 256)).astype(np.float32),
-        "layers.0.attn.weight": rng.standard_normal((256, 256)).astype(np.float16),
-        "layers.0.mlp.weight": rng.standard_normal((64, 512)).astype(np.float32),
-        "layers.1.mlp.weight": rng.standard_normal((300, 100)).astype(np.float32),
-        "norm.scale": np.float32(rng.standard_normal()).reshape(()),
-        "step": rng.integers(0, 1 << 40, 3, dtype=np.int64),
-        "mask": rng.integers(0, 2, 17).astype(bool),
-        "empty": np.zeros((0, 4), dtype=np.float32),
-    }
-
-
-def evolve(base: Weights, seed: int, names: list[str], *, scramble: bool = False) -> Weights:
-    """A new version: a slice of each named tensor redrawn, or (`scramble`) every byte XORed with noise, which
-    makes the delta frame incompressible (so one flipped stored byte flips one decoded byte)."""
-    rng = np.random.default_rng(seed)
-    new = {name: array.copy() for name, array in base.items()}
-    for name in names:
-        raw = new[name].reshape(-1).view(np.uint8)
-        if scramble:
-            raw ^= rng.integers(0, 256, raw.size, dtype=np.uint8)
-        else:
-            raw[raw.size // 4 : raw.size // 2] = rng.integers(0, 256, raw.size // 2 - raw.size // 4, dtype=np.uint8)
-    return new
-
-
-def full(tensors: Weights) -> dict[str, bytes]:
-    return ckpt.build_full_checkpoint(tensors, SHARD_BYTES)
-
-
-def delta(base: Weights, new: Weights, version: str, base_version: str) -> dict[str, bytes]:
-    return ckpt.build_xor_delta(base, new, version=version, base_version=base_version)
-
-
-def wv(
-    name: str,
-    fmt: str = "XorDelta",
-    base: str | None = None,
-    *,
-    uri: str | None = None,
-    ready: bool = True,
-    model: str = MODEL,
-    endpoint: str | None = None,
-) -> dict[str, Any]:
-    """A WeightVersion object as the API returns it."""
-    spec: dict[str, Any] = {"modelName": model, "format": fmt}
-    if base:
-        spec["baseVersion"] = base
-    if fmt != "PeerOnly":
-        spec["storage"] = {"uri": uri or f"s3://{BUCKET}/nowhere/{name}/{ckpt.INDEX_NAME}"}
-        if endpoint:
-            spec["storage"]["endpoint"] = endpoint
-    status = "True" if ready else "False"
-    return {"metadata": {"name": name}, "spec": spec, "status": {"conditions": [{"type": "Ready", "status": status}]}}
-
-
-class Registry:
-    """Publishes checkpoints to S3 under a fresh prefix and answers `fetch_version` like the API would."""
-
-    def __init__(self, server: S3Server) -> None:
-        self.server = server
-        self.client = server.client()
-        self.prefix = f"llama/{uuid.uuid4().hex[:8]}"
-        self.versions: dict[str, dict[str, Any]] = {}
-
-    def key(self, version: str, file: str) -> str:
-        return f"{self.prefix}/{version}/{file}"
-
-    def uri(self, version: str, file: str = ckpt.INDEX_NAME) -> str:
-        return f"s3://{BUCKET}/{self.key(version, file)}"
-
-    def publish(
-        self, name: str, files: Mapping[str, bytes], fmt: str = "FullCheckpoint", base: str | None = None
-    ) -> None:
-        for file, data in files.items():
-            self.client.put_object(Bucket=BUCKET, Key=self.key(name, file), Body=data)
-        self.versions[name] = wv(name, fmt, base, uri=self.uri(name))  # endpoint: the strategy's default
-
-    def delete(self, version: str, file: str) -> None:
-        self.client.delete_object(Bucket=BUCKET, Key=self.key(version, file))
-
-    def strategy(self, store: CheckpointStore, **kwargs: Any) -> ObjectStorageStrategy:
-        creds = {"AWS_ACCESS_KEY_ID": self.server.access_key, "AWS_SECRET_ACCESS_KEY": self.server.secret_key}
-        return ObjectStorageStrategy(
-            fetch_version=self.versions.get,
-            credentials=lambda storage: creds,
-            store=store,
-            default_endpoint=self.server.endpoint,
-            download_workers=4,
-            range_bytes=RANGE_BYTES,
-            **kwargs,
-        )
-
-
-def ctx(version: str, **kwargs: Any) -> LoadContext:
-    return LoadContext(model=MODEL, version=version, rank=0, target_id="replica-0", **kwargs)
-
-
-def shas(tensors: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, str]:
-    """sha256 of each tensor's raw bytes."""
-    out = {}
-    for name, t in tensors.items():
-        raw = t.reshape(-1).view(torch.uint8).numpy() if isinstance(t, torch.Tensor) else np.ascontiguousarray(t)
-        out[name] = hashlib.sha256(raw.tobytes()).hexdigest()
-    return out
-
-
-def resident_shas(result: S3LoadResult) -> dict[str, str]:
-    return shas(result.resident.tensors)
-
-
-def debris(root: Path) -> list[Path]:
-    return list(root.rglob("*.tmp"))
-
-
-@pytest.fixture(scope="module")
-def s3_server(s3: S3Server) -> S3Server:
-    """The session's SeaweedFS (tests/conftest.py), with this module's bucket."""
-    s3.create_bucket(BUCKET)
-    return s3
-
-
-@pytest.fixture
-def registry(s3_server: S3Server) -> Registry:
-    return Registry(s3_server)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[CheckpointStore]:
-    s = CheckpointStore(tmp_path / "store", quota_bytes=1 << 30)
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def chain3() -> tuple[Weights, Weights, Weights]:
-    w1 = weights(1)
-    w2 = evolve(w1, 2, ["embed.weight", "layers.0.attn.weight", "mask"])
-    w3 = evolve(w2, 3, ["layers.0.mlp.weight", "norm.scale", "embed.weight", "step"])
-    return w1, w2, w3
-
-
-def publish_chain3(registry: Registry, chain3: tuple[Weights, Weights, Weights]) -> None:
-    w1, w2, w3 = chain3
-    registry.publish("v1", full(w1))
-    registry.publish("v2", delta(w1, w2, "v2", "v1"), "XorDelta", "v1")
-    registry.publish("v3", delta(w2, w3, "v3", "v2"), "XorDelta", "v2")
-
 
 # ---------------------------------------------------------------- replay
 

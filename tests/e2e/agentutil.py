@@ -29,7 +29,7 @@ def node(cluster, name: str, labels: dict[str, str] | None = None) -> None:
     cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
 
 
-def replica(cluster, namespace: str, name: str, node_name: str, version: str) -> None:
+def replica(cluster, namespace: str, name: str, node_name: str, version: str, ranks: int = 1) -> None:
     body = {
         "apiVersion": API_VERSION,
         "kind": "WeightReplica",
@@ -39,15 +39,16 @@ def replica(cluster, namespace: str, name: str, node_name: str, version: str) ->
         },
         "spec": {
             "modelLoad": "ml", "modelName": "m", "version": version, "nodeName": node_name, "device": "cpu",
-            "transfer": {"timeoutSeconds": 30},
+            "transfer": {"timeoutSeconds": 30}, "ranks": ranks,
         },
     }  # fmt: skip
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
 
 
 def start_agent(
-    cluster, tmp_path, node_name: str, *seeds: str, retry_seconds: float = 1.0, lease_seconds: int = 3
+    cluster, tmp_path, node_name: str, *seeds: str, retry_seconds: float = 1.0, lease_seconds: int = 3, s3=None
 ) -> ManagedProcess:
+    """An agent process for one node; with `s3`, it has a checkpoint store of its own and reads that S3."""
     argv = [
         sys.executable,
         "-m",
@@ -66,6 +67,9 @@ def start_agent(
     for seed in seeds:
         argv += ["--seed", seed]
     env = {**os.environ, **cluster.env(), "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
+    if s3 is not None:
+        argv += ["--checkpoint-dir", str(tmp_path / f"store-{node_name}"), "--s3-endpoint", s3.endpoint]
+        env.update(s3.env())
     return ManagedProcess(f"agent-{node_name}", argv, tmp_path / f"agent-{node_name}.log", env=env).start()
 
 
@@ -78,20 +82,26 @@ def wait_phase(cluster, namespace, name, phase, proc, timeout=60):
 
 
 def read_back(rank_entry: dict, replica_name: str) -> str:
-    """Pull a replica's rank 0 over NIXL as an independent reader; the content sha256 of what it serves."""
+    """Pull one rank of a replica over NIXL as an independent reader; the content sha256 of what it serves."""
+    return content_sha256(pull(rank_entry, replica_name))
+
+
+def pull(rank_entry: dict, replica_name: str) -> dict[str, torch.Tensor]:
+    """A copy of what one rank of a replica serves, read over NIXL by an independent reader."""
     from ferry_agent.candidate import SourceCandidate
     from ferry_agent.nixl_transfer import NixlPeer
     from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
     from ferry_agent.strategy import LoadContext
 
     reader = NixlPeer(f"reader-{os.getpid()}-{replica_name}")
-    cand = SourceCandidate(replica_name, 0, rank_entry["agentName"], rank_entry["grpcEndpoint"])
+    rank = rank_entry["rank"]
+    cand = SourceCandidate(replica_name, rank, rank_entry["agentName"], rank_entry["grpcEndpoint"])
     strategy = PeerStrategy(peer=reader, candidates=lambda ctx: [cand], settings=TransferSettings(timeout_s=30))
     try:
-        result = strategy.load(LoadContext(model="m", version="any", rank=0, target_id=f"reader-{replica_name}"))
-        digest = content_sha256(result.resident.tensors)
+        result = strategy.load(LoadContext(model="m", version="any", rank=rank, target_id=f"reader-{replica_name}"))
+        tensors = {name: t.clone() for name, t in result.resident.tensors.items()}
         reader.deregister(result.resident)
-        return digest
+        return tensors
     finally:
         reader.shutdown()
 

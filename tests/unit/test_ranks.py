@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
-import multiprocessing as mp
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
+from rankutil import spawn
 
 from ferry.localcluster import free_port
 from ferry_agent.ranks import (
@@ -28,40 +25,6 @@ from ferry_agent.ranks import (
 from ferry_agent.strategy import StrategyRecoveryError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
-
-
-def _worker(rank: int, world: int, store_path: str | None, fn: Callable[..., Any], queue: Any) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    try:
-        # Without a store file: TCP rendezvous at $MASTER_ADDR:$MASTER_PORT, which the parent set.
-        store = dist.FileStore(store_path, world) if store_path else None
-        with TorchRankGroup.init(rank=rank, world_size=world, store=store, timeout=dt.timedelta(seconds=10)) as g:
-            try:
-                queue.put((rank, ("ok", fn(g))))
-            except StrategyRecoveryError as exc:
-                queue.put((rank, ("fatal", str(exc), type(exc.__cause__).__name__)))
-    except BaseException as exc:  # anything else is a test bug: report it instead of hanging the parent
-        queue.put((rank, ("crash", repr(exc))))
-
-
-def spawn(tmp_path: Path | None, world: int, fn: Callable[[TorchRankGroup], Any]) -> list[tuple[Any, ...]]:
-    """Run `fn(group)` on `world` ranks (a FileStore in `tmp_path`, else TCP); each rank's ("ok", value) or
-    ("fatal", message, cause type)."""
-    # fork: the children inherit the torch this module imported, so a rank starts in milliseconds, not seconds.
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    store = str(tmp_path / "store") if tmp_path else None
-    procs = [ctx.Process(target=_worker, args=(r, world, store, fn, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=30) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
 
 
 def _steps(calls: list[tuple[str, float]], fail: dict[str, str] | None = None) -> S3Steps:

@@ -1,0 +1,206 @@
+"""Desired-version cold start of one replica's ranks (reference/modelexpress.md §5.9, over `ferry_agent.ranks`).
+
+`run_cold_start` is what every rank of a replica runs, one-rank replicas included (with `SingleRank`):
+
+1. Rank 0 broadcasts the desired version; a rank configured with another one is fatal for all.
+2. No desired version: only the version-agnostic strategies run, and that is logged as a warning.
+3. Otherwise the ranks agree on the source order, then run the strategy chain with every strategy wrapped so
+   that its availability and its outcome are agreed:
+   - `RankAgreedStrategy` (Peer, LocalFile): loaded / miss / fatal per rank; mixed or any fatal is fatal;
+     all miss falls through to the next source, keeping `mutated`;
+   - `RankAgreedObjectStorage`: the S3 phases (chain → local-leader prepare → all prepared → loaded →
+     activated), where any failure on any rank is fatal: there is no fallback after S3.
+
+Every wrapper normalises its rank's exceptions into a value before the collective, so all ranks always call
+the same collectives in the same order, and every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ferry_agent.ranks import (
+    RankGroup,
+    S3Steps,
+    agree_desired_version,
+    agree_peer_outcome,
+    agree_phase,
+    agree_source_order,
+    s3_phases,
+)
+from ferry_agent.s3_strategy import ObjectStorageStrategy, S3LoadResult
+from ferry_agent.strategy import (
+    LoadContext,
+    LoadStrategy,
+    StrategyFailed,
+    StrategyRecoveryError,
+    run_strategy_chain,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOURCE_ORDER = ("Peer", "ObjectStorage")
+Release = Callable[[Any], None]  # frees a result this rank loaded but the replica does not keep
+
+
+class _Agreed:
+    """Shared by the wrappers: the group, the pinned and configured versions, and agreed availability."""
+
+    def __init__(self, inner: LoadStrategy, group: RankGroup, *, pinned: str, configured: str | None) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._group = group
+        self._pinned = pinned
+        self._configured = configured
+
+    def _agree(self, phase: str, result: Any) -> Any:
+        return agree_phase(self._group, phase, pinned=self._pinned, configured=self._configured, result=result)
+
+    def is_available(self, ctx: LoadContext) -> bool:
+        try:
+            local: bool | str = bool(self.inner.is_available(ctx))
+        except Exception as exc:  # reported to every rank: one rank escaping alone would hang the others
+            local = f"error: {type(exc).__name__}: {exc}"
+        agreed = self._agree(f"{self.name}_available", local)
+        if isinstance(agreed, str):
+            raise StrategyRecoveryError(f"{self.name}: checking availability failed on every rank: {agreed}")
+        return agreed
+
+
+class RankAgreedStrategy(_Agreed):
+    """A version-exact strategy every rank runs for its own tensors; the outcome must be the same on all."""
+
+    def __init__(self, inner: LoadStrategy, group: RankGroup, *, pinned: str, configured: str | None,
+                 release: Release) -> None:  # fmt: skip
+        super().__init__(inner, group, pinned=pinned, configured=configured)
+        self._release = release
+        self._held: Any = None
+
+    def load(self, ctx: LoadContext) -> Any:
+        result: Any = None
+        failure: Exception | None = None
+        try:
+            result = self.inner.load(ctx)
+            outcome = "loaded"
+        except StrategyRecoveryError as exc:
+            failure, outcome = exc, "fatal"
+        except StrategyFailed as exc:
+            failure, outcome = exc, "miss"
+        except Exception as exc:  # as in ModelExpress: an unexpected error is a miss that mutated nothing
+            failure, outcome = StrategyFailed(f"{type(exc).__name__}: {exc}", mutated=False), "miss"
+        self._held = result
+        try:
+            agreed = agree_peer_outcome(self._group, outcome)  # type: ignore[arg-type]
+        except StrategyRecoveryError as exc:
+            local = f"; here (rank {ctx.rank}): {failure}" if failure else ""
+            raise StrategyRecoveryError(f"{self.name} for {self._pinned!r}: {exc}{local}") from failure
+        if agreed == "miss":
+            assert failure is not None
+            raise failure
+        self._held = None  # kept by the caller now
+        return result
+
+    def rollback(self, ctx: LoadContext) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self._release(held)
+        self.inner.rollback(ctx)
+
+
+class RankAgreedObjectStorage(_Agreed):
+    """The S3 cold start in lockstep. The local leader replays the chain into the node's store and loads its
+    own tensors in the same pass; the other ranks then load theirs from what it prepared; the leader activates
+    the version in the store only after every rank has loaded."""
+
+    inner: ObjectStorageStrategy
+
+    def __init__(self, inner: ObjectStorageStrategy, group: RankGroup, *, pinned: str, configured: str | None,
+                 local_rank: int | None = None) -> None:  # fmt: skip
+        super().__init__(inner, group, pinned=pinned, configured=configured)
+        self._leader = (group.rank if local_rank is None else local_rank) == 0
+        self._local_rank = local_rank
+        self._result: S3LoadResult | None = None
+        self._prepared = False
+
+    def load(self, ctx: LoadContext) -> S3LoadResult:
+        self._result, self._prepared = None, False
+        chain: list[tuple[str, ...]] = []
+
+        def resolve() -> tuple[str, ...]:
+            chain.append(self.inner.resolve(ctx))
+            return chain[0]
+
+        def prepare() -> None:
+            if self._leader:
+                self._result = self.inner.prepare(ctx, activate=False)
+                self._prepared = True
+            else:
+                self.inner.attach(ctx, chain[0])
+
+        def load() -> None:
+            if not self._leader:  # the leader loaded its tensors while preparing
+                self._result = self.inner.load_prepared(ctx)
+
+        def activate() -> None:
+            self.inner.activate(ctx, chain[0])
+            self._prepared = False
+
+        s3_phases(
+            self._group, S3Steps(resolve, prepare, load, activate),
+            pinned=self._pinned, configured=self._configured, local_rank=self._local_rank,
+        )  # fmt: skip
+        result, self._result = self._result, None
+        assert result is not None
+        return result
+
+    def rollback(self, ctx: LoadContext) -> None:
+        self._result = None  # never registered: dropping it frees it
+        if self._prepared:
+            self._prepared = False
+            self.inner.release_prepared(ctx)
+
+
+def run_cold_start(
+    group: RankGroup,
+    ctx: LoadContext,
+    *,
+    configured: str | None,
+    source_order: Sequence[str],
+    strategies: Mapping[str, LoadStrategy],
+    exact: Sequence[LoadStrategy] = (),
+    version_agnostic: Sequence[LoadStrategy] = (),
+    release: Release = lambda _result: None,
+    reinit: Callable[[LoadContext], None] = lambda _ctx: None,
+    publish: Callable[[Any, LoadContext], None] = lambda _result, _ctx: None,
+    local_rank: int | None = None,
+) -> Any:
+    """Load this rank of a replica. `strategies` maps source names (`Peer`, `ObjectStorage`) to this rank's
+    strategies; `exact` are further version-exact sources tried after the source order (a local seed);
+    `version_agnostic` is all that runs when rank 0 has no desired version. Sets `ctx.version` to the agreed
+    version and returns the chain's result; every disagreement raises StrategyRecoveryError on every rank."""
+    desired = agree_desired_version(group, configured)
+    if desired is None:
+        log.warning(
+            "rank %d: no desired version, so only the version-agnostic strategies run (%s): no peer or S3 load",
+            group.rank, ", ".join(s.name for s in version_agnostic) or "none",
+        )  # fmt: skip
+        ctx.version = ""
+        return run_strategy_chain(version_agnostic, ctx, reinit=reinit, publish=publish)
+    ctx.version = desired
+    unknown = [s for s in source_order if s not in DEFAULT_SOURCE_ORDER]
+    if unknown:
+        raise ValueError(f"unknown source(s) {unknown} in the source order; known: {list(DEFAULT_SOURCE_ORDER)}")
+    # What this rank can use, in order: a rank lacking one (no checkpoint store) disagrees and so is fatal.
+    order = agree_source_order(group, [s for s in source_order if s in strategies])
+    chain: list[LoadStrategy] = []
+    for name in order:
+        inner = strategies[name]
+        if isinstance(inner, ObjectStorageStrategy):
+            chain.append(RankAgreedObjectStorage(inner, group, pinned=desired, configured=configured,
+                                                 local_rank=local_rank))  # fmt: skip
+        else:
+            chain.append(RankAgreedStrategy(inner, group, pinned=desired, configured=configured, release=release))
+    chain.extend(RankAgreedStrategy(s, group, pinned=desired, configured=configured, release=release) for s in exact)
+    return run_strategy_chain(chain, ctx, reinit=reinit, publish=publish)

@@ -1,0 +1,185 @@
+"""`python -m ferry_agent.rank_worker`: one rank of a multi-rank WeightReplica, as its own process.
+
+The node agent starts one per rank (one per GPU) with a shared TCPStore address; the ranks join a gloo group,
+run the desired-version cold start (`replica_load.load_rank`), and each then serves its share of the tensors
+to peers with its own NIXL agent and worker service. It reports to the node agent in JSON lines on stdout
+(`RankEvent`) and takes commands on stdin: `drain SECONDS`, `stop`. End of stdin (the agent died) stops it
+too, releasing everything: the lease-holding node agent is gone, so no reader may keep reading.
+
+The node agent alone writes the WeightReplica status; a rank only reads the API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from kubernetes import client, config
+
+from ferry_agent.checkpoint_store import CheckpointStore
+from ferry_agent.nixl_transfer import NixlPeer
+from ferry_agent.peer_strategy import TransferSettings
+from ferry_agent.ranks import TorchRankGroup
+from ferry_agent.replica_load import ApiSources, load_rank, rank_context, source_label
+from ferry_agent.strategy import StrategyRecoveryError
+from ferry_agent.worker_service import serve_resident
+
+log = logging.getLogger("ferry.rank")
+LEASE_POLL_S = 1.0
+
+
+class Reporter:
+    """JSON-line events on stdout, one writer at a time."""
+
+    def __init__(self, out: Any = None) -> None:
+        self._out = out or sys.stdout
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"event": event, **fields}, separators=(",", ":"))
+        with self._lock:
+            self._out.write(line + "\n")
+            self._out.flush()
+
+
+def _seed(text: str) -> tuple[str, Path]:
+    version, sep, path = text.rpartition("=")
+    return (version, Path(path)) if sep else ("", Path(text))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ferry-rank", description=__doc__.splitlines()[0])
+    p.add_argument("--namespace", required=True)
+    p.add_argument("--replica", required=True, help="the WeightReplica this rank belongs to")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--store", required=True, metavar="HOST:PORT", help="the TCPStore the ranks rendezvous at")
+    p.add_argument(
+        "--desired-version",
+        default=os.environ.get("FERRY_DESIRED_VERSION", ""),
+        help="the version this rank is configured to load; rank 0's wins, a different one is fatal",
+    )
+    p.add_argument("--agent-name", required=True, help="prefix of this rank's NIXL agent name")
+    p.add_argument("--bind-address", default="127.0.0.1")
+    p.add_argument("--checkpoint-dir", type=Path, help="the node's checkpoint store (shared by its ranks)")
+    p.add_argument("--checkpoint-quota-gib", type=float, default=500.0)
+    p.add_argument("--s3-endpoint")
+    p.add_argument("--seed", type=_seed, action="append", default=[], metavar="[VERSION=]PATH")
+    p.add_argument("--timeout-seconds", type=float, default=300.0, help="bound on every collective")
+    return p
+
+
+def _wait_for_commands(server: Any, peer: NixlPeer, stdin: Any) -> None:
+    """Serve until told to stop (or the agent goes away); `drain S` first lets readers finish."""
+    for line in stdin:
+        command, _, arg = line.strip().partition(" ")
+        if command == "drain":
+            try:
+                server.drain(float(arg or 10))
+            except TimeoutError:
+                log.warning("readers still active after %ss; stopping anyway", arg)
+        elif command == "stop":
+            break
+        elif command:
+            log.warning("unknown command %r", command)
+    server.stop()
+
+
+def _watch_leases(server: Any, report: Reporter, stop: threading.Event) -> None:
+    published = 0
+    while not stop.wait(LEASE_POLL_S):
+        count = server.leases.active_count()
+        if count != published:
+            report("leases", count=count)
+            published = count
+
+
+def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
+    if args.world_size < 1 or not 0 <= args.rank < args.world_size:
+        raise SystemExit(f"rank {args.rank} is outside a world of {args.world_size}")
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    api = client.ApiClient()
+    sources = ApiSources(api, args.namespace)
+    spec = sources.replica(args.replica)["spec"]
+    store = None
+    if args.checkpoint_dir:
+        store = CheckpointStore(args.checkpoint_dir, int(args.checkpoint_quota_gib * 2**30))
+    peer = NixlPeer(f"{args.agent_name}-r{args.rank}")
+    host, _, port = args.store.rpartition(":")
+    tcp = dist.TCPStore(host, int(port), args.world_size, is_master=False,
+                        timeout=dt.timedelta(seconds=args.timeout_seconds))  # fmt: skip
+    group = TorchRankGroup.init(rank=args.rank, world_size=args.world_size, store=tcp,
+                                timeout=dt.timedelta(seconds=args.timeout_seconds))  # fmt: skip
+
+    def progress(done: int, total: int, source: str) -> None:
+        report("progress", done=done, total=total, source=source)
+
+    ctx = rank_context(group, args.replica, spec)
+    try:
+        result = load_rank(
+            group, ctx, sources=sources, spec=spec, configured=args.desired_version or None,
+            peer=peer, store=store, s3_endpoint=args.s3_endpoint, seeds=dict(args.seed), progress=progress,
+            note=lambda text: report("note", message=text),
+        )  # fmt: skip
+    except Exception as exc:
+        fatal = isinstance(exc, StrategyRecoveryError)
+        log.error("rank %d of %s: load failed%s: %s", args.rank, args.replica, " (fatal)" if fatal else "", exc)
+        report("failed", message=str(exc), fatal=fatal, attempts=[a.to_status() for a in ctx.attempts])
+        peer.shutdown()
+        return 1
+    finally:
+        group.close()
+    timeout_s = TransferSettings.from_spec(spec.get("transfer") or {}).timeout_s
+    server = serve_resident(result.resident, peer, rank=args.rank, host=args.bind_address,
+                            transfer_timeout_s=timeout_s)  # fmt: skip
+    report(
+        "serving", rank=args.rank, version=ctx.version, source=source_label(result), bytes=result.bytes_moved,
+        agentName=peer.name, grpcEndpoint=server.endpoint, tensorCount=result.resident.tensor_count,
+        manifestDigest=result.resident.digest, attempts=[a.to_status() for a in ctx.attempts],
+    )  # fmt: skip
+    stop = threading.Event()
+    threading.Thread(target=_watch_leases, args=(server, report, stop), daemon=True).start()
+    try:
+        _wait_for_commands(server, peer, stdin)
+    finally:
+        stop.set()
+        peer.deregister(result.resident)
+        peer.shutdown()
+    report("stopped", rank=args.rank)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format=f"%(asctime)s rank{args.rank}/{args.world_size} %(name)s %(levelname)s %(message)s",
+    )  # fmt: skip
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of a replica share one node
+    # Events keep the original stdout to themselves; anything else printed there (NIXL logs to stdout, C++
+    # libraries write to fd 1) goes to stderr with the logs.
+    events = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    report = Reporter(events)
+    try:
+        code = run(args, report, sys.stdin)
+    except Exception as exc:  # before or around the load (API, store, rendezvous): say why, not just "exit 1"
+        log.exception("rank %d of %s failed", args.rank, args.replica)
+        report("failed", message=f"rank {args.rank}: {type(exc).__name__}: {exc}", fatal=False, attempts=[])
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Loading one rank of a WeightReplica: the strategies a rank uses, built from the API, and the cold start.
+
+Used in the node agent's own process for one-rank replicas and in each rank process (`ferry_agent.rank_worker`)
+of a multi-rank one, so both run exactly the same code: `load_rank` over a `RankGroup`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from ferry.api.models import GROUP, VERSION
+from ferry.storage import credentials_from_secret_data
+from ferry_agent.checkpoint_store import CheckpointStore
+from ferry_agent.cold_start import DEFAULT_SOURCE_ORDER, run_cold_start
+from ferry_agent.nixl_transfer import NixlPeer
+from ferry_agent.peer_strategy import PeerStrategy, Progress, TransferSettings
+from ferry_agent.ranks import RankGroup
+from ferry_agent.registry import LABEL_VERSION, first_loader, source_candidates
+from ferry_agent.resident import ResidentWeights, spec_of
+from ferry_agent.s3_strategy import ObjectStorageStrategy
+from ferry_agent.sharding import rank_specs
+from ferry_agent.strategy import LoadContext, StrategyFailed
+
+log = logging.getLogger(__name__)
+PLURAL = "weightreplicas"
+ANY_VERSION = ""  # the seeds key of a checkpoint used only when no version is desired
+
+
+@dataclass
+class LocalLoad:
+    resident: ResidentWeights
+    bytes_moved: int
+    source: str = "local"
+
+
+class LocalFileStrategy:
+    """Seeds a version from a safetensors file on this node (how the first replica of a PeerOnly version, or a
+    node with a pre-staged checkpoint, starts): this rank's share of its tensors. Available only when a file is
+    configured for the version (`ANY_VERSION`: the version-agnostic path)."""
+
+    name = "LocalFile"
+
+    def __init__(self, seeds: Mapping[str, Path]) -> None:
+        self._seeds = seeds
+
+    def is_available(self, ctx: LoadContext) -> bool:
+        return ctx.version in self._seeds
+
+    def load(self, ctx: LoadContext) -> LocalLoad:
+        from safetensors.torch import load_file
+
+        path = self._seeds[ctx.version]
+        try:
+            tensors = load_file(str(path), device=ctx.device)
+        except (OSError, ValueError) as exc:
+            raise StrategyFailed(f"cannot read {path}: {exc}", mutated=False) from exc
+        mine = rank_specs([spec_of(n, t) for n, t in sorted(tensors.items())], ctx.rank, ctx.world_size)
+        resident = ResidentWeights({s.name: tensors[s.name] for s in mine})
+        return LocalLoad(resident, resident.total_bytes)
+
+    def rollback(self, ctx: LoadContext) -> None:
+        """Nothing is held before `load` returns."""
+
+
+def source_label(result: Any) -> str:
+    """`peer/<replica>`, `s3` or `local`."""
+    return result.source.label if hasattr(result.source, "label") else result.source
+
+
+class ApiSources:
+    """What a rank reads from the API while loading: peer sources, WeightVersions and S3 credentials."""
+
+    def __init__(self, api: client.ApiClient, namespace: str, stopping: threading.Event | None = None) -> None:
+        self._api = api
+        self._objects = client.CustomObjectsApi(api)
+        self._leases = client.CoordinationV1Api(api)
+        self.namespace = namespace
+        self._stopping = stopping or threading.Event()
+
+    def replica(self, name: str) -> dict[str, Any]:
+        return self._objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+
+    def candidates(
+        self, version: str, self_name: str, wait_s: float, note: Callable[[str], None]
+    ) -> Callable[[LoadContext], list]:
+        """Peer sources for a rank. When there are none yet but another replica is the first loader of the
+        version, wait up to `wait_s` for it (`note` says so) and copy from it, instead of all reading S3."""
+
+        def once(ctx: LoadContext) -> tuple[list, list]:
+            replicas = self._objects.list_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, label_selector=f"{LABEL_VERSION}={version}"
+            )["items"]
+            leases = {
+                lease.metadata.name: self._api.sanitize_for_serialization(lease)
+                for lease in self._leases.list_namespaced_lease(self.namespace).items
+            }
+            found = source_candidates(
+                replicas, leases, version=version, rank=ctx.rank, self_replica=self_name,
+                now=dt.datetime.now(dt.UTC), world_size=ctx.world_size,
+            )  # fmt: skip
+            return found, replicas
+
+        def listing(ctx: LoadContext) -> list:
+            found, replicas = once(ctx)
+            deadline = time.monotonic() + wait_s
+            while not found and time.monotonic() < deadline:
+                leader = first_loader(replicas, version=version, self_replica=self_name)
+                if leader == self_name or self._stopping.is_set():
+                    break
+                note(f"waiting for {leader} to load {version}")
+                time.sleep(0.5)
+                found, replicas = once(ctx)
+            return found
+
+        return listing
+
+    def version(self, name: str) -> dict | None:
+        try:
+            return self._objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, "weightversions", name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def credentials(self, storage: Mapping) -> dict[str, str] | None:
+        secret = storage.get("credentialsSecret")
+        if not secret:
+            return None  # the agent's own environment (instance role, env vars)
+        data = client.CoreV1Api(self._api).read_namespaced_secret(secret, self.namespace).data
+        return credentials_from_secret_data(data)
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of a rank: every rank of a replica runs on its own GPU of the node."""
+    return f"cuda:{rank}" if device == "cuda" else device
+
+
+def rank_context(group: RankGroup, replica: str, spec: Mapping[str, Any]) -> LoadContext:
+    """The context of this rank's load; its `attempts` say what was tried, also when the load fails."""
+    world = group.world_size
+    if spec.get("ranks", 1) != world:
+        raise ValueError(f"{replica} has {spec.get('ranks', 1)} ranks but the rank group has {world}")
+    return LoadContext(
+        model=spec["modelName"], version="", rank=group.rank, target_id=replica,
+        device=rank_device(spec.get("device", "cpu"), group.rank), world_size=world,
+    )  # fmt: skip
+
+
+def load_rank(
+    group: RankGroup,
+    ctx: LoadContext,
+    *,
+    sources: ApiSources,
+    spec: Mapping[str, Any],
+    configured: str | None,
+    peer: NixlPeer,
+    store: CheckpointStore | None,
+    s3_endpoint: str | None,
+    seeds: Mapping[str, Path],
+    progress: Progress,
+    note: Callable[[str], None],
+) -> Any:
+    """Load this rank (`ctx` from `rank_context`) of a replica, agreeing on everything with the other ranks, and
+    return the chain's result."""
+    settings = TransferSettings.from_spec(spec.get("transfer") or {})
+    replica = ctx.target_id
+    version = configured or ""
+    strategies: dict[str, Any] = {
+        "Peer": PeerStrategy(
+            peer=peer, candidates=sources.candidates(version, replica, settings.timeout_s, note),
+            settings=settings, progress=progress,
+        ),
+    }  # fmt: skip
+    if store is not None:
+        strategies["ObjectStorage"] = ObjectStorageStrategy(
+            fetch_version=sources.version, credentials=sources.credentials,
+            store=store, default_endpoint=s3_endpoint, progress=progress,
+        )  # fmt: skip
+    local = LocalFileStrategy(seeds)
+    return run_cold_start(
+        group, ctx, configured=configured,
+        source_order=spec.get("sourceOrder") or DEFAULT_SOURCE_ORDER,
+        strategies=strategies, exact=[local], version_agnostic=[local],
+        release=lambda r: peer.deregister(r.resident),
+    )  # fmt: skip

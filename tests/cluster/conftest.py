@@ -1,0 +1,39 @@
+"""Fixtures of the S3 strategy tests: the session's S3 with their bucket, a fresh prefix, a checkpoint store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from s3util import BUCKET, Registry, Weights, evolve, weights
+
+from ferry.localcluster import S3Server
+from ferry_agent.checkpoint_store import CheckpointStore
+
+
+@pytest.fixture(scope="module")
+def s3_server(s3: S3Server) -> S3Server:
+    """The session's SeaweedFS (tests/conftest.py), with this module's bucket."""
+    s3.create_bucket(BUCKET)
+    return s3
+
+
+@pytest.fixture
+def registry(s3_server: S3Server) -> Registry:
+    return Registry(s3_server)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[CheckpointStore]:
+    s = CheckpointStore(tmp_path / "store", quota_bytes=1 << 30)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def chain3() -> tuple[Weights, Weights, Weights]:
+    w1 = weights(1)
+    w2 = evolve(w1, 2, ["embed.weight", "layers.0.attn.weight", "mask"])
+    w3 = evolve(w2, 3, ["layers.0.mlp.weight", "norm.scale", "embed.weight", "step"])
+    return w1, w2, w3

@@ -1,0 +1,84 @@
+"""A multi-rank S3 cold start: real gloo ranks (forked processes) replay a full + delta chain from the real S3
+through one shared checkpoint store, each loading its share of the tensors (reference/modelexpress.md §5.9)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rankutil import spawn
+from s3util import MODEL, Registry, Weights, delta, full, publish_chain3, shas
+
+from ferry_agent.checkpoint_store import CheckpointStore
+from ferry_agent.cold_start import run_cold_start
+from ferry_agent.ranks import TorchRankGroup
+from ferry_agent.strategy import LoadContext
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
+
+
+def _rank_load(registry: Registry, roots: list[Path], version: str, configured: list[str | None] | None = None):
+    """The function every rank runs: its own store handle (on `roots[rank]`) and strategy, then the cold start."""
+
+    def run(group: TorchRankGroup) -> Any:
+        store = CheckpointStore(roots[group.rank], quota_bytes=1 << 30)
+        strategy = registry.strategy(store)
+        ctx = LoadContext(model=MODEL, version="", rank=group.rank, target_id="replica-0", world_size=group.world_size)
+        mine = configured[group.rank] if configured else version
+        result = run_cold_start(group, ctx, configured=mine, source_order=["ObjectStorage"],
+                                strategies={"ObjectStorage": strategy})  # fmt: skip
+        state = store.state(MODEL)
+        return shas(result.resident.tensors), result.bytes_downloaded, result.reused, (state.version, state.chain)
+
+    return run
+
+
+def test_ranks_split_a_replayed_chain_bit_for_bit(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    publish_chain3(registry, chain3)
+    registry.publish("v3-full", full(chain3[2]))
+    root = tmp_path / "node-store"
+    results = spawn(tmp_path, 2, _rank_load(registry, [root, root], "v3"), timeout=90)
+    assert all(r[0] == "ok" for r in results), results
+    (shas0, down0, _, state0), (shas1, down1, reused1, state1) = (r[1] for r in results)
+    assert shas0 and shas1 and not set(shas0) & set(shas1)  # each rank holds its share, no tensor twice
+    assert {**shas0, **shas1} == shas(chain3[2])  # together: exactly v3 as published in full
+    assert down0 > 0 and down1 == 0  # only the local leader downloads; rank 1 reads what it prepared
+    assert reused1 == "materialized/v3"
+    assert state0 == state1 == ("v3", ("v1", "v2", "v3"))  # activated only after both ranks loaded
+
+    # A second cold start of the same version on the same node reads only the store.
+    (tmp_path / "again").mkdir()
+    again = spawn(tmp_path / "again", 2, _rank_load(registry, [root, root], "v3"), timeout=90)
+    assert [r[1][1] for r in again] == [0, 0] and {**again[0][1][0], **again[1][1][0]} == shas(chain3[2])
+
+
+def test_a_rank_that_cannot_see_the_leaders_store_fails_every_rank(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    w1, w2, _ = chain3
+    registry.publish("v1", full(w1))
+    registry.publish("v2", delta(w1, w2, "v2", "v1"), "XorDelta", "v1")
+    roots = [tmp_path / "leader-store", tmp_path / "elsewhere"]  # rank 1 misconfigured with its own store
+    results = spawn(tmp_path, 2, _rank_load(registry, roots, "v2"), timeout=90)
+    for status, message, _cause in results:
+        assert status == "fatal", results
+        assert message.startswith("S3 cold start of 'v2' failed in s3_all_prepared: rank 1: StrategyFailed:")
+        assert "neither prepared nor active in this node's checkpoint store" in message
+    leader = CheckpointStore(roots[0], quota_bytes=1 << 30)
+    state = leader.state(MODEL)
+    assert (state.version, state.target) == (None, None)  # never activated, and the prepared mark released
+
+
+def test_ranks_configured_with_different_versions_fail_before_any_download(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    registry.publish("v1", full(chain3[0]))
+    root = tmp_path / "node-store"
+    results = spawn(tmp_path, 2, _rank_load(registry, [root, root], "", configured=["v1", "v9"]), timeout=60)
+    for status, message, _cause in results:
+        assert status == "fatal"
+        assert "rank 0 pins 'v1' but rank 1 is configured with 'v9'" in message
+    assert not CheckpointStore(root, quota_bytes=1).model_dir(MODEL).exists()  # nothing fetched or written

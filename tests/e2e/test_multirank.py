@@ -1,0 +1,173 @@
+"""Multi-rank replicas end to end: operator + two node agents, each running one process per rank in a gloo group.
+
+A ModelLoad of two replicas with two ranks each: the first replica's ranks cold-start from S3 (the local leader
+replays the chain into the node's store, then each rank loads its share), the second replica's ranks copy rank
+by rank from the first. Then a delta rolls out, a rank process dies and its replica reloads, and two rank
+processes configured with different desired versions both fail, naming both.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from agentutil import node, pull, replica, start_agent
+from wvutil import apply, publish_delta, publish_full, tensors, wait_for, wait_reason, wv_body
+
+from ferry.api.models import API_VERSION
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+RANKS = 2
+
+
+def modelload(namespace: str, version: str) -> dict:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ModelLoad",
+        "metadata": {"name": "tp"},
+        "spec": {
+            "modelName": "m", "desiredVersion": version, "replicas": 2, "ranksPerReplica": RANKS, "device": "cpu",
+            "nodeSelector": {"ferry.dev/pool": namespace}, "transfer": {"timeoutSeconds": 60},
+        },
+    }  # fmt: skip
+
+
+def serving(cluster, namespace: str, version: str) -> list[dict] | None:
+    items = json.loads(cluster.kubectl("get", "wr", "-n", namespace, "-o", "json").stdout)["items"]
+    done = [r for r in items if (r.get("status") or {}).get("phase") == "Serving" and r["status"]["version"] == version]
+    return sorted(done, key=lambda r: r["metadata"]["name"]) if len(done) == len(items) == 2 else None
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+def check_holds(wr: dict, expected: dict[str, np.ndarray]) -> None:
+    """Every rank serves a disjoint share; together exactly `expected`, byte for byte."""
+    ranks = sorted(wr["status"]["ranks"], key=lambda e: e["rank"])
+    assert [e["rank"] for e in ranks] == list(range(RANKS)) and len({e["agentName"] for e in ranks}) == RANKS
+    union: dict[str, torch.Tensor] = {}
+    for entry in ranks:
+        share = pull(entry, wr["metadata"]["name"])
+        assert share and not set(share) & set(union), f"rank {entry['rank']} overlaps"
+        assert len(share) == entry["tensorCount"]
+        union.update(share)
+    assert sorted(union) == sorted(expected)
+    for name, array in expected.items():
+        assert np.array_equal(as_numpy(union[name]), np.ascontiguousarray(array).view(np.uint8)), name
+
+
+def test_two_rank_replicas_from_s3_then_peers_then_a_delta(cluster, s3, namespace, operator, tmp_path):
+    v1 = tensors(21, n=6, shape=(64, 48))
+    v2 = {k: (a + 1 if k in ("layer1.weight", "layer4.weight") else a) for k, a in v1.items()}
+    publish_full(s3, namespace, "v1", v1)
+    publish_delta(s3, namespace, "v2", "v1", v1, v2)
+    apply(cluster, namespace, wv_body(namespace, "v1"), wv_body(namespace, "v2", base="v1"))
+    wait_reason(cluster, namespace, "v2", "Ready", "True", "Verified", timeout=60)
+    names = [f"{namespace}-n{i}" for i in range(2)]
+    for n in names:
+        node(cluster, n, {"ferry.dev/pool": namespace})
+    agents = {n: start_agent(cluster, tmp_path, n, s3=s3) for n in names}
+
+    def describe() -> str:
+        out = cluster.kubectl("get", "wr", "-n", namespace, "-o", "json").stdout
+        return out + "".join(a.log_tail(30) for a in agents.values())
+
+    try:
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(modelload(namespace, "v1")))
+        first, second = wait_for(lambda: serving(cluster, namespace, "v1"), 180, "both replicas serve v1", describe)
+        by_source = {r["status"]["source"]: r for r in (first, second)}
+        assert set(by_source) == {"s3", f"peer/{first['metadata']['name']}"}, list(by_source)
+        for wr in (first, second):
+            assert wr["status"]["bytesDone"] == sum(a.nbytes for a in v1.values())
+            assert f"on {RANKS} ranks" in wr["status"]["message"]
+            check_holds(wr, v1)
+        agent_log = "".join(a.log_path.read_text(errors="replace") for a in agents.values())
+        assert "started 2 rank processes" in agent_log and "desired version v1 agreed" in agent_log
+
+        # Roll out the delta: each replica's ranks agree on v2 and load it again.
+        cluster.kubectl("patch", "ml", "tp", "-n", namespace, "--type=merge", "-p", '{"spec":{"desiredVersion":"v2"}}')
+        pair = wait_for(lambda: serving(cluster, namespace, "v2"), 180, "both replicas serve v2", describe)
+        for wr in pair:
+            check_holds(wr, v2)
+
+        # A rank process dies: its replica no longer holds the whole version, fails, and reloads.
+        victim = pair[0]["metadata"]["name"]
+        pids = subprocess.run(["pgrep", "-f", f"rank_worker .*--replica {victim} --rank 1"], capture_output=True,
+                              text=True).stdout.split()  # fmt: skip
+        assert len(pids) == 1, pids
+        os.kill(int(pids[0]), 9)
+
+        def reloaded_after_kill() -> dict | None:
+            pair_now = serving(cluster, namespace, "v2") or []
+            found = [r for r in pair_now if r["metadata"]["name"] == victim]
+            return (
+                found[0]
+                if found and found[0]["status"]["completedTime"] != pair[0]["status"]["completedTime"]
+                else None
+            )
+
+        reloaded = wait_for(reloaded_after_kill, 120, "the replica reloaded after its rank died", describe)
+        assert "exited with code -9 while serving" in agents[pair[0]["spec"]["nodeName"]].log_path.read_text()
+        check_holds(reloaded, v2)
+    finally:
+        cluster.kubectl("delete", "ml", "tp", "-n", namespace, "--wait=false", check=False)
+        for a in agents.values():
+            a.stop()
+        leftover = subprocess.run(["pgrep", "-f", f"rank_worker .*--namespace {namespace}"], capture_output=True)
+        assert leftover.returncode == 1, "rank processes outlived their agent"
+
+
+def test_rank_processes_configured_with_different_versions_both_fail(cluster, namespace, tmp_path):
+    node(cluster, f"{namespace}-n")
+    replica(cluster, namespace, "wr-mixed", f"{namespace}-n", "v1", ranks=2)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                          timeout=dt.timedelta(seconds=30))  # fmt: skip
+    env = {**os.environ, **cluster.env(), "UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ferry_agent.rank_worker",
+                "--namespace",
+                namespace,
+                "--replica",
+                "wr-mixed",
+                "--rank",
+                str(rank),
+                "--world-size",
+                "2",
+                "--store",
+                f"127.0.0.1:{store.port}",
+                "--desired-version",
+                version,
+                "--agent-name",
+                f"mixed-{rank}",
+                "--timeout-seconds",
+                "30",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank, version in enumerate(["v1", "v7"])
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, err
+        events = [json.loads(line) for line in out.splitlines()]
+        assert [e["event"] for e in events] == ["failed"], events
+        assert events[0]["fatal"] is True
+        assert "rank 0 pins 'v1' but rank 1 is configured with 'v7'" in events[0]["message"]
+        assert "desired-version disagreement" in err
