@@ -7,6 +7,9 @@
   ResidentWeights pool with adler32 again) vs the same ranged GETs with plain boto3 into memory (same client
   settings, workers and range size).
 - warm load: the same version again, now served from the store (no S3 data traffic).
+- full load, 2 ranks: the desired-version cold start of a two-rank replica (forked processes in a gloo group on
+  one shared store): the local leader downloads, verifies and loads its share, the other rank then loads its
+  share from the store; timed until both ranks hold their shares (the slower rank), same baseline.
 - delta apply: the strategy's build phase for an XorDelta that touches every tensor (read v1 into the pool,
   streamed zstd decode + XOR + adler32, write materialized/v2 and start its write-back) vs numpy XOR of in-memory
   buffers of the same sizes (one thread, XOR only); for scale, the warm load's build phase (read + adler32 only),
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import platform
 import shutil
@@ -34,11 +38,15 @@ from typing import Any
 import boto3
 import numpy as np
 import torch
+import torch.distributed as dist
 from _common import summary
 
 from ferry import checkpoint_format as ckpt
 from ferry.localcluster import S3Server
+from ferry_agent import s3_strategy
 from ferry_agent.checkpoint_store import CheckpointStore
+from ferry_agent.cold_start import run_cold_start
+from ferry_agent.ranks import TorchRankGroup
 from ferry_agent.s3_strategy import DEFAULT_RANGE_BYTES, ObjectStorageStrategy, S3LoadResult, bulk_s3_client
 from ferry_agent.strategy import LoadContext
 
@@ -113,6 +121,38 @@ def raw_ranged_gets(client: Any, objects: dict[str, int], workers: int, range_by
         for future in [pool.submit(fetch, *job) for job in jobs]:
             future.result()
     return buffers
+
+
+def ranked_load(make: Callable[[Path], ObjectStorageStrategy], root: Path, ranks: int) -> tuple[float, dict[str, str]]:
+    """A cold start of `ranks` forked ranks into one empty store: the slower rank's seconds, and every tensor's
+    sha256 across the ranks."""
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    fork = mp.get_context("fork")
+    queue = fork.Queue()
+
+    def rank_main(rank: int) -> None:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        s3_strategy._clients.clear()  # a forked rank must not share its parent's pooled S3 connections
+        with TorchRankGroup.init(rank=rank, world_size=ranks, store=dist.FileStore(str(root / "gloo"), ranks)) as g:
+            ctx = LoadContext(model=MODEL, version="", rank=rank, target_id="bench", world_size=ranks)
+            strategy = make(root / "store")
+            g.all_gather_object(None)  # start together
+            start = time.perf_counter()
+            result = run_cold_start(g, ctx, configured="v1", source_order=["ObjectStorage"],
+                                    strategies={"ObjectStorage": strategy})  # fmt: skip
+            queue.put((time.perf_counter() - start, shas(dict(result.resident.tensors))))
+
+    procs = [fork.Process(target=rank_main, args=(r,)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    outcomes = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(30)
+    union: dict[str, str] = {}
+    for _, part in outcomes:
+        union.update(part)
+    return max(seconds for seconds, _ in outcomes), union
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,8 +249,17 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
     def raw_gets() -> None:
         raw_ranged_gets(client, full_objects, args.workers, range_bytes)
 
+    ranked_shas: list[dict[str, str]] = []
+
+    def ranked_full_load() -> float:
+        seconds, union = ranked_load(strategy, work / "ranked", 2)
+        ranked_shas.append(union)
+        return seconds
+
     raw = timed(raw_gets, args.reps)
     full = timed(full_load, args.reps)
+    ranked = timed(ranked_full_load, args.reps)
+    shutil.rmtree(work / "ranked", ignore_errors=True)
     warm = timed(warm_load, args.reps)
     delta_runs = [delta_load() for _ in range(args.reps + 1)][1:]  # the first is a warm-up
 
@@ -235,9 +284,11 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
         shas(dict(last["full"].resident.tensors)) == shas(w1)
         and shas(dict(last["warm"].resident.tensors)) == shas(w1)
         and shas(dict(last["delta"].resident.tensors)) == shas(w2)
+        and all(union == shas(w1) for union in ranked_shas)
     )
     results = {
         "strategy_full_load": summary(total, full),
+        "strategy_full_load_2_ranks": summary(total, ranked),
         "raw_boto3_ranged_gets": summary(total, raw),
         "strategy_warm_load_from_store": summary(total, warm),
         "strategy_delta_load": summary(total, [s for s, _ in delta_runs]),
@@ -268,6 +319,7 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
         },
         "ratios": {
             "full_load_vs_raw_gets": round(med["strategy_full_load"] / med["raw_boto3_ranged_gets"], 3),
+            "full_load_2_ranks_vs_raw_gets": round(med["strategy_full_load_2_ranks"] / med["raw_boto3_ranged_gets"], 3),
             "warm_load_vs_raw_gets": round(med["strategy_warm_load_from_store"] / med["raw_boto3_ranged_gets"], 3),
             "delta_build_vs_numpy_xor": round(med["strategy_delta_build_phase"] / med["numpy_xor_in_memory"], 3),
             "warm_build_vs_numpy_xor": round(med["strategy_warm_build_phase"] / med["numpy_xor_in_memory"], 3),
@@ -306,6 +358,9 @@ def markdown(report: dict[str, Any]) -> str:
             "|---|---|---|---|",
             f"| full, empty store | {cell('strategy_full_load')} | {cell('raw_boto3_ranged_gets')} boto3 ranged GETs "
             f"into memory | {ratio['full_load_vs_raw_gets']:.2f} |",
+            f"| full, empty store, 2 ranks (leader fetches, both load a share) | "
+            f"{cell('strategy_full_load_2_ranks')} | same boto3 baseline | "
+            f"{ratio['full_load_2_ranks_vs_raw_gets']:.2f} |",
             f"| full, from the store | {cell('strategy_warm_load_from_store')} | same boto3 baseline | "
             f"{ratio['warm_load_vs_raw_gets']:.2f} |",
             f"| delta build phase (read + apply + write) | {cell('strategy_delta_build_phase')} | "
