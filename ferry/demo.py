@@ -3,7 +3,10 @@
 A real etcd + kube-apiserver + kube-controller-manager, a SeaweedFS S3 server, the operator (`kopf run`) and three
 node agents (one process per simulated GPU node). A trainer publishes a full checkpoint and an XOR delta with
 `ferry publish`; a ModelLoad puts the model on three nodes: the first replica replays it from S3, the others copy
-it from peers over NIXL. Then the desired version moves to the delta and rolls out. Ctrl-C tears everything down.
+it from peers over NIXL. Then the desired version moves to the delta and rolls out. Last, a tensor-parallel
+ModelLoad puts two replicas of two ranks each (one process per simulated GPU, agreeing through a gloo group) on
+two nodes: each rank holds half the tensors and copies it from the same rank of the other replica. Ctrl-C tears
+everything down.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ferry.api.models import API_VERSION
+from ferry.api.models import API_VERSION, LABEL_MODELLOAD
 from ferry.localcluster import LocalCluster, ManagedProcess, S3Server, local_stack, start_operator
 
 MODEL = "llama-tiny"
 NAMESPACE = "default"
 BUCKET = "ferry-models"
 NODES = ["gpu-node-1", "gpu-node-2", "gpu-node-3"]
+TP_LOAD = f"{MODEL}-tp2"
 
 
 def say(text: str) -> None:
@@ -81,8 +85,8 @@ def _time(value: str | None) -> dt.datetime | None:
     return dt.datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
 
 
-def summary(cluster: LocalCluster) -> None:
-    items = json.loads(cluster.kubectl("get", "wr", "-n", NAMESPACE, "-o", "json").stdout)["items"]
+def summary(cluster: LocalCluster, model_load: str = MODEL) -> None:
+    items = replicas_of(cluster, model_load)
     print(f"{'replica':<28} {'node':<12} {'version':<14} {'source':<32} {'bytes':>12} {'seconds':>8} {'GB/s':>6}")
     for r in sorted(items, key=lambda r: r["status"].get("completedTime") or ""):
         st = r["status"]
@@ -93,16 +97,31 @@ def summary(cluster: LocalCluster) -> None:
               f"{st.get('source', ''):<32} {st.get('bytesDone') or 0:>12} {seconds:>8.2f} {rate:>6.2f}")  # fmt: skip
 
 
-def wait_modelload(cluster: LocalCluster, version: str, timeout: float = 180) -> None:
+def replicas_of(cluster: LocalCluster, model_load: str) -> list[dict]:
+    selector = f"{LABEL_MODELLOAD}={model_load}"
+    return json.loads(cluster.kubectl("get", "wr", "-n", NAMESPACE, "-l", selector, "-o", "json").stdout)["items"]
+
+
+def rank_table(cluster: LocalCluster, model_load: str) -> None:
+    """Who serves which rank: one process (NIXL agent + worker service) per rank."""
+    items = replicas_of(cluster, model_load)
+    print(f"{'replica':<28} {'rank':>4} {'tensors':>7}  {'NIXL agent':<32} worker endpoint")
+    for r in sorted(items, key=lambda r: r["metadata"]["name"]):
+        for e in sorted(r["status"].get("ranks") or [], key=lambda e: e["rank"]):
+            print(f"{r['metadata']['name']:<28} {e['rank']:>4} {e['tensorCount']:>7}  {e['agentName']:<32} "
+                  f"{e['grpcEndpoint']}")  # fmt: skip
+
+
+def wait_modelload(cluster: LocalCluster, version: str, timeout: float = 180, name: str = MODEL) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ml = json.loads(cluster.kubectl("get", "ml", MODEL, "-n", NAMESPACE, "-o", "json").stdout)
+        ml = json.loads(cluster.kubectl("get", "ml", name, "-n", NAMESPACE, "-o", "json").stdout)
         status = ml.get("status") or {}
         if status.get("loadedVersion") == version and status.get("readyReplicas") == ml["spec"]["replicas"]:
             return
         time.sleep(0.5)
-    show(cluster, "describe", "ml", MODEL, "-n", NAMESPACE)
-    raise TimeoutError(f"ModelLoad {MODEL} did not reach {version}")
+    show(cluster, "describe", "ml", name, "-n", NAMESPACE)
+    raise TimeoutError(f"ModelLoad {name} did not reach {version}")
 
 
 def wait_for_interrupt() -> None:
@@ -154,6 +173,17 @@ def run(wait: bool, workdir: Path | None, size_mib: int) -> int:
             show(cluster, "get", "ml,wr", "-n", NAMESPACE, "-o", "wide")
             summary(cluster)
             show(cluster, "describe", "ml", MODEL, "-n", NAMESPACE)
+
+            say("Tensor parallel: a ModelLoad of 2 replicas x 2 ranks of v2; each rank holds half the tensors")
+            tp = {
+                "apiVersion": API_VERSION, "kind": "ModelLoad", "metadata": {"name": TP_LOAD},
+                "spec": {"modelName": MODEL, "desiredVersion": f"{MODEL}-v2", "replicas": 2, "ranksPerReplica": 2,
+                         "device": "cpu", "nodeSelector": {"ferry.dev/gpu": "true"}},
+            }  # fmt: skip
+            cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=json.dumps(tp))
+            wait_modelload(cluster, f"{MODEL}-v2", name=TP_LOAD)
+            summary(cluster, TP_LOAD)
+            rank_table(cluster, TP_LOAD)
 
             if wait:
                 say("Everything stays up for kubectl (KUBECONFIG above). Ctrl-C to tear down.")

@@ -174,11 +174,14 @@ class NodeAgent:
         for key in list(self._served):
             wr = assigned.get(key)
             failure = self._served[key].handle.failure()
-            if wr is None or wr["spec"]["version"] != self._served[key].version:
+            if wr is None:
                 self._unserve(key)
+            elif wr["spec"]["version"] != self._served[key].version:
+                old, new = self._served[key].version, wr["spec"]["version"]
+                self._unserve(key, status={"phase": "Loading", "message": f"releasing {old} to load {new}"})
             elif failure is not None:  # a rank process died: the replica no longer holds the whole version
-                self._unserve(key, drain_seconds=0)
                 self._fail(key, wr["spec"]["version"], wr["metadata"].get("generation"), failure)
+                self._unserve(key, drain_seconds=0)
         for key, wr in assigned.items():
             served = self._served.get(key)
             if served is not None:
@@ -347,8 +350,12 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ release
 
-    def _unserve(self, key: tuple[str, str], drain_seconds: float = 10.0) -> None:
+    def _unserve(self, key: tuple[str, str], drain_seconds: float = 10.0, status: dict[str, Any] | None = None) -> None:
+        """Stop serving: `status` first (so that no new reader picks this replica and the operator does not take
+        the Lease's deletion for a dead agent), then drain the readers, then delete the Lease."""
         served = self._served.pop(key)
+        if status is not None:
+            self._patch_status(key, status)
         served.stop.set()
         served.handle.stop(drain_seconds)
         namespace, name = key

@@ -18,9 +18,17 @@ def test_demo_runs_end_to_end():
     )  # fmt: skip
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
-    tables = out.split("replica  ")[1:]
-    assert len(tables) == 2, out[-2000:]
-    first_round = tables[0].split("\n\n")[0]
+    tables = [t.split("\n\n")[0] for t in out.split("replica  ")[1:]]
+    assert len(tables) == 4, out[-2000:]  # v1, v2, the tensor-parallel load and its ranks
+    first_round = tables[0]
     assert first_round.count(" s3 ") == 1 and first_round.count(" peer/") == 2, first_round
     assert "llama-tiny-v2" in tables[1] and "3/3" in out and "AllReplicasReady" in out
+    assert tables[2].count(" s3 ") == 1 and tables[2].count(" peer/llama-tiny-tp2-") == 1, tables[2]
+    rank_rows = [line.split() for line in tables[3].splitlines()[1:]]
+    by_replica: dict[str, list[str]] = {}
+    for row in rank_rows:
+        assert row[0].startswith("llama-tiny-tp2-") and int(row[2]) > 0, tables[3]
+        by_replica.setdefault(row[0], []).append(row[1])
+    assert len(by_replica) == 2 and all(sorted(ranks) == ["0", "1"] for ranks in by_replica.values()), tables[3]
+    assert "ReplicaStale" not in out  # a rollout is not mistaken for a dead agent
     assert out.rstrip().endswith("done")
