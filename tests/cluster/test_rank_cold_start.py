@@ -54,6 +54,11 @@ def test_ranks_split_a_replayed_chain_bit_for_bit(
     again = spawn(tmp_path / "again", 2, _rank_load(registry, [root, root], "v3"), timeout=90)
     assert [r[1][1] for r in again] == [0, 0] and {**again[0][1][0], **again[1][1][0]} == shas(chain3[2])
 
+    # The independently written full v3, cold-started the same way, splits identically and matches bit for bit.
+    (tmp_path / "full").mkdir()
+    direct = spawn(tmp_path / "full", 2, _rank_load(registry, [root, root], "v3-full"), timeout=90)
+    assert [r[1][0] for r in direct] == [shas0, shas1]
+
 
 def test_a_rank_that_cannot_see_the_leaders_store_fails_every_rank(
     registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
