@@ -58,6 +58,13 @@ def main(argv: list[str] | None = None) -> None:
         help="serve Prometheus metrics on this port (env FERRY_AGENT_METRICS_PORT; -1 = off)",
     )
     parser.add_argument("--retry-seconds", type=float, default=5.0, help="first backoff after a failed load")
+    parser.add_argument(
+        "--rank-timeout-seconds",
+        type=float,
+        default=3600.0,
+        help="bound on each agreement step of a multi-rank replica (the other ranks wait in one while the first "
+        "replays the chain from S3); a rank process that dies is noticed at once",
+    )
     args = parser.parse_args(argv)
     if not args.node:
         parser.error("--node (or NODE_NAME) is required")
@@ -77,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         bind_address=args.bind_address,
         store=store,
         s3_endpoint=args.s3_endpoint,
+        rank_timeout_s=args.rank_timeout_seconds,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())

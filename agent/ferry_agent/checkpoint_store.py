@@ -395,6 +395,8 @@ class CheckpointStore:
         with self.lock():
             state = self.state(model)
             if state.version == target and state.chain == chain:
+                if state.target == target:  # prepared again while active: drop the duplicate mark
+                    self._write_state(model, StoreState(StoreStatus.READY, target, chain))
                 return
             if state.target != target or state.target_chain != chain:
                 raise RuntimeError(

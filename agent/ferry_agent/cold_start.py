@@ -77,8 +77,10 @@ class RankAgreedStrategy(_Agreed):
         super().__init__(inner, group, pinned=pinned, configured=configured)
         self._release = release
         self._held: Any = None
+        self._missed = False
 
     def load(self, ctx: LoadContext) -> Any:
+        self._missed = False
         result: Any = None
         failure: Exception | None = None
         try:
@@ -98,15 +100,27 @@ class RankAgreedStrategy(_Agreed):
             raise StrategyRecoveryError(f"{self.name} for {self._pinned!r}: {exc}{local}") from failure
         if agreed == "miss":
             assert failure is not None
+            self._missed = True
             raise failure
         self._held = None  # kept by the caller now
         return result
 
     def rollback(self, ctx: LoadContext) -> None:
+        """After an agreed miss the chain goes on to the next source on every rank, so the rollback is agreed
+        too: one rank failing to clean up alone would leave the others waiting in the next collective."""
         held, self._held = self._held, None
-        if held is not None:
-            self._release(held)
-        self.inner.rollback(ctx)
+        failure: Exception | None = None
+        try:
+            if held is not None:
+                self._release(held)
+            self.inner.rollback(ctx)
+        except Exception as exc:
+            failure = exc
+        if self._missed:
+            self._missed = False
+            self._agree(f"{self.name}_rollback", None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
 
 
 class RankAgreedObjectStorage(_Agreed):

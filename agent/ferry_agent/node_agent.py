@@ -106,7 +106,7 @@ class NodeAgent:
         store: CheckpointStore | None = None,
         s3_endpoint: str | None = None,
         peer_factory: Callable[[str], NixlPeer] = NixlPeer,
-        rank_timeout_s: float = 300.0,
+        rank_timeout_s: float = 3600.0,
     ) -> None:
         self.node = node
         self.agent_name = f"{node}-{uuid.uuid4().hex[:8]}"
@@ -124,7 +124,9 @@ class NodeAgent:
         self._bind_address = bind_address
         self._store = store
         self._s3_endpoint = s3_endpoint
-        self._rank_timeout_s = rank_timeout_s  # bound on each collective of a multi-rank replica
+        # Bound on each collective of a multi-rank replica. Followers wait in one while their leader downloads and
+        # replays the whole chain, so it is long; a rank that dies is noticed at once by its exit, not by this.
+        self._rank_timeout_s = rank_timeout_s
         self._stopping = threading.Event()
         self._wake = threading.Event()
 
@@ -290,17 +292,25 @@ class NodeAgent:
             s3_endpoint=self._s3_endpoint, seeds=self._seeds, timeout_s=self._rank_timeout_s,
         )  # fmt: skip
         ranks = RankProcesses(launch, progress=progress, note=note, wake=self._wake.set)
-        ranks.start()
         try:
+            ranks.start()
             # Loading may wait for the first loader and then copy or replay: the transfer budget twice, plus slack.
             serving = ranks.wait_loaded(timeout_s=settings.timeout_s * 2 + self._rank_timeout_s)
-        except RankGroupFailed as exc:
-            raise LoadFailed(str(exc), exc.attempts) from exc
-        entries = [
-            {"rank": e["rank"], "agentName": e["agentName"], "grpcEndpoint": e["grpcEndpoint"], "metadataEndpoint": "",
-             "tensorCount": e["tensorCount"], "manifestDigest": e["manifestDigest"], "state": "Ready"}
-            for e in serving
-        ]  # fmt: skip
+            entries = [
+                {"rank": e["rank"], "agentName": e["agentName"], "grpcEndpoint": e["grpcEndpoint"],
+                 "metadataEndpoint": "", "tensorCount": e["tensorCount"], "manifestDigest": e["manifestDigest"],
+                 "state": "Ready"}
+                for e in serving
+            ]  # fmt: skip
+        except BaseException as exc:
+            ranks.stop(drain_s=0)  # no rank may keep its GPU memory, or serve, for a load the agent gave up on
+            if self._store is not None:  # a leader killed between prepare and activate left its mark
+                self._store.release_prepared(spec["modelName"], spec["version"])
+            if isinstance(exc, RankGroupFailed):
+                raise LoadFailed(str(exc), exc.attempts) from exc
+            if isinstance(exc, Exception):
+                raise LoadFailed(f"supervising the rank processes failed: {type(exc).__name__}: {exc}", []) from exc
+            raise
         source = ",".join(sorted({e["source"] for e in serving}))  # each rank may copy from a different peer
         return Loaded(ranks, source, sum(e["bytes"] for e in serving), serving[0]["attempts"], entries)
 

@@ -47,7 +47,7 @@ class RankLaunch:
     checkpoint_quota_gib: float = 500.0
     s3_endpoint: str | None = None
     seeds: Mapping[str, Path] | None = None
-    timeout_s: float = 300.0
+    timeout_s: float = 3600.0
 
     def argv(self, rank: int, store: str) -> list[str]:
         args = [
@@ -55,7 +55,7 @@ class RankLaunch:
             "--replica", self.replica, "--rank", str(rank), "--world-size", str(self.world_size),
             "--store", store, "--desired-version", self.version, "--agent-name", self.agent_name,
             "--bind-address", self.bind_address, "--timeout-seconds", str(self.timeout_s),
-            "--checkpoint-quota-gib", str(self.checkpoint_quota_gib),
+            "--checkpoint-quota-gib", str(self.checkpoint_quota_gib), "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
         if self.checkpoint_dir is not None:
             args += ["--checkpoint-dir", str(self.checkpoint_dir)]
@@ -66,13 +66,12 @@ class RankLaunch:
         return args
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: a rank outlives no agent, even one killed with SIGKILL mid-load."""
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _report(callback: Callable[..., None], *args: Any) -> None:
+    """Progress goes to the status; failing to write it must not fail the load."""
+    try:
+        callback(*args)
+    except Exception as exc:
+        log.warning("reporting rank progress failed: %s", exc)
 
 
 def _combine(failures: Mapping[int, str]) -> str:
@@ -122,7 +121,6 @@ class RankProcesses:
                 stdout=subprocess.PIPE,
                 text=True,
                 env=env,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
             self._procs.append(proc)
             threading.Thread(target=self._read, args=(rank, proc), name=f"ferry-rank{rank}", daemon=True).start()
@@ -159,12 +157,13 @@ class RankProcesses:
             kind = event.get("event")
             if kind == "progress":
                 progress[rank] = (int(event["done"]), int(event["total"]), str(event["source"]))
-                self._progress(
+                _report(
+                    self._progress,
                     sum(p[0] for p in progress.values()), sum(p[1] for p in progress.values()),
                     progress[min(progress)][2],
                 )  # fmt: skip
             elif kind == "note":
-                self._note(str(event.get("message", "")))
+                _report(self._note, str(event.get("message", "")))
             elif kind == "serving":
                 serving[rank] = event
             elif kind == "leases":

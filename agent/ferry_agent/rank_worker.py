@@ -16,6 +16,7 @@ import datetime as dt
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -73,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-quota-gib", type=float, default=500.0)
     p.add_argument("--s3-endpoint")
     p.add_argument("--seed", type=_seed, action="append", default=[], metavar="[VERSION=]PATH")
-    p.add_argument("--timeout-seconds", type=float, default=300.0, help="bound on every collective")
+    p.add_argument("--timeout-seconds", type=float, default=3600.0, help="bound on every collective")
+    p.add_argument("--parent-pid", type=int, help="the node agent's pid: this rank ends when the agent does")
     return p
 
 
@@ -160,8 +162,21 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
     return 0
 
 
+def _die_with(parent_pid: int | None) -> None:
+    """A rank outlives no agent, even one killed with SIGKILL mid-load (the agent holds the replica's Lease)."""
+    if parent_pid is None or sys.platform != "linux":
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the agent died before the line above took effect
+        raise SystemExit(f"the agent (pid {parent_pid}) is gone")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    _die_with(args.parent_pid)
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr,
         format=f"%(asctime)s rank{args.rank}/{args.world_size} %(name)s %(levelname)s %(message)s",

@@ -16,10 +16,11 @@ Every function is a collective: all ranks of the group must call it in the same 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -109,14 +110,16 @@ class TorchRankGroup:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(out, obj, group=self._group)
+        with _collective("all_gather"):
+            self._dist.all_gather_object(out, obj, group=self._group)
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         # broadcast_object_list takes a global rank; `src` is a rank within this group.
         root = src if self._group is None else self._dist.get_global_rank(self._group, src)
         box = [obj]
-        self._dist.broadcast_object_list(box, src=root, group=self._group)
+        with _collective("broadcast"):
+            self._dist.broadcast_object_list(box, src=root, group=self._group)
         return box[0]
 
     def close(self) -> None:
@@ -129,6 +132,16 @@ class TorchRankGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """A collective that fails (a peer rank died, the group timed out) leaves this rank unable to agree on
+    anything: the chain must stop here, not try the next source alone."""
+    try:
+        yield
+    except RuntimeError as exc:  # gloo errors (DistBackendError, timeouts) are RuntimeErrors
+        raise StrategyRecoveryError(f"rank group {what} failed: {exc}") from exc
 
 
 # ---------------------------------------------------------------- agreement

@@ -510,7 +510,12 @@ class ObjectStorageStrategy:
                     raise _LoadError(f"no materialized {ctx.version} in the store: the local leader did not build it")
                 timings["validate"] = time.monotonic() - t0
                 # The prepared chain is protected in the store's state, so it is read outside the lock.
-                resident = self._build(ctx, plan, pool, timings)
+                try:
+                    resident = self._build(ctx, plan, pool, timings)
+                except _LoadError as exc:
+                    if exc.discard is not None:  # corrupt in the store: the replica's retry fetches it again
+                        self._store.discard(exc.discard)
+                    raise
         return self._result(ctx, plan, resident, 0, t0, timings)
 
     def activate(self, ctx: LoadContext, chain: Sequence[str]) -> None:

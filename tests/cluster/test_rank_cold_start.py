@@ -3,6 +3,8 @@ through one shared checkpoint store, each loading its share of the tensors (refe
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +12,11 @@ import pytest
 from rankutil import spawn
 from s3util import MODEL, Registry, Weights, delta, full, publish_chain3, shas
 
-from ferry_agent.checkpoint_store import CheckpointStore
+from ferry import checkpoint_format as ckpt
+from ferry_agent.checkpoint_store import ArtifactKind, ArtifactRef, CheckpointStore
 from ferry_agent.cold_start import run_cold_start
 from ferry_agent.ranks import TorchRankGroup
-from ferry_agent.strategy import LoadContext
+from ferry_agent.strategy import LoadContext, StrategyFailed
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -87,3 +90,34 @@ def test_ranks_configured_with_different_versions_fail_before_any_download(
         assert status == "fatal"
         assert "rank 0 pins 'v1' but rank 1 is configured with 'v9'" in message
     assert not CheckpointStore(root, quota_bytes=1).model_dir(MODEL).exists()  # nothing fetched or written
+
+
+def test_a_follower_finding_a_corrupt_tensor_discards_the_stored_copy(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    """The leader checks only its own tensors of a stored checkpoint; a follower that finds one of its own
+    corrupt must drop the stored copy, so that the replica's retry downloads it again instead of failing forever."""
+    registry.publish("v1", full(chain3[0]))
+    store = CheckpointStore(tmp_path / "node-store", quota_bytes=1 << 30)
+    strategy = registry.strategy(store)
+
+    def rank(r: int) -> LoadContext:
+        return LoadContext(model=MODEL, version="v1", rank=r, target_id="replica-0", world_size=2)
+
+    strategy.prepare(rank(0), activate=False)
+    follower = max(strategy.load_prepared(rank(1)).resident.manifest, key=lambda spec: spec.nbytes).name
+    path = store.artifact(ArtifactRef(MODEL, ArtifactKind.FULL, "v1"))
+    assert path is not None
+    index = json.loads((path / ckpt.INDEX_NAME).read_text())
+    name = index["weight_map"][follower]
+    shard = path / name
+    in_shard = {t for t, s in index["weight_map"].items() if s == name}
+    layout = ckpt.check_shard(shard.read_bytes(), shard.stat().st_size, in_shard, checksummed=True)
+    with open(shard, "r+b") as f:  # flip one byte of the follower's tensor, keeping the size
+        f.seek(layout.data_start + layout.infos[follower].begin)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(StrategyFailed, match=rf"tensor '{re.escape(follower)}' fails its adler32 check"):
+        strategy.load_prepared(rank(1))
+    assert store.artifact(ArtifactRef(MODEL, ArtifactKind.FULL, "v1")) is None  # fetched again on retry

@@ -141,6 +141,45 @@ def test_update_commit_and_rollback(store: CheckpointStore) -> None:
     assert store.state("m").version == "v1"
 
 
+def test_prepare_then_activate_or_release(store: CheckpointStore) -> None:
+    """What a multi-rank replica's leader does: prepare (not active, but protected), then activate once every
+    rank has loaded, or release when the replica gives up."""
+    put(store, "m", FULL, "v1")
+    activate(store, "m", ("v1",))
+    put(store, "m", DELTA, "v2")
+    with store.update("m", "v2", ("v1", "v2")) as update:
+        put(store, "m", MAT, "v2")
+        update.commit(activate=False)
+    state = store.state("m")
+    assert (state.status, state.version, state.target, state.target_chain) == (
+        StoreStatus.READY, "v1", "v2", ("v1", "v2"),
+    )  # fmt: skip
+    assert ArtifactRef("m", MAT, "v2") in store.protected()  # prepared: not evictable while the ranks load it
+    assert store.prepared_head("m", ("v1", "v2")) == store.path(ArtifactRef("m", MAT, "v2"))
+    assert store.prepared_head("m", ("v1",)) is not None and store.prepared_head("m", ("v1", "v3")) is None
+
+    with pytest.raises(RuntimeError, match="not the prepared version"):
+        store.activate("m", "v3", ("v1", "v3"))
+    store.activate("m", "v2", ("v1", "v2"))
+    state = store.state("m")
+    assert (state.version, state.chain, state.target) == ("v2", ("v1", "v2"), None)
+    store.activate("m", "v2", ("v1", "v2"))  # already active: a no-op
+
+    with store.update("m", "v2", ("v1", "v2")) as update:  # prepared again while active
+        update.commit(activate=False)
+    store.activate("m", "v2", ("v1", "v2"))
+    assert store.state("m").target is None  # the duplicate mark is dropped
+
+    put(store, "m", DELTA, "v3")
+    put(store, "m", MAT, "v3")
+    with store.update("m", "v3", ("v1", "v2", "v3")) as update:
+        update.commit(activate=False)
+    store.release_prepared("m", "v3")
+    state = store.state("m")
+    assert (state.version, state.target) == ("v2", None)
+    assert ArtifactRef("m", MAT, "v3") not in store.protected()
+
+
 # ---------------------------------------------------------------- recovery
 
 

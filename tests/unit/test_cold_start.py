@@ -187,3 +187,39 @@ def test_unknown_source_is_refused() -> None:
     with pytest.raises(ValueError, match=r"unknown source\(s\) \['Trainer'\]"):
         run_cold_start(SingleRank(), LoadContext(model="m", version="", rank=0, target_id="r"), configured="v1",
                        source_order=["Trainer"], strategies={})  # fmt: skip
+
+
+class FailingRollback(Fake):
+    def rollback(self, ctx: LoadContext) -> None:
+        super().rollback(ctx)
+        if ctx.rank == 1:
+            raise OSError("cannot free the target on rank 1")
+
+
+def _rollback_fails_on_one_rank(group: TorchRankGroup) -> Any:
+    seed = Fake("LocalFile", "loaded")
+    run_cold_start(group, _ctx(group), configured="v1", source_order=["Peer"],
+                   strategies={"Peer": FailingRollback("Peer", "miss")}, exact=[seed])  # fmt: skip
+    return seed.loads
+
+
+def test_a_rollback_failing_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
+    """After an agreed miss every rank would go on to the next source; one rank that cannot clean up must not
+    leave the others waiting for it in the next collective."""
+    for status, message, _cause in spawn(tmp_path, 2, _rollback_fails_on_one_rank):
+        assert status == "fatal"
+        assert "rollback of Peer failed" in message and "Peer_rollback" in message
+        assert "cannot free the target on rank 1" in message
+
+
+def _rank_one_leaves(group: TorchRankGroup) -> Any:
+    if group.rank == 1:
+        return "left"  # its process ends: the group loses a member
+    return run_cold_start(group, _ctx(group), configured="v1", source_order=["Peer"],
+                          strategies={"Peer": Fake("Peer", "loaded")})  # fmt: skip
+
+
+def test_a_rank_that_leaves_the_group_is_fatal_for_the_rest(tmp_path: Path) -> None:
+    (rank0, rank1) = spawn(tmp_path, 2, _rank_one_leaves, timeout=60)
+    assert rank1 == ("ok", "left")
+    assert rank0[0] == "fatal" and rank0[1].startswith("rank group "), rank0
