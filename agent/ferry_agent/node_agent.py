@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,6 @@ class Served:
     version: str
     handle: InProcessReplica | RankProcesses
     published_leases: int = 0
-    stop: threading.Event = field(default_factory=threading.Event)
 
 
 class LoadFailed(RuntimeError):
@@ -127,6 +126,7 @@ class NodeAgent:
         # Bound on each collective of a multi-rank replica. Followers wait in one while their leader downloads and
         # replays the whole chain, so it is long; a rank that dies is noticed at once by its exit, not by this.
         self._rank_timeout_s = rank_timeout_s
+        self._renewing: dict[tuple[str, str], threading.Event] = {}  # replicas whose Lease this agent renews
         self._stopping = threading.Event()
         self._wake = threading.Event()
 
@@ -180,7 +180,8 @@ class NodeAgent:
                 self._unserve(key)
             elif wr["spec"]["version"] != self._served[key].version:
                 old, new = self._served[key].version, wr["spec"]["version"]
-                self._unserve(key, status={"phase": "Loading", "message": f"releasing {old} to load {new}"})
+                self._unserve(key, status={"phase": "Loading", "message": f"releasing {old} to load {new}"},
+                              keep_lease=True)  # fmt: skip
             elif failure is not None:  # a rank process died: the replica no longer holds the whole version
                 self._fail(key, wr["spec"]["version"], wr["metadata"].get("generation"), failure)
                 self._unserve(key, drain_seconds=0)
@@ -242,20 +243,24 @@ class NodeAgent:
         metrics.LOAD_SECONDS.labels(source_kind=kind).observe(seconds)
         self._served[key] = Served(version, loaded.handle)
         self._failed.pop(key, None)
-        self._ensure_lease(key)
         on_ranks = f" on {len(loaded.ranks)} ranks" if len(loaded.ranks) > 1 else ""
-        self._patch_status(
-            key,
-            {
-                "phase": "Serving", "source": loaded.source, "bytesDone": loaded.bytes_moved,
-                "bytesTotal": loaded.bytes_moved, "completedTime": _micro_now(), "lastProgressTime": _micro_now(),
-                "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks,
-                "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
-            },
-        )  # fmt: skip
+        try:
+            self._hold_lease(key)
+            self._patch_status(
+                key,
+                {
+                    "phase": "Serving", "source": loaded.source, "bytesDone": loaded.bytes_moved,
+                    "bytesTotal": loaded.bytes_moved, "completedTime": _micro_now(), "lastProgressTime": _micro_now(),
+                    "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks,
+                    "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
+                },
+            )  # fmt: skip
+        except ApiException:
+            # Unpublished weights serve nobody and would never be retried: release them and load again next pass.
+            self._unserve(key, drain_seconds=0)
+            raise
         log.info("%s/%s serving %s (%d bytes from %s in %.2fs%s)", namespace, name, version, loaded.bytes_moved,
                  loaded.source, seconds, on_ranks)  # fmt: skip
-        threading.Thread(target=self._renew_lease, args=(key, self._served[key].stop), daemon=True).start()
 
     def _load_here(self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress,
                    note: Callable[[str], None]) -> Loaded:  # fmt: skip
@@ -316,6 +321,7 @@ class NodeAgent:
 
     def _fail(self, key, version, generation, message, attempts=None) -> None:
         log.error("%s/%s failed to load %s: %s", *key, version, message)
+        self._release_lease(key)
         previous = self._failed.get(key)
         tries = previous[1] + 1 if previous and previous[0] == version else 1
         delay = min(300.0, self._retry_seconds * 2 ** (tries - 1))
@@ -328,7 +334,8 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ liveness
 
-    def _ensure_lease(self, key: tuple[str, str]) -> None:
+    def _hold_lease(self, key: tuple[str, str]) -> None:
+        """(Re)write the replica's Lease and keep renewing it until `_release_lease`."""
         namespace, name = key
         body = lease_body(name, self.agent_name, _micro_now(), self._lease_seconds)
         try:
@@ -336,7 +343,23 @@ class NodeAgent:
         except ApiException as exc:
             if exc.status != 409:
                 raise
-            self._leases.replace_namespaced_lease(lease_name(name), namespace, body)
+            # Kept across a version change: take it over as it is (a replace would need its resourceVersion).
+            self._leases.patch_namespaced_lease(lease_name(name), namespace, {"spec": body["spec"]})
+        if key not in self._renewing:
+            self._renewing[key] = threading.Event()
+            threading.Thread(target=self._renew_lease, args=(key, self._renewing[key]), daemon=True).start()
+
+    def _release_lease(self, key: tuple[str, str]) -> None:
+        renewing = self._renewing.pop(key, None)
+        if renewing is None:
+            return
+        renewing.set()
+        namespace, name = key
+        try:
+            self._leases.delete_namespaced_lease(lease_name(name), namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def _renew_lease(self, key: tuple[str, str], stop: threading.Event) -> None:
         namespace, name = key
@@ -360,21 +383,24 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ release
 
-    def _unserve(self, key: tuple[str, str], drain_seconds: float = 10.0, status: dict[str, Any] | None = None) -> None:
-        """Stop serving: `status` first (so that no new reader picks this replica and the operator does not take
-        the Lease's deletion for a dead agent), then drain the readers, then delete the Lease."""
+    def _unserve(
+        self,
+        key: tuple[str, str],
+        drain_seconds: float = 10.0,
+        status: dict[str, Any] | None = None,
+        *,
+        keep_lease: bool = False,
+    ) -> None:
+        """Stop serving: `status` first (so that no new reader picks this replica), then drain the readers, then
+        delete the Lease, unless `keep_lease` (a version change: the agent stays alive for this replica, and the
+        operator, whose view of the status may lag its view of the Lease, must not take it for a dead one)."""
         served = self._served.pop(key)
         if status is not None:
             self._patch_status(key, status)
-        served.stop.set()
         served.handle.stop(drain_seconds)
-        namespace, name = key
-        try:
-            self._leases.delete_namespaced_lease(lease_name(name), namespace)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-        log.info("%s/%s released %s", namespace, name, served.version)
+        if not keep_lease:
+            self._release_lease(key)
+        log.info("%s/%s released %s", *key, served.version)
 
     def shutdown(self) -> None:
         for key in list(self._served):
