@@ -510,12 +510,7 @@ class ObjectStorageStrategy:
                     raise _LoadError(f"no materialized {ctx.version} in the store: the local leader did not build it")
                 timings["validate"] = time.monotonic() - t0
                 # The prepared chain is protected in the store's state, so it is read outside the lock.
-                try:
-                    resident = self._build(ctx, plan, pool, timings)
-                except _LoadError as exc:
-                    if exc.discard is not None:  # corrupt in the store: the replica's retry fetches it again
-                        self._store.discard(exc.discard)
-                    raise
+                resident = self._build(ctx, plan, pool, timings)
         return self._result(ctx, plan, resident, 0, t0, timings)
 
     def activate(self, ctx: LoadContext, chain: Sequence[str]) -> None:
@@ -530,12 +525,15 @@ class ObjectStorageStrategy:
         """Undo `prepare(activate=False)` when the replica gives up: the store forgets the prepared version."""
         self._store.release_prepared(ctx.model, ctx.version)
 
-    @staticmethod
     @contextlib.contextmanager
-    def _failures() -> Iterator[None]:
+    def _failures(self) -> Iterator[None]:
+        """Every failure is StrategyFailed(mutated=False); an artifact found corrupt is discarded first, so that
+        a retry fetches it again instead of failing the same way forever."""
         try:
             yield
         except _LoadError as exc:
+            if exc.discard is not None:
+                self._store.discard(exc.discard)
             raise StrategyFailed(f"ObjectStorage: {exc}", mutated=False) from exc
         except OSError as exc:  # local I/O (disk full, permissions): the new pool was never handed out
             raise StrategyFailed(f"ObjectStorage: local checkpoint store I/O failed: {exc}", mutated=False) from exc
@@ -770,18 +768,13 @@ class ObjectStorageStrategy:
         needed = downloaded + (plan.base.stored_bytes if plan.deltas else 0)  # + the materialized target
         with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
             try:
-                try:
-                    self._store.reserve(needed)
-                except CheckpointCacheCapacityError as exc:
-                    raise _LoadError(str(exc)) from exc
-                if fetch:
-                    self._download(fetch, pool, timings)
-                resident = self._build(ctx, plan, pool, timings)
-                update.commit(activate=activate)
-            except _LoadError as exc:
-                if exc.discard is not None:
-                    self._store.discard(exc.discard)
-                raise
+                self._store.reserve(needed)
+            except CheckpointCacheCapacityError as exc:
+                raise _LoadError(str(exc)) from exc
+            if fetch:
+                self._download(fetch, pool, timings)
+            resident = self._build(ctx, plan, pool, timings)
+            update.commit(activate=activate)
         return resident, downloaded
 
     def _download(self, fetch: list[_Checkpoint], pool: ThreadPoolExecutor, timings: dict[str, float]) -> None:
