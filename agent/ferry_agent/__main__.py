@@ -8,12 +8,11 @@ import os
 import signal
 from pathlib import Path
 
-from kubernetes import client, config
-
 from ferry_agent import metrics
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.node_agent import NodeAgent
 from ferry_agent.registry import DEFAULT_LEASE_SECONDS
+from ferry_agent.replica_load import kube_api
 
 
 def _seed(text: str) -> tuple[str, Path]:
@@ -69,17 +68,14 @@ def main(argv: list[str] | None = None) -> None:
     if not args.node:
         parser.error("--node (or NODE_NAME) is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
+    api = kube_api()
     if args.metrics_port >= 0:
         port = metrics.serve(args.bind_address, args.metrics_port)
         logging.getLogger("ferry.agent").info("metrics on http://%s:%d/metrics", args.bind_address, port)
     store = CheckpointStore(args.checkpoint_dir, int(args.checkpoint_quota_gib * 2**30))
     store.recover()  # a crash mid-load leaves tmp files and an UPDATING state: repair before serving anything
     agent = NodeAgent(
-        client.ApiClient(), args.node, seeds=dict(args.seed), lease_seconds=args.lease_seconds,
+        api, args.node, seeds=dict(args.seed), lease_seconds=args.lease_seconds,
         poll_seconds=args.poll_seconds, retry_seconds=args.retry_seconds,
         bind_address=args.bind_address,
         store=store,

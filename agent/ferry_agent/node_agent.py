@@ -29,7 +29,7 @@ from ferry_agent import metrics
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import Progress, TransferSettings
-from ferry_agent.rank_group import RankGroupFailed, RankLaunch, RankProcesses
+from ferry_agent.rank_group import LoadFailed, RankLaunch, RankProcesses
 from ferry_agent.ranks import SingleRank
 from ferry_agent.registry import (
     DEFAULT_LEASE_SECONDS,
@@ -37,9 +37,9 @@ from ferry_agent.registry import (
     lease_body,
     lease_name,
 )
-from ferry_agent.replica_load import PLURAL, ApiSources, load_rank, rank_context, source_label
+from ferry_agent.replica_load import PLURAL, ApiSources, load_rank, rank_context, serve_rank, source_label
 from ferry_agent.resident import ResidentWeights
-from ferry_agent.worker_service import WorkerServer, serve_resident
+from ferry_agent.worker_service import WorkerServer
 
 log = logging.getLogger("ferry.agent")
 
@@ -83,12 +83,6 @@ class Served:
     version: str
     handle: InProcessReplica | RankProcesses
     published_leases: int = 0
-
-
-class LoadFailed(RuntimeError):
-    def __init__(self, message: str, attempts: list[dict[str, Any]]) -> None:
-        super().__init__(message)
-        self.attempts = attempts
 
 
 class NodeAgent:
@@ -275,15 +269,9 @@ class NodeAgent:
             )  # fmt: skip
         except Exception as exc:
             raise LoadFailed(str(exc), [a.to_status() for a in ctx.attempts]) from exc
-        timeout_s = TransferSettings.from_spec(spec.get("transfer") or {}).timeout_s
-        server = serve_resident(result.resident, self._peer, rank=0, host=self._bind_address,
-                                transfer_timeout_s=timeout_s)  # fmt: skip
-        rank = {
-            "rank": 0, "agentName": self._peer.name, "grpcEndpoint": server.endpoint, "metadataEndpoint": "",
-            "tensorCount": len(result.resident.manifest), "manifestDigest": result.resident.digest, "state": "Ready",
-        }  # fmt: skip
+        server, entry = serve_rank(result.resident, self._peer, rank=0, host=self._bind_address, spec=spec)
         handle = InProcessReplica(result.resident, server, self._peer)
-        return Loaded(handle, source_label(result), result.bytes_moved, [a.to_status() for a in ctx.attempts], [rank])
+        return Loaded(handle, source_label(result), result.bytes_moved, [a.to_status() for a in ctx.attempts], [entry])
 
     def _load_ranks(self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress,
                     note: Callable[[str], None]) -> Loaded:  # fmt: skip
@@ -301,22 +289,15 @@ class NodeAgent:
             ranks.start()
             # Loading may wait for the first loader and then copy or replay: the transfer budget twice, plus slack.
             serving = ranks.wait_loaded(timeout_s=settings.timeout_s * 2 + self._rank_timeout_s)
-            entries = [
-                {"rank": e["rank"], "agentName": e["agentName"], "grpcEndpoint": e["grpcEndpoint"],
-                 "metadataEndpoint": "", "tensorCount": e["tensorCount"], "manifestDigest": e["manifestDigest"],
-                 "state": "Ready"}
-                for e in serving
-            ]  # fmt: skip
         except BaseException as exc:
             ranks.stop(drain_s=0)  # no rank may keep its GPU memory, or serve, for a load the agent gave up on
             if self._store is not None:  # a leader killed between prepare and activate left its mark
                 self._store.release_prepared(spec["modelName"], spec["version"])
-            if isinstance(exc, RankGroupFailed):
-                raise LoadFailed(str(exc), exc.attempts) from exc
-            if isinstance(exc, Exception):
+            if isinstance(exc, Exception) and not isinstance(exc, LoadFailed):
                 raise LoadFailed(f"supervising the rank processes failed: {type(exc).__name__}: {exc}", []) from exc
             raise
         source = ",".join(sorted({e["source"] for e in serving}))  # each rank may copy from a different peer
+        entries = [e["entry"] for e in serving]
         return Loaded(ranks, source, sum(e["bytes"] for e in serving), serving[0]["attempts"], entries)
 
     def _fail(self, key, version, generation, message, attempts=None) -> None:

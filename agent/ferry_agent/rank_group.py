@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 FAILED_RANKS_GRACE_S = 30.0  # after one rank fails, how long the others get to report the agreed failure
 
 
-class RankGroupFailed(RuntimeError):
+class LoadFailed(RuntimeError):
+    """A replica's load failed; `attempts` are what goes into its `status.attempts[]`."""
+
     def __init__(self, message: str, attempts: Sequence[Mapping[str, Any]] = ()) -> None:
         super().__init__(message)
         self.attempts = list(attempts)
@@ -139,7 +141,7 @@ class RankProcesses:
         self._events.put((rank, {"event": "exit", "code": proc.wait()}))
 
     def wait_loaded(self, timeout_s: float) -> list[dict[str, Any]]:
-        """Every rank's `serving` event, by rank; RankGroupFailed (all ranks stopped) if any rank fails."""
+        """Every rank's `serving` event, by rank; LoadFailed (all ranks stopped) if any rank fails."""
         n = self.launch.world_size
         serving: dict[int, dict[str, Any]] = {}
         failed: dict[int, dict[str, Any]] = {}
@@ -181,7 +183,7 @@ class RankProcesses:
         if failed:
             self.stop(drain_s=0)
             attempts = next((f.get("attempts") for _, f in sorted(failed.items()) if f.get("attempts")), [])
-            raise RankGroupFailed(_combine({r: str(f["message"]) for r, f in failed.items()}), attempts)
+            raise LoadFailed(_combine({r: str(f["message"]) for r, f in failed.items()}), attempts)
         self._tcp = None
         with self._lock:
             self._serving = True

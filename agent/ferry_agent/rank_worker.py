@@ -3,7 +3,7 @@
 The node agent starts one per rank (one per GPU) with a shared TCPStore address; the ranks join a gloo group,
 run the desired-version cold start (`replica_load.load_rank`), and each then serves its share of the tensors
 to peers with its own NIXL agent and worker service. It reports to the node agent in JSON lines on stdout
-(`RankEvent`) and takes commands on stdin: `drain SECONDS`, `stop`. End of stdin (the agent died) stops it
+(`Reporter`) and takes commands on stdin: `drain SECONDS`, `stop`. End of stdin (the agent died) stops it
 too, releasing everything: the lease-holding node agent is gone, so no reader may keep reading.
 
 The node agent alone writes the WeightReplica status; a rank only reads the API.
@@ -23,15 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from kubernetes import client, config
 
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.nixl_transfer import NixlPeer
-from ferry_agent.peer_strategy import TransferSettings
 from ferry_agent.ranks import TorchRankGroup
-from ferry_agent.replica_load import ApiSources, load_rank, rank_context, source_label
+from ferry_agent.replica_load import ApiSources, kube_api, load_rank, rank_context, serve_rank, source_label
 from ferry_agent.strategy import StrategyRecoveryError
-from ferry_agent.worker_service import serve_resident
 
 log = logging.getLogger("ferry.rank")
 LEASE_POLL_S = 1.0
@@ -40,8 +37,8 @@ LEASE_POLL_S = 1.0
 class Reporter:
     """JSON-line events on stdout, one writer at a time."""
 
-    def __init__(self, out: Any = None) -> None:
-        self._out = out or sys.stdout
+    def __init__(self, out: Any) -> None:
+        self._out = out
         self._lock = threading.Lock()
 
     def __call__(self, event: str, **fields: Any) -> None:
@@ -79,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _wait_for_commands(server: Any, peer: NixlPeer, stdin: Any) -> None:
+def _wait_for_commands(server: Any, stdin: Any) -> None:
     """Serve until told to stop (or the agent goes away); `drain S` first lets readers finish."""
     for line in stdin:
         command, _, arg = line.strip().partition(" ")
@@ -107,12 +104,7 @@ def _watch_leases(server: Any, report: Reporter, stop: threading.Event) -> None:
 def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
     if args.world_size < 1 or not 0 <= args.rank < args.world_size:
         raise SystemExit(f"rank {args.rank} is outside a world of {args.world_size}")
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    api = client.ApiClient()
-    sources = ApiSources(api, args.namespace)
+    sources = ApiSources(kube_api(), args.namespace)
     spec = sources.replica(args.replica)["spec"]
     store = None
     if args.checkpoint_dir:
@@ -142,18 +134,15 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
         return 1
     finally:
         group.close()
-    timeout_s = TransferSettings.from_spec(spec.get("transfer") or {}).timeout_s
-    server = serve_resident(result.resident, peer, rank=args.rank, host=args.bind_address,
-                            transfer_timeout_s=timeout_s)  # fmt: skip
+    server, entry = serve_rank(result.resident, peer, rank=args.rank, host=args.bind_address, spec=spec)
     report(
         "serving", rank=args.rank, version=ctx.version, source=source_label(result), bytes=result.bytes_moved,
-        agentName=peer.name, grpcEndpoint=server.endpoint, tensorCount=result.resident.tensor_count,
-        manifestDigest=result.resident.digest, attempts=[a.to_status() for a in ctx.attempts],
+        entry=entry, attempts=[a.to_status() for a in ctx.attempts],
     )  # fmt: skip
     stop = threading.Event()
     threading.Thread(target=_watch_leases, args=(server, report, stop), daemon=True).start()
     try:
-        _wait_for_commands(server, peer, stdin)
+        _wait_for_commands(server, stdin)
     finally:
         stop.set()
         peer.deregister(result.resident)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client
+from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api.models import GROUP, VERSION
@@ -30,6 +30,7 @@ from ferry_agent.resident import ResidentWeights, spec_of
 from ferry_agent.s3_strategy import ObjectStorageStrategy
 from ferry_agent.sharding import rank_specs
 from ferry_agent.strategy import LoadContext, StrategyFailed
+from ferry_agent.worker_service import WorkerServer, serve_resident
 
 log = logging.getLogger(__name__)
 PLURAL = "weightreplicas"
@@ -70,6 +71,15 @@ class LocalFileStrategy:
 
     def rollback(self, ctx: LoadContext) -> None:
         """Nothing is held before `load` returns."""
+
+
+def kube_api() -> client.ApiClient:
+    """In a pod, its ServiceAccount; elsewhere $KUBECONFIG (the agent and its rank processes alike)."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
 
 
 def source_label(result: Any) -> str:
@@ -138,6 +148,19 @@ class ApiSources:
             return None  # the agent's own environment (instance role, env vars)
         data = client.CoreV1Api(self._api).read_namespaced_secret(secret, self.namespace).data
         return credentials_from_secret_data(data)
+
+
+def serve_rank(
+    resident: ResidentWeights, peer: NixlPeer, *, rank: int, host: str, spec: Mapping[str, Any]
+) -> tuple[WorkerServer, dict[str, Any]]:
+    """Publish a loaded rank as a P2P source: its worker service, and its `status.ranks[]` entry."""
+    timeout_s = TransferSettings.from_spec(spec.get("transfer") or {}).timeout_s
+    server = serve_resident(resident, peer, rank=rank, host=host, transfer_timeout_s=timeout_s)
+    entry = {
+        "rank": rank, "agentName": peer.name, "grpcEndpoint": server.endpoint, "metadataEndpoint": "",
+        "tensorCount": resident.tensor_count, "manifestDigest": resident.digest, "state": "Ready",
+    }  # fmt: skip
+    return server, entry
 
 
 def rank_device(device: str, rank: int) -> str:
