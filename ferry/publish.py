@@ -40,6 +40,7 @@ from ferry.api.models import (
     WeightVersion,
     WeightVersionPhase,
 )
+from ferry.kube import kube_client
 
 MiB, GiB = 1 << 20, 1 << 30
 DEFAULT_SHARD_BYTES = 4 * GiB  # as ModelExpress's full-checkpoint batches
@@ -492,18 +493,6 @@ def replay_base(client: Any, version: str, locate: Callable[[str], str]) -> Weig
 
 
 # ---------------------------------------------------------------- Kubernetes
-
-
-def kube_client(kubeconfig: str | None) -> Any:
-    from kubernetes import client, config
-
-    if kubeconfig:
-        return config.new_client_from_config(config_file=kubeconfig)
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
 
 
 @contextlib.contextmanager

@@ -24,10 +24,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ferry.kube import kube_client
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.ranks import TorchRankGroup
-from ferry_agent.replica_load import ApiSources, kube_api, load_rank, rank_context, serve_rank, source_label
+from ferry_agent.replica_load import ApiSources, load_rank, rank_context, serve_rank, source_label
 from ferry_agent.strategy import StrategyRecoveryError
 
 log = logging.getLogger("ferry.rank")
@@ -104,7 +105,7 @@ def _watch_leases(server: Any, report: Reporter, stop: threading.Event) -> None:
 def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
     if args.world_size < 1 or not 0 <= args.rank < args.world_size:
         raise SystemExit(f"rank {args.rank} is outside a world of {args.world_size}")
-    sources = ApiSources(kube_api(), args.namespace)
+    sources = ApiSources(kube_client(), args.namespace)
     spec = sources.replica(args.replica)["spec"]
     store = None
     if args.checkpoint_dir:

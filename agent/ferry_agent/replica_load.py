@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api.models import GROUP, VERSION
@@ -71,15 +71,6 @@ class LocalFileStrategy:
 
     def rollback(self, ctx: LoadContext) -> None:
         """Nothing is held before `load` returns."""
-
-
-def kube_api() -> client.ApiClient:
-    """In a pod, its ServiceAccount; elsewhere $KUBECONFIG (the agent and its rank processes alike)."""
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
 
 
 def source_label(result: Any) -> str:

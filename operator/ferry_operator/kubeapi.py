@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import functools
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api.models import GROUP, VERSION
+from ferry.kube import kube_client
 
 
 class NotFound(LookupError):
@@ -16,11 +17,7 @@ class NotFound(LookupError):
 
 @functools.cache
 def _api() -> client.ApiClient:
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
+    return kube_client()
 
 
 def read_secret_data(namespace: str, name: str) -> dict[str, str]:
