@@ -94,7 +94,13 @@ class RankAgreedStrategy(_Agreed):
             failure, outcome = StrategyFailed(f"{type(exc).__name__}: {exc}", mutated=False), "miss"
         self._held = result
         try:
-            agreed = agree_peer_outcome(self._group, outcome)  # type: ignore[arg-type]
+            agreed = agree_peer_outcome(
+                self._group,
+                outcome,
+                phase=f"{self.name}_outcome",
+                pinned=self._pinned,  # type: ignore[arg-type]
+                configured=self._configured,
+            )
         except StrategyRecoveryError as exc:
             local = f"; here (rank {ctx.rank}): {failure}" if failure else ""
             raise StrategyRecoveryError(f"{self.name} for {self._pinned!r}: {exc}{local}") from failure
@@ -207,7 +213,9 @@ def run_cold_start(
     if unknown:
         raise ValueError(f"unknown source(s) {unknown} in the source order; known: {list(DEFAULT_SOURCE_ORDER)}")
     # What this rank can use, in order: a rank lacking one (no checkpoint store) disagrees and so is fatal.
-    order = agree_source_order(group, [s for s in source_order if s in strategies])
+    order = agree_source_order(
+        group, [s for s in source_order if s in strategies], pinned=desired, configured=configured
+    )
     chain: list[LoadStrategy] = []
     for name in order:
         inner = strategies[name]

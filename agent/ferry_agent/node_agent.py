@@ -24,7 +24,7 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api.conditions import now_rfc3339
-from ferry.api.models import GROUP, VERSION
+from ferry.api.models import GROUP, VERSION, ReplicaReason
 from ferry_agent import metrics
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.nixl_transfer import NixlPeer
@@ -177,7 +177,8 @@ class NodeAgent:
                 self._unserve(key, status={"phase": "Loading", "message": f"releasing {old} to load {new}"},
                               keep_lease=True)  # fmt: skip
             elif failure is not None:  # a rank process died: the replica no longer holds the whole version
-                self._fail(key, wr["spec"]["version"], wr["metadata"].get("generation"), failure)
+                self._fail(key, wr["spec"]["version"], wr["metadata"].get("generation"), ReplicaReason.RANK_EXITED,
+                           failure)  # fmt: skip
                 self._unserve(key, drain_seconds=0)
         for key, wr in assigned.items():
             served = self._served.get(key)
@@ -207,7 +208,7 @@ class NodeAgent:
             {
                 "phase": "Loading", "version": version, "startedTime": _micro_now(), "completedTime": None,
                 "bytesDone": 0, "bytesTotal": None, "source": None, "attempts": [], "ranks": None,
-                "message": "", "observedGeneration": generation,
+                "reason": None, "message": "", "observedGeneration": generation,
             },
         )  # fmt: skip
 
@@ -228,7 +229,7 @@ class NodeAgent:
                 loaded = self._load_ranks(namespace, name, spec, progress, note)
         except LoadFailed as exc:  # the message names every strategy's (or rank's) failure
             metrics.LOADS.labels(source_kind="none", outcome="Failed").inc()
-            self._fail(key, version, generation, str(exc), exc.attempts)
+            self._fail(key, version, generation, ReplicaReason.LOAD_FAILED, str(exc), exc.attempts)
             return
         seconds = time.monotonic() - t0
         kind = metrics.source_kind(loaded.source)
@@ -300,7 +301,7 @@ class NodeAgent:
         entries = [e["entry"] for e in serving]
         return Loaded(ranks, source, sum(e["bytes"] for e in serving), serving[0]["attempts"], entries)
 
-    def _fail(self, key, version, generation, message, attempts=None) -> None:
+    def _fail(self, key, version, generation, reason: ReplicaReason, message, attempts=None) -> None:
         log.error("%s/%s failed to load %s: %s", *key, version, message)
         self._release_lease(key)
         previous = self._failed.get(key)
@@ -309,8 +310,8 @@ class NodeAgent:
         self._failed[key] = (version, tries, time.monotonic() + delay)
         self._patch_status(
             key,
-            {"phase": "Failed", "version": version, "message": message[:4096], "attempts": attempts or [],
-             "observedGeneration": generation},
+            {"phase": "Failed", "version": version, "reason": str(reason), "message": message[:4096],
+             "attempts": attempts or [], "observedGeneration": generation},
         )  # fmt: skip
 
     # ------------------------------------------------------------------ liveness

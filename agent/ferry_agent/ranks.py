@@ -8,6 +8,9 @@ chain stops everywhere instead of one rank falling back to another source while 
   A rank with nothing configured follows rank 0 (that is what the broadcast is for).
 - `agree_phase`: (phase, pinned, configured, result) must agree on every rank.
 - `agree_source_order`, `agree_peer_outcome`: uniform, and a peer outcome is loaded | miss on all ranks or fatal.
+
+Every collective carries its phase name (and, after the first, the pinned and configured versions), so ranks that
+are out of step fail instead of agreeing by accident on values that happen to be equal.
 - `s3_phases`: chain → local-leader prepare → all prepared → loaded → activated; one rank's failure in any
   phase is fatal for all, and every rank's exception carries the failing ranks' error text.
 
@@ -31,6 +34,8 @@ log = logging.getLogger(__name__)
 PeerOutcome = Literal["loaded", "miss", "fatal"]
 PEER_OUTCOMES: tuple[str, ...] = ("loaded", "miss", "fatal")
 DEFAULT_TIMEOUT = dt.timedelta(minutes=5)
+DESIRED_VERSION_PHASE = "desired_version"
+SOURCE_ORDER_PHASE = "source_order"
 
 
 @runtime_checkable
@@ -159,11 +164,17 @@ def agree_desired_version(group: RankGroup, configured: str | None) -> str | Non
     """Rank 0's desired version, on every rank. None (nothing configured on rank 0) means only the
     version-agnostic load path may run."""
     configured = configured or None  # an empty variable is "not set"
-    desired = group.broadcast_object(configured, src=0)
+    # Tagged with the phase, like every later collective: a rank out of step never reads another's payload as this.
+    announced = group.broadcast_object((DESIRED_VERSION_PHASE, configured), src=0)
+    if not (isinstance(announced, tuple) and len(announced) == 2 and announced[0] == DESIRED_VERSION_PHASE):
+        raise StrategyRecoveryError(f"rank 0 broadcast {announced!r} instead of its desired version")
+    desired = announced[1]
     if desired is not None and not isinstance(desired, str):
         raise StrategyRecoveryError(f"rank 0 broadcast a desired version of type {type(desired).__name__}")
-    gathered = group.all_gather_object(configured)
-    conflicts = _conflicts(desired, gathered)
+    states = group.all_gather_object((DESIRED_VERSION_PHASE, configured))
+    if any(not (isinstance(s, tuple) and len(s) == 2 and s[0] == DESIRED_VERSION_PHASE) for s in states):
+        raise StrategyRecoveryError(f"phase disagreement during {DESIRED_VERSION_PHASE}: {_ranks(states)}")
+    conflicts = _conflicts(desired, [s[1] for s in states])
     if conflicts:
         others = ", ".join(f"rank {r} is configured with {c!r}" for r, c in conflicts)
         raise StrategyRecoveryError(
@@ -204,21 +215,26 @@ def agree_phase(group: RankGroup, phase: str, *, pinned: str | None, configured:
     return results[0]
 
 
-def agree_source_order(group: RankGroup, order: Sequence[str]) -> tuple[str, ...]:
+def agree_source_order(
+    group: RankGroup, order: Sequence[str], *, pinned: str | None, configured: str | None
+) -> tuple[str, ...]:
     """The source order, which must be the same on every rank (a rank trying S3 while another waits on a peer
     would deadlock the later collectives)."""
-    orders = group.all_gather_object(tuple(order))
+    orders = _gather_phase(group, SOURCE_ORDER_PHASE, pinned, configured, tuple(order))
     if any(o != orders[0] for o in orders):
         raise StrategyRecoveryError(f"source order disagreement: {_ranks(orders)}")
     return orders[0]
 
 
-def agree_peer_outcome(group: RankGroup, outcome: PeerOutcome) -> PeerOutcome:
+def agree_peer_outcome(
+    group: RankGroup, outcome: PeerOutcome, *, phase: str, pinned: str | None, configured: str | None
+) -> PeerOutcome:
     """`loaded` or `miss` when every rank got it; mixed outcomes or any `fatal` → StrategyRecoveryError. A mixed
-    loaded/miss is fatal because the loaded ranks hold a version the others would fetch from elsewhere."""
+    loaded/miss is fatal because the loaded ranks hold a version the others would fetch from elsewhere. `phase`
+    names the strategy (`Peer_outcome`), so ranks one source apart never agree on each other's outcome."""
     if outcome not in PEER_OUTCOMES:
         raise ValueError(f"peer outcome {outcome!r} is not one of {PEER_OUTCOMES}")
-    outcomes = group.all_gather_object(outcome)
+    outcomes = _gather_phase(group, phase, pinned, configured, outcome)
     fatal = [r for r, o in enumerate(outcomes) if o == "fatal"]
     if fatal:
         raise StrategyRecoveryError(f"peer load was fatal on rank(s) {fatal}: {_ranks(outcomes)}")

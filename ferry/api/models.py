@@ -19,6 +19,11 @@ HTTP_ENDPOINT = r"^https?://[^\s/]+(:[0-9]+)?/?$"
 CONDITION_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 
 ObjectName = Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
+# Label keys and values as Kubernetes validates them: [prefix/]name, prefix a DNS subdomain of at most 253
+# characters, name and value at most 63 alphanumerics with -_. inside (a value may be empty).
+LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+LABEL_KEY = rf"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?{LABEL_NAME}$"
+LabelValue = Annotated[str, Field(max_length=63, pattern=rf"^({LABEL_NAME})?$")]
 
 
 class _Model(BaseModel):
@@ -201,7 +206,20 @@ class WeightVersion(_Model):
 class ModelLoadSpec(_Model):
     modelName: str = Field(min_length=1, max_length=253)
     desiredVersion: ObjectName = Field(description="Name of the WeightVersion to make resident.")
-    nodeSelector: dict[str, str] = Field(default_factory=dict)
+    nodeSelector: dict[str, LabelValue] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Node labels a node must carry to hold a replica (keys and values are validated as labels).",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.all(k, k.matches('{LABEL_KEY}') && (!k.contains('/') || k.indexOf('/') <= 253))",
+                    "message": "every nodeSelector key must be a valid label key ([prefix/]name)",
+                    "reason": "FieldValueInvalid",
+                }
+            ]
+        },
+    )
     replicas: int = Field(default=1, ge=0, le=4096)
     ranksPerReplica: int = Field(
         default=1,
@@ -288,6 +306,13 @@ class ReplicaPhase(StrEnum):
     STALE = "Stale"
 
 
+class ReplicaReason(StrEnum):
+    """Why a WeightReplica is Failed (`status.reason`); empty in every other phase."""
+
+    LOAD_FAILED = "LoadFailed"  # every source of the chain failed; `message` names each failure
+    RANK_EXITED = "RankExited"  # a rank process of a loaded replica died; the agent reloads it
+
+
 class AttemptOutcome(StrEnum):
     LOADED = "Loaded"
     FAILED = "Failed"
@@ -334,6 +359,7 @@ class WeightReplicaStatus(_Model):
         ),
     ]
     activeLeases: int | None = Field(default=None, ge=0)
+    reason: ReplicaReason | None = Field(default=None, description="Why the replica is Failed (CamelCase).")
     message: str | None = Field(default=None, max_length=4096)
     conditions: Conditions
     observedGeneration: int | None = Field(default=None, ge=0)

@@ -37,6 +37,7 @@ from ferry_operator.modelloads import (
     plan_replicas,
     serves,
     stale_replicas,
+    version_problem,
 )
 from ferry_operator.versions import (
     READY,
@@ -307,15 +308,6 @@ def _emit_transitions(body: kopf.Body, before: list, after: list) -> None:
             _announce(body, c["type"], c["status"], c["reason"], c["message"], warning=warning)
 
 
-def _version_problem(version_index: kopf.Index, namespace: str, version: str) -> str | None:
-    view = _lookup(version_index, namespace)(version)
-    if view is None:
-        return f"WeightVersion {version} does not exist"
-    if not view.ready:
-        return f"WeightVersion {version} is not Ready (see `kubectl describe wv {version}`)"
-    return None
-
-
 async def _reconcile_modelload(
     namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
     node_index: kopf.Index, replica_index: kopf.Index, replica_lease_index: kopf.Index, version_index: kopf.Index,
@@ -333,7 +325,8 @@ async def _reconcile_modelload(
         for r in store
         if serves(r, desired)
     }  # fmt: skip
-    plan = plan_replicas(model_load, replicas, nodes, holders)
+    problem = version_problem(body["spec"], _lookup(version_index, namespace)(desired))
+    plan = plan_replicas(model_load, replicas, nodes, holders, placeable=problem is None)
     for wr in plan.create:
         await asyncio.to_thread(kubeapi.create_replica, wr)
         kopf.info(body, reason="ReplicaCreated", message=f"{wr['metadata']['name']} on {wr['spec']['nodeName']}")
@@ -355,7 +348,7 @@ async def _reconcile_modelload(
     matching = sum(1 for n in nodes if node_matches(n, body["spec"].get("nodeSelector") or {}))
     status = aggregate_status(
         model_load, replicas, leases, nodes_available=matching, now=now, now_text=now_rfc3339(),
-        version_problem=_version_problem(version_index, namespace, desired),
+        problem=problem,
     )  # fmt: skip
     current_status = body.get("status") or {}
     if any(current_status.get(k) != v for k, v in status.items()):

@@ -21,8 +21,37 @@ from ferry.api.models import (
     LABEL_VERSION,
     replica_lease_name,
 )
+from ferry.chain import VersionView
 
 READY, PROGRESSING, DEGRADED, PEER_STALLED = "Ready", "Progressing", "Degraded", "PeerStalled"
+# Ready=False reasons for a desired version that cannot be placed: nothing is created or rolled out meanwhile.
+VERSION_NOT_FOUND, VERSION_NOT_READY, MODEL_MISMATCH = "VersionNotFound", "VersionNotReady", "ModelMismatch"
+
+
+@dataclass(frozen=True)
+class VersionProblem:
+    """Why the desired WeightVersion cannot be placed (yet): a Ready=False reason and its message."""
+
+    reason: str
+    message: str
+
+
+def version_problem(spec: Mapping[str, Any], version: VersionView | None) -> VersionProblem | None:
+    """None when the desired version exists, is Ready and is of the ModelLoad's model."""
+    desired = spec["desiredVersion"]
+    if version is None:
+        return VersionProblem(VERSION_NOT_FOUND, f"WeightVersion {desired} does not exist")
+    if version.model_name != spec["modelName"]:
+        return VersionProblem(
+            MODEL_MISMATCH,
+            f"WeightVersion {desired} is of model {version.model_name!r}, but this ModelLoad serves "
+            f"{spec['modelName']!r}; no replica is created",
+        )
+    if not version.ready:
+        return VersionProblem(
+            VERSION_NOT_READY, f"WeightVersion {desired} is not Ready (see `kubectl describe wv {desired}`)"
+        )
+    return None
 
 
 # ---------------------------------------------------------------- scheduling
@@ -121,15 +150,20 @@ def plan_replicas(
     replicas: Iterable[Mapping[str, Any]],
     nodes: Iterable[Mapping[str, Any]],
     holders: Iterable[str],
+    *,
+    placeable: bool = True,
 ) -> ReplicaPlan:
     """What to create, delete and move to the desired version. A version change rolls one replica at a time,
-    so the others keep serving (and stay peer sources) until the new version is loaded somewhere."""
+    so the others keep serving (and stay peer sources) until the new version is loaded somewhere. While the
+    desired version is not `placeable` (missing, not Ready, another model's) nothing is created or moved to it."""
     desired = modelload["spec"]["desiredVersion"]
     replicas = [r for r in replicas if not r["metadata"].get("deletionTimestamp")]
     by_node = {r["spec"]["nodeName"]: r for r in replicas}
     chosen = choose_nodes(modelload["spec"], nodes, list(by_node), holders, salt=modelload["metadata"]["name"])
     plan = ReplicaPlan()
     plan.delete = sorted(r["metadata"]["name"] for node, r in by_node.items() if node not in chosen)
+    if not placeable:
+        return plan
     # Created in name order: an agent that sees its replica also sees every smaller-named one, so all agree on
     # which cold replica reads S3 first (ferry_agent.registry.first_loader).
     plan.create = sorted(
@@ -235,7 +269,7 @@ def aggregate_status(
     leases: Mapping[str, Mapping[str, Any]],
     *,
     nodes_available: int,
-    version_problem: str | None = None,
+    problem: VersionProblem | None = None,
     now: dt.datetime,
     now_text: str,
 ) -> dict[str, Any]:
@@ -261,8 +295,8 @@ def aggregate_status(
     all_ready = len(ready) >= wanted and not behind
     if all_ready:
         put(READY, True, "AllReplicasReady", f"{len(ready)}/{wanted} replicas serve {desired}")
-    elif version_problem:
-        put(READY, False, "VersionNotReady", version_problem)
+    elif problem:
+        put(READY, False, problem.reason, problem.message)
     elif wanted > nodes_available:
         put(READY, False, "InsufficientNodes",
             f"{wanted} replicas requested but only {nodes_available} nodes match spec.nodeSelector")  # fmt: skip

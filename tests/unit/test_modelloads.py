@@ -7,7 +7,15 @@ import datetime as dt
 import pytest
 
 from ferry.api.models import replica_lease_name
-from ferry_operator.modelloads import aggregate_status, choose_nodes, plan_replicas, replica_name, stalled_replicas
+from ferry.chain import VersionView
+from ferry_operator.modelloads import (
+    aggregate_status,
+    choose_nodes,
+    plan_replicas,
+    replica_name,
+    stalled_replicas,
+    version_problem,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -138,3 +146,29 @@ def test_not_enough_nodes_is_explained():
 def test_replica_names_are_dns_safe():
     long = replica_name("m" * 40, "node-" + "x" * 60)
     assert len(long) <= 63 and long == long.lower()
+
+
+def view(name="v2", model="m", ready=True):
+    return VersionView(name, model, "FullCheckpoint", None, None, ready, False, True)
+
+
+@pytest.mark.parametrize(
+    ("version", "reason"),
+    [(None, "VersionNotFound"), (view(ready=False), "VersionNotReady"), (view(model="other"), "ModelMismatch")],
+)
+def test_an_unplaceable_version_creates_and_moves_nothing(version, reason):
+    spec = ml()["spec"]
+    problem = version_problem(spec, version)
+    assert problem is not None and problem.reason == reason and "v2" in problem.message
+    nodes = [node("a"), node("b"), node("c")]
+    fresh = plan_replicas(ml(), [], nodes, [], placeable=False)
+    assert fresh.create == [] and fresh.retarget == []
+    old = [wr("a", "v1"), wr("b", "v1")]
+    rolling = plan_replicas(ml(replicas=2), old, nodes, [], placeable=False)
+    assert rolling.create == [] and rolling.retarget == [] and rolling.delete == []
+    status = aggregate_status(ml(), [], {}, nodes_available=3, problem=problem, now=NOW, now_text=ts(0))
+    assert conds(status)["Ready"]["reason"] == reason and status["phase"] == "Pending"
+
+
+def test_a_ready_version_of_the_model_is_placeable():
+    assert version_problem(ml()["spec"], view()) is None

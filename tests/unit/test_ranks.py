@@ -43,9 +43,9 @@ def _steps(calls: list[tuple[str, float]], fail: dict[str, str] | None = None) -
 def _agree_everything(group: TorchRankGroup) -> Any:
     configured = {0: "v3", 1: None, 2: "v3"}[group.rank]  # rank 1 configures nothing and follows rank 0
     desired = agree_desired_version(group, configured)
-    order = agree_source_order(group, ["Peer", "ObjectStorage"])
+    order = agree_source_order(group, ["Peer", "ObjectStorage"], pinned=desired, configured=configured)
     available = agree_phase(group, "s3_available", pinned=desired, configured=configured, result=True)
-    outcome = agree_peer_outcome(group, "miss")
+    outcome = agree_peer_outcome(group, "miss", phase="Peer_outcome", pinned=desired, configured=configured)
     calls: list[tuple[str, float]] = []
     chain = s3_phases(group, _steps(calls), pinned=desired, configured=configured)
     return desired, order, available, outcome, chain, calls
@@ -96,10 +96,10 @@ def _peer_outcomes(group: TorchRankGroup) -> Any:
     messages = []
     for outcomes in (("loaded", "miss", "loaded"), ("miss", "miss", "fatal")):
         try:
-            agree_peer_outcome(group, outcomes[group.rank])
+            agree_peer_outcome(group, outcomes[group.rank], phase="Peer_outcome", pinned="v1", configured="v1")
         except StrategyRecoveryError as exc:
             messages.append(str(exc))
-    return messages, agree_peer_outcome(group, "loaded")
+    return messages, agree_peer_outcome(group, "loaded", phase="Peer_outcome", pinned="v1", configured="v1")
 
 
 def test_mixed_peer_outcomes_are_fatal_on_every_rank(tmp_path: Path) -> None:
@@ -117,7 +117,9 @@ def _phase_disagreements(group: TorchRankGroup) -> Any:
     attempts: list[Callable[[], Any]] = [
         lambda: agree_phase(group, "s3_available", pinned="v1", configured="v1", result=group.rank == 0),
         lambda: agree_phase(group, f"phase{group.rank}", pinned="v1", configured=None, result=True),
-        lambda: agree_source_order(group, ["Peer", "ObjectStorage"][:: 1 if group.rank else -1]),
+        lambda: agree_source_order(
+            group, ["Peer", "ObjectStorage"][:: 1 if group.rank else -1], pinned="v1", configured=None
+        ),
     ]
     for attempt in attempts:
         try:
@@ -141,6 +143,60 @@ def test_phase_and_order_disagreement_are_fatal_on_every_rank(tmp_path: Path) ->
             messages[2]
             == "source order disagreement: rank 0: ('ObjectStorage', 'Peer'); rank 1: ('Peer', 'ObjectStorage')"
         )
+
+
+def _out_of_step(group: TorchRankGroup) -> Any:
+    """Rank 1 skipped the Peer source: both ranks report "miss", but for different strategies, and rank 1 is
+    configured with another version than the one pinned; each collective must refuse instead of agreeing."""
+    messages = []
+    attempts: list[Callable[[], Any]] = [
+        lambda: agree_peer_outcome(
+            group, "miss", phase=("Peer_outcome", "LocalFile_outcome")[group.rank], pinned="v1", configured="v1"
+        ),
+        lambda: agree_peer_outcome(
+            group, "miss", phase="Peer_outcome", pinned="v1", configured=("v1", "v2")[group.rank]
+        ),
+        lambda: agree_source_order(group, ["Peer"], pinned=("v1", "v2")[group.rank], configured=None),
+        # A rank still in the source-order step meets one already reporting an outcome.
+        lambda: (
+            agree_source_order(group, ["Peer"], pinned="v1", configured="v1")
+            if group.rank == 0
+            else agree_peer_outcome(group, "miss", phase="Peer_outcome", pinned="v1", configured="v1")
+        ),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+            messages.append("agreed")
+        except StrategyRecoveryError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_out_of_step_ranks_never_agree_by_accident(tmp_path: Path) -> None:
+    results = spawn(tmp_path, 2, _out_of_step)
+    for status, messages in results:
+        assert status == "ok", results
+        assert messages[0].startswith("phase disagreement during "), messages
+        assert "LocalFile_outcome" in messages[0] and "Peer_outcome" in messages[0]
+        assert messages[1].startswith("desired-version disagreement during Peer_outcome"), messages
+        assert messages[2].startswith("desired-version disagreement during source_order"), messages
+        assert messages[3].startswith("phase disagreement during "), messages
+
+
+def _desired_meets_other_collective(group: TorchRankGroup) -> Any:
+    # Rank 1 is already in a later step; its payload must not be read as a desired version.
+    if group.rank == 0:
+        return agree_desired_version(group, "v1")
+    announced = group.broadcast_object("v1", src=0)
+    group.all_gather_object("v1")
+    return announced
+
+
+def test_desired_version_broadcast_is_tagged(tmp_path: Path) -> None:
+    results = spawn(tmp_path, 2, _desired_meets_other_collective)
+    assert results[0][0] == "fatal", results
+    assert "phase disagreement during desired_version" in results[0][1]
 
 
 def _s3_follower_fails(group: TorchRankGroup) -> Any:
