@@ -212,3 +212,28 @@ def test_kubectl_get_shows_the_columns(cluster, namespace):
     assert "REASON" in wide
     everything = cluster.kubectl("get", "ferry", "-n", namespace).stdout
     assert "weightversion.ferry.dev/llama-tiny-v1" in everything
+
+
+@pytest.mark.parametrize(
+    ("selector", "accepted"),
+    [
+        ({"ferry.dev/pool": "a", "gpu": "", "example.com/x_y.z": "A-1"}, True),
+        ({"in valid key!": "x"}, False),
+        ({"/name": "x"}, False),
+        ({"a/b/c": "x"}, False),
+        ({"k" * 64: "x"}, False),
+        ({"gpu": "not valid!"}, False),
+        ({"gpu": "v" * 64}, False),
+    ],
+)
+def test_node_selector_keys_and_values_are_labels(cluster, namespace, selector, accepted):
+    body = {
+        "apiVersion": models.API_VERSION,
+        "kind": "ModelLoad",
+        "metadata": {"name": "selector"},
+        "spec": {"modelName": "m", "desiredVersion": "v1", "nodeSelector": selector},
+    }
+    result = apply(cluster, namespace, body, check=False)
+    assert (result.returncode == 0) == accepted, result.stderr
+    if not accepted:
+        assert "nodeSelector" in result.stderr, result.stderr

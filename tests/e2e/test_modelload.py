@@ -11,7 +11,7 @@ import pytest
 import torch
 from agentutil import node, start_agent
 from safetensors.torch import save_file
-from wvutil import condition, get, wait_for
+from wvutil import apply, condition, get, wait_for, wv_body
 
 from ferry.api.models import API_VERSION
 
@@ -53,7 +53,8 @@ def test_modelload_lifecycle(cluster, namespace, operator, tmp_path):
         return json.dumps(ml_status(cluster, namespace), indent=1) + "".join(a.log_tail(15) for a in agents.values())
 
     try:
-        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(modelload(namespace, 3)))
+        # The seed holds a PeerOnly version: nothing in S3, served from memory once one node has it.
+        apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"), modelload(namespace, 3))
         wait_for(lambda: ml_status(cluster, namespace).get("ready") == "3/3", 90, "3/3 ready", describe)
         status = ml_status(cluster, namespace)
         assert status["loadedVersion"] == "v1" and status["phase"] == "Ready"

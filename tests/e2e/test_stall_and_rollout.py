@@ -12,7 +12,7 @@ import pytest
 import torch
 from agentutil import content_sha256, node, read_back, start_agent
 from safetensors.torch import save_file
-from wvutil import condition, get, wait_for
+from wvutil import condition, get, wait_for, wv_body
 
 from ferry.api.models import API_VERSION
 from ferry_agent.registry import source_candidates
@@ -42,6 +42,12 @@ def modelload(namespace: str, replicas: int, version: str, **transfer) -> dict:
 
 def apply(cluster, namespace, body):
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+
+
+def peer_only(cluster, namespace, *versions):
+    """The seeds hold PeerOnly versions: nothing in S3, served from memory once one node has them."""
+    for version in versions:
+        apply(cluster, namespace, wv_body(namespace, version, fmt="PeerOnly"))
 
 
 def ml_status(cluster, namespace) -> dict:
@@ -77,6 +83,7 @@ def test_wedged_source_is_reported_and_the_target_completes_elsewhere(cluster, n
         return json.dumps(ml_status(cluster, namespace), indent=1) + "".join(a.log_tail(10) for a in agents.values())
 
     try:
+        peer_only(cluster, namespace, "v1")
         apply(cluster, namespace, modelload(namespace, 2, "v1"))
         wait_for(lambda: ml_status(cluster, namespace).get("ready") == "2/2", 60, "2/2", describe)
         serving = replicas(cluster, namespace)
@@ -133,6 +140,7 @@ def test_operator_restart_mid_rollout_converges(cluster, namespace, operator, tm
         return json.dumps(ml_status(cluster, namespace), indent=1) + operator.process.log_tail(20)
 
     try:
+        peer_only(cluster, namespace, "v1", "v2")
         apply(cluster, namespace, modelload(namespace, 3, "v1"))
         wait_for(lambda: ml_status(cluster, namespace).get("ready") == "3/3", 60, "3/3 on v1", describe)
         # Freeze the agent of the replica the rollout moves first, so the rollout is provably mid-way.
