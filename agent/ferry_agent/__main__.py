@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ferry.kube import kube_client
 from ferry_agent import metrics
+from ferry_agent.apiretry import bound_requests
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.node_agent import NodeAgent
 from ferry_agent.registry import DEFAULT_LEASE_SECONDS
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.node:
         parser.error("--node (or NODE_NAME) is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    api = kube_client()
+    api = bound_requests(kube_client())
     if args.metrics_port >= 0:
         port = metrics.serve(args.bind_address, args.metrics_port)
         logging.getLogger("ferry.agent").info("metrics on http://%s:%d/metrics", args.bind_address, port)

@@ -3,9 +3,11 @@
 For each WeightReplica with `spec.nodeName` == this node it runs the desired-version cold start
 (`replica_load.load_rank`: the source order, Peer then ObjectStorage by default, then a local seed checkpoint
 when one is configured for that version), publishes every loaded rank as a P2P source in `status.ranks[]`,
-and keeps a coordination Lease alive. A one-rank replica loads in this process; a replica of N ranks runs one
-`rank_worker` process per rank (`rank_group.RankProcesses`), which agree through a gloo group. The agent writes
-only the WeightReplica `/status` and its Leases.
+and keeps a coordination Lease alive (recreating it if it is deleted). A one-rank replica loads in this process;
+a replica of N ranks runs one `rank_worker` process per rank (`rank_group.RankProcesses`), which agree through a
+gloo group. An unreachable or failing apiserver costs nothing held: loaded replicas keep serving, status patches
+are kept and written when it answers again (`apiretry.StatusOutbox`), and every loop retries with capped
+backoff. The agent writes only the WeightReplica `/status` and its Leases.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kubernetes.client.exceptions import ApiException
 from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION, ReplicaReason
 from ferry_agent import metrics
+from ferry_agent.apiretry import REQUEST_TIMEOUT_S, Backoff, StatusOutbox, describe, is_transient
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import Progress, TransferSettings
@@ -82,7 +85,16 @@ class Loaded:
 class Served:
     version: str
     handle: InProcessReplica | RankProcesses
+    status: dict[str, Any]  # the Serving status it was published with, re-asserted if the object says otherwise
     published_leases: int = 0
+
+
+@dataclass
+class Renewal:
+    """A Lease this agent renews: `stop` ends the renewals; `lock` keeps a renewal and the deletion apart."""
+
+    stop: threading.Event
+    lock: threading.Lock
 
 
 class NodeAgent:
@@ -120,7 +132,8 @@ class NodeAgent:
         # Bound on each collective of a multi-rank replica. Followers wait in one while their leader downloads and
         # replays the whole chain, so it is long; a rank that dies is noticed at once by its exit, not by this.
         self._rank_timeout_s = rank_timeout_s
-        self._renewing: dict[tuple[str, str], threading.Event] = {}  # replicas whose Lease this agent renews
+        self._renewing: dict[tuple[str, str], Renewal] = {}  # replicas whose Lease this agent renews
+        self._status = StatusOutbox(self._write_status)
         self._stopping = threading.Event()
         self._wake = threading.Event()
 
@@ -129,14 +142,24 @@ class NodeAgent:
     def run(self) -> None:
         log.info("agent %s serving node %s", self.agent_name, self.node)
         threading.Thread(target=self._watch, name="ferry-watch", daemon=True).start()
+        backoff = Backoff()
         while not self._stopping.is_set():
             self._wake.clear()
+            # A watch event wakes us at once; the timeout is the resync (retry backoffs, lease counts).
+            wait = self._poll_seconds
             try:
                 self.reconcile_once()
-            except ApiException as exc:
-                log.warning("API error, retrying: %s %s", exc.status, exc.reason)
-            # A watch event wakes us at once; the timeout is the resync (retry backoffs, lease counts).
-            self._wake.wait(self._poll_seconds)
+                backoff.reset()
+            except Exception as exc:  # whatever the apiserver (or the network) does, what is served stays served
+                wait = backoff.next()
+                if is_transient(exc):
+                    log.warning("reconcile failed (%s); retrying in %.1fs", describe(exc), wait)
+                else:
+                    log.exception("reconcile failed; retrying in %.1fs", wait)
+            unwritten = self._status.next_try_in()
+            if unwritten is not None:
+                wait = min(wait, max(0.1, unwritten))
+            self._wake.wait(wait)
         self.shutdown()
 
     def stop(self) -> None:
@@ -144,21 +167,27 @@ class NodeAgent:
         self._wake.set()
 
     def _watch(self) -> None:
-        """Wake the loop on any change to this node's WeightReplicas."""
+        """Wake the loop on any change to this node's WeightReplicas. Each (re)started watch lists first, so the
+        loop also wakes when the apiserver is back after an outage."""
+        backoff = Backoff()
         while not self._stopping.is_set():
             try:
                 for _event in watch.Watch().stream(
                     self._objects.list_cluster_custom_object, GROUP, VERSION, PLURAL,
                     label_selector=f"{LABEL_NODE}={self.node}", timeout_seconds=300,
+                    _request_timeout=(REQUEST_TIMEOUT_S[0], 330),
                 ):  # fmt: skip
+                    backoff.reset()
                     self._wake.set()
                     if self._stopping.is_set():
                         return
-            except Exception as exc:  # a dropped watch only delays us to the next resync
-                log.debug("watch ended: %s", exc)
-                self._stopping.wait(1.0)
+            except Exception as exc:  # a dropped watch (410 Gone included) only delays us to the next resync
+                delay = backoff.next()
+                log.debug("watch ended (%s); again in %.1fs", describe(exc), delay)
+                self._stopping.wait(delay)
 
     def reconcile_once(self) -> None:
+        self._status.flush()
         listed = self._objects.list_cluster_custom_object(
             GROUP, VERSION, PLURAL, label_selector=f"{LABEL_NODE}={self.node}"
         )
@@ -183,6 +212,7 @@ class NodeAgent:
         for key, wr in assigned.items():
             served = self._served.get(key)
             if served is not None:
+                self._assert_serving(key, served, wr)
                 self._publish_lease_count(key, served)
             elif self._may_try(key, wr["spec"]["version"]):
                 self._load(key, wr)
@@ -195,8 +225,23 @@ class NodeAgent:
     # ------------------------------------------------------------------ loading
 
     def _patch_status(self, key: tuple[str, str], status: dict[str, Any]) -> None:
+        """Never raises: what the apiserver does not take now is written by a later pass (in order)."""
+        self._status.patch(key, status)
+
+    def _write_status(self, key: tuple[str, str], status: dict[str, Any]) -> None:
         namespace, name = key
         self._objects.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": status})
+
+    def _assert_serving(self, key: tuple[str, str], served: Served, wr: Mapping[str, Any]) -> None:
+        """The agent owns the phase: a served replica whose object says otherwise (a write lost to an outage, an
+        older operator's `Stale`) is published again, without reloading anything."""
+        status = wr.get("status") or {}
+        if self._status.pending(key) or (status.get("phase"), status.get("version")) == ("Serving", served.version):
+            return
+        log.info("%s/%s: status says %s %s, but %s is served; publishing it again", *key, status.get("phase"),
+                 status.get("version"), served.version)  # fmt: skip
+        served.published_leases = served.handle.active_leases()
+        self._patch_status(key, {**served.status, "activeLeases": served.published_leases})
 
     def _load(self, key: tuple[str, str], wr: dict[str, Any]) -> None:
         namespace, name = key
@@ -236,24 +281,19 @@ class NodeAgent:
         metrics.LOADS.labels(source_kind=kind, outcome="Loaded").inc()
         metrics.BYTES.labels(source_kind=kind).inc(loaded.bytes_moved)
         metrics.LOAD_SECONDS.labels(source_kind=kind).observe(seconds)
-        self._served[key] = Served(version, loaded.handle)
-        self._failed.pop(key, None)
         on_ranks = f" on {len(loaded.ranks)} ranks" if len(loaded.ranks) > 1 else ""
-        try:
-            self._hold_lease(key)
-            self._patch_status(
-                key,
-                {
-                    "phase": "Serving", "source": loaded.source, "bytesDone": loaded.bytes_moved,
-                    "bytesTotal": loaded.bytes_moved, "completedTime": _micro_now(), "lastProgressTime": _micro_now(),
-                    "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks,
-                    "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
-                },
-            )  # fmt: skip
-        except ApiException:
-            # Unpublished weights serve nobody and would never be retried: release them and load again next pass.
-            self._unserve(key, drain_seconds=0)
-            raise
+        status = {
+            "phase": "Serving", "version": version, "source": loaded.source, "bytesDone": loaded.bytes_moved,
+            "bytesTotal": loaded.bytes_moved, "completedTime": _micro_now(), "lastProgressTime": _micro_now(),
+            "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks, "reason": None,
+            "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
+        }  # fmt: skip
+        self._served[key] = Served(version, loaded.handle, status)
+        self._failed.pop(key, None)
+        # Lease first, so nobody sees Serving without a live Lease. Neither write failing unloads anything: the
+        # renewals retry the Lease and the outbox the status, until the apiserver takes them.
+        self._hold_lease(key)
+        self._patch_status(key, status)
         log.info("%s/%s serving %s (%d bytes from %s in %.2fs%s)", namespace, name, version, loaded.bytes_moved,
                  loaded.source, seconds, on_ranks)  # fmt: skip
 
@@ -317,43 +357,64 @@ class NodeAgent:
     # ------------------------------------------------------------------ liveness
 
     def _hold_lease(self, key: tuple[str, str]) -> None:
-        """(Re)write the replica's Lease and keep renewing it until `_release_lease`."""
-        namespace, name = key
-        body = lease_body(name, self.agent_name, _micro_now(), self._lease_seconds)
+        """Take the replica's Lease (this agent holds it from now on) and keep renewing it until `_release_lease`."""
+        renewal = self._renewing.get(key)
+        if renewal is None:  # else kept across a version change: already renewed
+            renewal = self._renewing[key] = Renewal(threading.Event(), threading.Lock())
+            threading.Thread(target=self._renew_lease, args=(key, renewal), daemon=True).start()
         try:
-            self._leases.create_namespaced_lease(namespace, body)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-            # Kept across a version change: take it over as it is (a replace would need its resourceVersion).
-            self._leases.patch_namespaced_lease(lease_name(name), namespace, {"spec": body["spec"]})
-        if key not in self._renewing:
-            self._renewing[key] = threading.Event()
-            threading.Thread(target=self._renew_lease, args=(key, self._renewing[key]), daemon=True).start()
+            with renewal.lock:
+                self._write_lease(key, acquire=True)
+        except Exception as exc:
+            log.warning("taking the Lease of %s/%s failed (%s); the renewals retry", *key, describe(exc))
 
-    def _release_lease(self, key: tuple[str, str]) -> None:
-        renewing = self._renewing.pop(key, None)
-        if renewing is None:
-            return
-        renewing.set()
+    def _write_lease(self, key: tuple[str, str], *, acquire: bool) -> None:
         namespace, name = key
+        now = _micro_now()
+        body = lease_body(name, self.agent_name, now, self._lease_seconds)
+        # Acquiring takes over a Lease left by an earlier agent (or kept across a version change) as it is: a
+        # replace would need its resourceVersion.
+        spec = body["spec"] if acquire else {"renewTime": now, "holderIdentity": self.agent_name}
         try:
-            self._leases.delete_namespaced_lease(lease_name(name), namespace)
+            self._leases.patch_namespaced_lease(lease_name(name), namespace, {"spec": spec})
         except ApiException as exc:
             if exc.status != 404:
                 raise
+            # None yet, or deleted (by hand, by a cleanup) while this agent still serves the replica.
+            self._leases.create_namespaced_lease(namespace, body)
+            if not acquire:
+                log.warning("the Lease of %s/%s was gone; recreated it", namespace, name)
 
-    def _renew_lease(self, key: tuple[str, str], stop: threading.Event) -> None:
+    def _release_lease(self, key: tuple[str, str]) -> None:
+        renewal = self._renewing.pop(key, None)
+        if renewal is None:
+            return
+        renewal.stop.set()
         namespace, name = key
-        while not stop.wait(self._lease_seconds / 3):
+        with renewal.lock:  # after any renewal in flight, which could otherwise recreate it
             try:
-                self._leases.patch_namespaced_lease(
-                    lease_name(name),
-                    namespace,
-                    {"spec": {"renewTime": _micro_now(), "holderIdentity": self.agent_name}},
-                )
-            except ApiException as exc:
-                log.warning("lease renewal for %s/%s failed: %s", namespace, name, exc.reason)
+                self._leases.delete_namespaced_lease(lease_name(name), namespace)
+            except Exception as exc:
+                if not (isinstance(exc, ApiException) and exc.status == 404):
+                    log.warning("deleting the Lease of %s/%s failed (%s); it expires", namespace, name, describe(exc))
+
+    def _renew_lease(self, key: tuple[str, str], renewal: Renewal) -> None:
+        """Every third of the lease duration; after a failure sooner (backoff capped at that third), so a Lease
+        that expired while the apiserver was away is live again as soon as it answers."""
+        period = self._lease_seconds / 3
+        backoff = Backoff(initial=min(0.5, period), cap=period)
+        delay = period
+        while not renewal.stop.wait(delay):
+            try:
+                with renewal.lock:
+                    if renewal.stop.is_set():
+                        return
+                    self._write_lease(key, acquire=False)
+                backoff.reset()
+                delay = period
+            except Exception as exc:
+                delay = backoff.next()
+                log.warning("lease renewal for %s/%s failed (%s); again in %.1fs", *key, describe(exc), delay)
 
     def _publish_lease_count(self, key: tuple[str, str], served: Served) -> None:
         """Only on change: the Lease is the heartbeat, the status is not rewritten to say "still here"."""

@@ -6,7 +6,8 @@ to peers with its own NIXL agent and worker service. It reports to the node agen
 (`Reporter`) and takes commands on stdin: `drain SECONDS`, `stop`. End of stdin (the agent died) stops it
 too, releasing everything: the lease-holding node agent is gone, so no reader may keep reading.
 
-The node agent alone writes the WeightReplica status; a rank only reads the API.
+The node agent alone writes the WeightReplica status; a rank only reads the API, and retries those reads while
+the apiserver is unreachable (a loaded rank no longer needs it at all).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ferry.kube import kube_client
+from ferry_agent.apiretry import bound_requests
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.ranks import TorchRankGroup
@@ -105,7 +107,7 @@ def _watch_leases(server: Any, report: Reporter, stop: threading.Event) -> None:
 def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
     if args.world_size < 1 or not 0 <= args.rank < args.world_size:
         raise SystemExit(f"rank {args.rank} is outside a world of {args.world_size}")
-    sources = ApiSources(kube_client(), args.namespace)
+    sources = ApiSources(bound_requests(kube_client()), args.namespace)
     spec = sources.replica(args.replica)["spec"]
     store = None
     if args.checkpoint_dir:

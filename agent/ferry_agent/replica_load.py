@@ -20,6 +20,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ferry.api.models import GROUP, VERSION
 from ferry.storage import credentials_from_secret_data
+from ferry_agent.apiretry import call_with_retry
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.cold_start import DEFAULT_SOURCE_ORDER, run_cold_start
 from ferry_agent.nixl_transfer import NixlPeer
@@ -79,7 +80,9 @@ def source_label(result: Any) -> str:
 
 
 class ApiSources:
-    """What a rank reads from the API while loading: peer sources, WeightVersions and S3 credentials."""
+    """What a rank reads from the API while loading: peer sources, WeightVersions and S3 credentials. Each read
+    is retried with backoff while the apiserver is unreachable or failing (`apiretry.call_with_retry`), so a
+    short outage delays a load instead of failing it."""
 
     def __init__(self, api: client.ApiClient, namespace: str, stopping: threading.Event | None = None) -> None:
         self._api = api
@@ -88,8 +91,14 @@ class ApiSources:
         self.namespace = namespace
         self._stopping = stopping or threading.Event()
 
+    def _read(self, what: str, fn: Callable[[], Any]) -> Any:
+        return call_with_retry(fn, what=f"reading {what} in {self.namespace}", stop=self._stopping)
+
     def replica(self, name: str) -> dict[str, Any]:
-        return self._objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+        return self._read(
+            f"WeightReplica {name}",
+            lambda: self._objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name),
+        )
 
     def candidates(
         self, version: str, self_name: str, wait_s: float, note: Callable[[str], None]
@@ -97,7 +106,7 @@ class ApiSources:
         """Peer sources for a rank. When there are none yet but another replica is the first loader of the
         version, wait up to `wait_s` for it (`note` says so) and copy from it, instead of all reading S3."""
 
-        def once(ctx: LoadContext) -> tuple[list, list]:
+        def listed() -> tuple[list, dict]:
             replicas = self._objects.list_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, PLURAL, label_selector=f"{LABEL_VERSION}={version}"
             )["items"]
@@ -105,6 +114,10 @@ class ApiSources:
                 lease.metadata.name: self._api.sanitize_for_serialization(lease)
                 for lease in self._leases.list_namespaced_lease(self.namespace).items
             }
+            return replicas, leases
+
+        def once(ctx: LoadContext) -> tuple[list, list]:
+            replicas, leases = self._read(f"the sources of {version}", listed)
             found = source_candidates(
                 replicas, leases, version=version, rank=ctx.rank, self_replica=self_name,
                 now=dt.datetime.now(dt.UTC), world_size=ctx.world_size,
@@ -127,7 +140,12 @@ class ApiSources:
 
     def version(self, name: str) -> dict | None:
         try:
-            return self._objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, "weightversions", name)
+            return self._read(
+                f"WeightVersion {name}",
+                lambda: self._objects.get_namespaced_custom_object(
+                    GROUP, VERSION, self.namespace, "weightversions", name
+                ),
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -137,7 +155,9 @@ class ApiSources:
         secret = storage.get("credentialsSecret")
         if not secret:
             return None  # the agent's own environment (instance role, env vars)
-        data = client.CoreV1Api(self._api).read_namespaced_secret(secret, self.namespace).data
+        data = self._read(
+            f"Secret {secret}", lambda: client.CoreV1Api(self._api).read_namespaced_secret(secret, self.namespace).data
+        )
         return credentials_from_secret_data(data)
 
 

@@ -1,0 +1,287 @@
+"""The agent's API resilience: error classification, capped backoff, retried reads, kept status patches, and a
+node agent whose loop, status writes and Lease renewals outlive an unreachable apiserver."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import urllib3.exceptions
+from kubernetes.client.exceptions import ApiException
+
+from ferry_agent import apiretry
+from ferry_agent.apiretry import Backoff, StatusOutbox, call_with_retry, is_transient
+from ferry_agent.node_agent import NodeAgent
+
+
+def refused() -> urllib3.exceptions.MaxRetryError:
+    return urllib3.exceptions.MaxRetryError(None, "/apis", ConnectionRefusedError(111, "Connection refused"))
+
+
+def api_error(status: int) -> ApiException:
+    return ApiException(status=status, reason="test")
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        refused(),
+        urllib3.exceptions.ProtocolError("reset"),
+        urllib3.exceptions.ReadTimeoutError(None, "/", "t"),
+        ConnectionRefusedError(),
+        TimeoutError(),
+        api_error(503),
+        api_error(500),
+        api_error(429),
+        api_error(410),
+        api_error(0),
+    ],
+)
+def test_transient_errors(exc):
+    assert is_transient(exc)
+
+
+@pytest.mark.parametrize("exc", [api_error(404), api_error(403), api_error(422), ValueError("bug"), KeyError("x")])
+def test_permanent_errors(exc):
+    assert not is_transient(exc)
+
+
+def test_backoff_grows_is_capped_and_resets():
+    b = Backoff(initial=1, cap=8, factor=2, jitter=0)
+    assert [b.next() for _ in range(6)] == [1, 2, 4, 8, 8, 8]
+    b.reset()
+    assert b.next() == 1
+
+
+def test_backoff_jitter_stays_within_bounds():
+    b = Backoff(initial=10, cap=10, jitter=0.2)
+    delays = [b.next() for _ in range(200)]
+    assert all(8 <= d <= 10 for d in delays) and len(set(delays)) > 1
+
+
+def test_backoff_rejects_nonsense():
+    with pytest.raises(ValueError):
+        Backoff(initial=5, cap=1)
+
+
+def fast() -> Backoff:
+    return Backoff(initial=0.001, cap=0.002)
+
+
+def test_retry_passes_transient_errors():
+    errors = [refused(), api_error(503)]
+
+    def fn():
+        if errors:
+            raise errors.pop(0)
+        return "ok"
+
+    assert call_with_retry(fn, what="t", backoff=fast()) == "ok"
+
+
+def test_retry_raises_permanent_errors_at_once():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        raise api_error(404)
+
+    with pytest.raises(ApiException):
+        call_with_retry(fn, what="t", backoff=fast())
+    assert len(calls) == 1
+
+
+def test_retry_gives_up_after_its_bound():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        raise refused()
+
+    with pytest.raises(urllib3.exceptions.MaxRetryError):
+        call_with_retry(fn, what="t", backoff=fast(), retry_for_s=0.05)
+    assert len(calls) > 1
+
+
+def test_retry_stops_when_told():
+    stop = threading.Event()
+    stop.set()
+    calls = []
+
+    def fn():
+        calls.append(1)
+        raise refused()
+
+    with pytest.raises(urllib3.exceptions.MaxRetryError):
+        call_with_retry(fn, what="t", stop=stop, backoff=fast())
+    assert len(calls) == 1
+
+
+class FlakyWriter:
+    """Fails while `down`; records what it wrote."""
+
+    def __init__(self) -> None:
+        self.down = True
+        self.error: Exception = refused()
+        self.written: list[tuple[str, dict]] = []
+
+    def __call__(self, key, body):
+        if self.down:
+            raise self.error
+        self.written.append((key, dict(body)))
+
+
+def test_outbox_keeps_merges_and_writes_in_order():
+    write = FlakyWriter()
+    outbox = StatusOutbox(write, backoff=fast)
+    assert not outbox.patch("a", {"phase": "Loading", "bytesDone": 0})
+    outbox.patch("a", {"bytesDone": 10})
+    outbox.patch("a", {"phase": "Serving", "source": "s3"})
+    assert outbox.pending("a") and not write.written
+    write.down = False
+    time.sleep(0.01)
+    assert outbox.flush()
+    assert write.written == [("a", {"phase": "Serving", "bytesDone": 10, "source": "s3"})]
+    assert not outbox.pending("a") and outbox.next_try_in() is None
+
+
+def test_outbox_backs_off_per_object():
+    write = FlakyWriter()
+    outbox = StatusOutbox(write, backoff=lambda: Backoff(initial=60, cap=60))
+    outbox.patch("a", {"phase": "Serving"})
+    write.down = False
+    assert not outbox.patch("a", {"activeLeases": 1})  # still backing off: only queued
+    assert not write.written and outbox.next_try_in() > 30
+    assert outbox.patch("b", {"phase": "Loading"})  # another object is not held back
+    assert write.written == [("b", {"phase": "Loading"})]
+
+
+def test_outbox_drops_patches_of_a_deleted_object():
+    write = FlakyWriter()
+    write.error = api_error(404)
+    outbox = StatusOutbox(write, backoff=fast)
+    assert outbox.patch("a", {"phase": "Serving"})
+    assert not outbox.pending("a")
+
+
+def test_outbox_keeps_a_refused_patch():
+    write = FlakyWriter()
+    write.error = api_error(500)
+    outbox = StatusOutbox(write, backoff=fast)
+    outbox.patch("a", {"phase": "Serving"})
+    assert outbox.pending("a")
+
+
+def test_bound_requests_sets_a_default_timeout():
+    seen = []
+    api = SimpleNamespace(rest_client=SimpleNamespace(request=lambda *a, _request_timeout=None, **k: seen.append(
+        _request_timeout)))  # fmt: skip
+    apiretry.bound_requests(api, (1.0, 2.0))
+    api.rest_client.request("GET", "/x")
+    api.rest_client.request("GET", "/watch", _request_timeout=(1, 330))
+    assert seen == [(1.0, 2.0), (1, 330)]
+
+
+# ---------------------------------------------------------------- the node agent over an unreachable apiserver
+
+
+class FakeObjects:
+    def __init__(self) -> None:
+        self.down = True
+        self.lists = 0
+        self.patches: list[dict] = []
+
+    def list_cluster_custom_object(self, *args, **kwargs):
+        self.lists += 1
+        if self.down:
+            raise refused()
+        return {"items": []}
+
+    def patch_namespaced_custom_object_status(self, group, version, namespace, plural, name, body):
+        if self.down:
+            raise refused()
+        self.patches.append(body["status"])
+
+
+class FakeLeases:
+    def __init__(self) -> None:
+        self.leases: dict[str, dict] = {}
+        self.down = False
+
+    def patch_namespaced_lease(self, name, namespace, body):
+        if self.down:
+            raise refused()
+        if name not in self.leases:
+            raise api_error(404)
+        self.leases[name]["spec"].update(body["spec"])
+
+    def create_namespaced_lease(self, namespace, body):
+        if self.down:
+            raise refused()
+        self.leases[body["metadata"]["name"]] = body
+
+    def delete_namespaced_lease(self, name, namespace):
+        del self.leases[name]
+
+
+def agent(**kwargs) -> NodeAgent:
+    a = NodeAgent(SimpleNamespace(), "n1", peer_factory=lambda name: SimpleNamespace(shutdown=lambda: None), **kwargs)
+    a._objects, a._leases = FakeObjects(), FakeLeases()
+    return a
+
+
+def test_agent_loop_outlives_an_unreachable_apiserver():
+    a = agent(poll_seconds=0.01)
+    a._watch = lambda: None  # no watch thread
+    runner = threading.Thread(target=a.run)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while a._objects.lists < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert runner.is_alive() and a._objects.lists >= 3  # failed passes, retried with backoff
+        a._objects.down = False
+        lists = a._objects.lists
+        while a._objects.lists == lists and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a._objects.lists > lists
+    finally:
+        a.stop()
+        runner.join(10)
+    assert not runner.is_alive()
+
+
+def test_agent_status_written_once_the_apiserver_is_back():
+    a = agent()
+    a._patch_status(("ns", "wr"), {"phase": "Serving", "version": "v1"})  # does not raise
+    assert a._status.pending(("ns", "wr"))
+    a._objects.down = False
+    a._status._retry.clear()  # skip the backoff
+    a.reconcile_once()
+    assert a._objects.patches == [{"phase": "Serving", "version": "v1"}]
+
+
+def test_agent_recreates_a_deleted_lease_and_renews_through_an_outage():
+    a = agent(lease_seconds=1)
+    key = ("ns", "wr")
+    a._hold_lease(key)
+    name = "ferry-wr-wr"
+    assert a._leases.leases[name]["spec"]["holderIdentity"] == a.agent_name
+    try:
+        del a._leases.leases[name]  # deleted by hand
+        deadline = time.monotonic() + 10
+        while name not in a._leases.leases and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert a._leases.leases[name]["spec"]["holderIdentity"] == a.agent_name
+        a._leases.down = True
+        time.sleep(1.0)  # renewals fail meanwhile; the renewing thread lives on
+        renewed = a._leases.leases[name]["spec"]["renewTime"]
+        a._leases.down = False
+        while a._leases.leases[name]["spec"]["renewTime"] == renewed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert a._leases.leases[name]["spec"]["renewTime"] > renewed
+    finally:
+        a._release_lease(key)
+    assert name not in a._leases.leases and key not in a._renewing
