@@ -303,7 +303,18 @@ class ReplicaPhase(StrEnum):
     LOADED = "Loaded"
     SERVING = "Serving"
     FAILED = "Failed"
-    STALE = "Stale"
+
+
+class ReplicaConditionType(StrEnum):
+    """WeightReplica `status.conditions`, written by the operator alone (the agent writes the other fields)."""
+
+    LIVE = "Live"  # the agent renews the replica's Lease; re-derived from the Lease on every reconcile
+
+
+class LiveReason(StrEnum):
+    LEASE_RENEWED = "LeaseRenewed"  # True: renewed within its leaseDurationSeconds
+    LEASE_EXPIRED = "LeaseExpired"  # False: not renewed within its leaseDurationSeconds
+    LEASE_MISSING = "LeaseMissing"  # False: no Lease (the agent takes it once the replica is loaded)
 
 
 class ReplicaReason(StrEnum):
@@ -343,7 +354,11 @@ class RankEndpoint(_Model):
 
 
 class WeightReplicaStatus(_Model):
-    phase: ReplicaPhase | None = None
+    phase: ReplicaPhase | None = Field(
+        default=None,
+        description="Written by the node agent alone. Whether the agent is alive is its Lease's to say (the `Live` "
+        "condition), not a phase's.",
+    )
     version: str | None = None
     source: str | None = Field(default=None, description="peer/<replica> or s3.")
     bytesDone: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
@@ -361,7 +376,10 @@ class WeightReplicaStatus(_Model):
     activeLeases: int | None = Field(default=None, ge=0)
     reason: ReplicaReason | None = Field(default=None, description="Why the replica is Failed (CamelCase).")
     message: str | None = Field(default=None, max_length=4096)
-    conditions: Conditions
+    conditions: Conditions = Field(
+        description="Written by the operator: `Live` says whether the agent renews the replica's Lease "
+        "(`ferry-wr-<replica>`). A Serving replica that is not Live is stale: no source, not ready.",
+    )
     observedGeneration: int | None = Field(default=None, ge=0)
 
 
@@ -375,6 +393,7 @@ class WeightReplica(_Model):
         {"name": "Version", "type": "string", "jsonPath": ".spec.version"},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Source", "type": "string", "jsonPath": ".status.source"},
+        {"name": "Live", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Live")].status'},
         {"name": "Done", "type": "integer", "jsonPath": ".status.bytesDone", "priority": 1},
         {"name": "Total", "type": "integer", "jsonPath": ".status.bytesTotal", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -68,8 +68,9 @@ def retarget_replica(namespace: str, name: str, version: str, version_label: str
     _objects().patch_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas", name, body)
 
 
-def mark_replica_stale(namespace: str, name: str, message: str) -> None:
-    body = {"status": {"phase": "Stale", "message": message}}
+def set_replica_conditions(namespace: str, name: str, conditions: list[dict]) -> None:
+    """The operator's one field of a WeightReplica status (the agent owns the others)."""
+    body = {"status": {"conditions": conditions}}
     try:
         _objects().patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "weightreplicas", name, body)
     except ApiException as exc:

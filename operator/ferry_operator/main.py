@@ -33,10 +33,12 @@ from ferry_operator.modelloads import (
     PEER_STALLED,
     PROGRESSING,
     aggregate_status,
+    live_conditions,
     node_matches,
     plan_replicas,
+    renewal_time,
+    renewed_after_expiry,
     serves,
-    stale_replicas,
     version_problem,
 )
 from ferry_operator.versions import (
@@ -339,12 +341,10 @@ async def _reconcile_modelload(
 
     leases = {n: lease for (ns, n), store in replica_lease_index.items() if ns == namespace for lease in store}
     now = dt.datetime.now(dt.UTC)
-    for replica in stale_replicas(replicas, leases, now):
-        current = next(r for r in replicas if r["metadata"]["name"] == replica)
-        if (current.get("status") or {}).get("phase") != "Stale":
-            await asyncio.to_thread(
-                kubeapi.mark_replica_stale, namespace, replica, "the agent stopped renewing its Lease"
-            )
+    # Staleness is the Leases' to say, every time: the operator records it in the replicas' `Live` condition
+    # (its own field) and never in their phase, which is the agent's.
+    for replica, conditions in live_conditions(replicas, leases, now, now_rfc3339()).items():
+        await asyncio.to_thread(kubeapi.set_replica_conditions, namespace, replica, conditions)
     matching = sum(1 for n in nodes if node_matches(n, body["spec"].get("nodeSelector") or {}))
     status = aggregate_status(
         model_load, replicas, leases, nodes_available=matching, now=now, now_text=now_rfc3339(),
@@ -378,6 +378,38 @@ async def modelload_resync(namespace: str, name: str, body: kopf.Body, patch: ko
     await _reconcile_modelload(
         namespace, name, body, patch, node_index, replica_index, replica_lease_index, version_index
     )
+
+
+# (namespace, Lease name) -> the last renewal time seen.
+_lease_renewals: dict[tuple[str, str], dt.datetime | None] = {}
+
+
+@kopf.on.event("coordination.k8s.io", "v1", "leases", labels={f"{GROUP}/replica": kopf.PRESENT})
+async def replica_lease_changed(event: dict, namespace: str, name: str, body: kopf.Body, labels: kopf.Labels,
+                                replica_index: kopf.Index, **_: Any) -> None:  # fmt: skip
+    """A replica's Lease that appears, goes away, or is renewed after it had expired: re-reconcile its ModelLoad
+    now, so that a replica whose agent is back is live (and ready) within a lease period, not at the next resync.
+    Ordinary renewals change nothing."""
+    key = (namespace, name)
+    kind = event.get("type")
+    if kind == "DELETED":
+        _lease_renewals.pop(key, None)
+        changed = True
+    else:
+        previous = _lease_renewals.get(key)
+        _lease_renewals[key] = renewal_time(body)
+        changed = kind == "ADDED" or renewed_after_expiry(previous, body)
+    replica = labels.get(f"{GROUP}/replica")
+    if not changed or not replica:
+        return
+    owner = next(
+        (r["spec"].get("modelLoad") for (ns, _), store in replica_index.items() if ns == namespace
+         for r in store if r["metadata"]["name"] == replica),
+        None,
+    )  # fmt: skip
+    if owner:
+        await asyncio.to_thread(kubeapi.nudge, ML[2], namespace, owner, f"{GROUP}/lease",
+                                f"{replica}@{body['metadata'].get('resourceVersion')}")  # fmt: skip
 
 
 _replica_phases: dict[tuple[str, str], str | None] = {}

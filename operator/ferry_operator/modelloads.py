@@ -11,14 +11,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ferry.api.conditions import set_condition
-from ferry.api.liveness import lease_is_live, parse_time
+from ferry.api.conditions import get_condition, set_condition
+from ferry.api.liveness import DEFAULT_LEASE_SECONDS, lease_is_live, parse_time
 from ferry.api.models import (
     API_VERSION,
     LABEL_MODEL,
     LABEL_MODELLOAD,
     LABEL_NODE,
     LABEL_VERSION,
+    LiveReason,
+    ReplicaConditionType,
     replica_lease_name,
 )
 from ferry.chain import VersionView
@@ -248,19 +250,75 @@ def fell_back(replica: Mapping[str, Any]) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class Liveness:
+    """A replica's `Live` condition, derived from its Lease alone."""
+
+    live: bool
+    reason: LiveReason
+    message: str
+
+
+def liveness(replica: Mapping[str, Any], leases: Mapping[str, Mapping[str, Any]], now: dt.datetime) -> Liveness:
+    name = replica_lease_name(replica["metadata"]["name"])
+    lease = leases.get(name)
+    if lease is None:
+        return Liveness(False, LiveReason.LEASE_MISSING, f"no Lease {name}")
+    spec = lease.get("spec") or {}
+    if lease_is_live(lease, now):
+        return Liveness(True, LiveReason.LEASE_RENEWED, f"{spec.get('holderIdentity')} renews Lease {name}")
+    return Liveness(
+        False,
+        LiveReason.LEASE_EXPIRED,
+        f"Lease {name} not renewed for {spec.get('leaseDurationSeconds') or DEFAULT_LEASE_SECONDS}s "
+        f"(last {spec.get('renewTime') or spec.get('acquireTime')} by {spec.get('holderIdentity')})",
+    )
+
+
 def stale_replicas(
     replicas: Iterable[Mapping[str, Any]], leases: Mapping[str, Mapping[str, Any]], now: dt.datetime
 ) -> list[str]:
-    """Serving replicas whose agent stopped renewing their Lease."""
+    """Replicas that their agent says it serves, but whose Lease it does not renew. Level-based: derived from the
+    Leases on every call and never recorded, so a replica whose Lease is renewed again is at once not stale."""
     return sorted(
         r["metadata"]["name"]
         for r in replicas
-        if _phase(r) == "Stale"
-        or (
-            _phase(r) in ("Serving", "Loaded")
-            and not lease_is_live(leases.get(replica_lease_name(r["metadata"]["name"])), now)
-        )
+        if _phase(r) in ("Serving", "Loaded") and not liveness(r, leases, now).live
     )
+
+
+def renewal_time(lease: Mapping[str, Any]) -> dt.datetime | None:
+    spec = lease.get("spec") or {}
+    return parse_time(spec.get("renewTime") or spec.get("acquireTime"))
+
+
+def renewed_after_expiry(previous: dt.datetime | None, lease: Mapping[str, Any]) -> bool:
+    """Whether the Lease had expired between the renewal seen before (`previous`) and this one: its agent is back
+    (it was frozen, or could not reach the apiserver)."""
+    renewed = renewal_time(lease)
+    duration = (lease.get("spec") or {}).get("leaseDurationSeconds") or DEFAULT_LEASE_SECONDS
+    return previous is not None and renewed is not None and renewed - previous > dt.timedelta(seconds=duration)
+
+
+def live_conditions(
+    replicas: Iterable[Mapping[str, Any]], leases: Mapping[str, Mapping[str, Any]], now: dt.datetime, now_text: str
+) -> dict[str, list[dict[str, Any]]]:
+    """The replicas whose recorded `Live` condition differs from their Lease now: name → its new conditions.
+    The operator writes only `status.conditions` of a WeightReplica; the agent owns every other field."""
+    updates = {}
+    for r in replicas:
+        if r["metadata"].get("deletionTimestamp"):
+            continue
+        status = r.get("status") or {}
+        now_live = liveness(r, leases, now)
+        recorded = get_condition(status.get("conditions"), ReplicaConditionType.LIVE) or {}
+        if (recorded.get("status"), recorded.get("reason")) == (str(now_live.live), now_live.reason):
+            continue
+        updates[r["metadata"]["name"]] = set_condition(
+            status.get("conditions"), ReplicaConditionType.LIVE, now_live.live, now_live.reason, now_live.message,
+            generation=r["metadata"].get("generation"), now=now_text,
+        )  # fmt: skip
+    return updates
 
 
 def aggregate_status(

@@ -11,8 +11,11 @@ from ferry.chain import VersionView
 from ferry_operator.modelloads import (
     aggregate_status,
     choose_nodes,
+    live_conditions,
     plan_replicas,
+    renewed_after_expiry,
     replica_name,
+    stale_replicas,
     stalled_replicas,
     version_problem,
 )
@@ -115,6 +118,39 @@ def test_expired_lease_is_stale_and_degraded():
     c = conds(status)
     assert status["readyReplicas"] == 2 and status["phase"] == "Degraded"
     assert c["Degraded"]["reason"] == "ReplicaStale" and "serve-c" in c["Degraded"]["message"]
+
+
+def test_staleness_is_derived_from_the_lease_every_time():
+    """Level-based: a replica whose Lease is renewed again is not stale, whatever was recorded before."""
+    recorded = live_conditions([wr("c")], {}, NOW, ts(0))["serve-c"]  # the Lease is gone: Live=False
+    back = [wr("a"), wr("b"), wr("c", conditions=recorded)]
+    assert stale_replicas(back, live("a", "b"), NOW) == ["serve-c"]
+    assert stale_replicas(back, live("a", "b", "c"), NOW) == []
+    status = aggregate_status(ml(), back, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0))
+    assert status["phase"] == "Ready" and conds(status)["Degraded"]["status"] == "False"
+    assert stale_replicas([wr("c", phase="Loading")], {}, NOW) == [], "no Lease is expected before it loaded"
+
+
+def test_live_condition_follows_the_lease_and_is_written_only_on_change():
+    expired = {replica_lease_name("serve-a"): {"spec": {"renewTime": ts(20), "leaseDurationSeconds": 15,
+                                                        "holderIdentity": "agent-a"}}}  # fmt: skip
+    first = live_conditions([wr("a")], expired, NOW, ts(0))["serve-a"]
+    (cond,) = first
+    assert (cond["type"], cond["status"], cond["reason"]) == ("Live", "False", "LeaseExpired")
+    assert "agent-a" in cond["message"] and ts(20) in cond["message"]
+    assert live_conditions([wr("a", conditions=first)], expired, NOW, ts(0)) == {}
+    renewed = live_conditions([wr("a", conditions=first)], live("a"), NOW, ts(0))["serve-a"]
+    assert [(c["status"], c["reason"]) for c in renewed] == [("True", "LeaseRenewed")]
+    assert live_conditions([wr("b")], {}, NOW, ts(0))["serve-b"][0]["reason"] == "LeaseMissing"
+
+
+def test_a_renewal_after_a_gap_longer_than_the_lease_is_noticed():
+    def lease(ago):
+        return {"spec": {"renewTime": ts(ago), "leaseDurationSeconds": 15}}
+
+    assert renewed_after_expiry(NOW - dt.timedelta(seconds=45), lease(1))
+    assert not renewed_after_expiry(NOW - dt.timedelta(seconds=6), lease(1))
+    assert not renewed_after_expiry(None, lease(1))
 
 
 def test_stalled_peer_names_replica_source_bytes_and_time():
