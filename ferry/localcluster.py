@@ -466,23 +466,24 @@ class LocalCluster:
                 raise ClusterError(f"kube-controller-manager exited:\n{kcm.log_tail()}")
         return self
 
-    def _process(self, name: str) -> ManagedProcess:
+    def process(self, name: str) -> ManagedProcess:
+        """One of the control plane's processes: `etcd`, `kube-apiserver` or `kube-controller-manager`."""
         return next(p for p in self.processes if p.name == name)
 
     def stop_apiserver(self) -> None:
         """Kill the kube-apiserver alone, as a crash would (SIGKILL); etcd and everything stored stay."""
-        self._process("kube-apiserver").kill()
+        self.process("kube-apiserver").kill()
 
     def start_apiserver(self, timeout: float = 120) -> None:
         """Start the kube-apiserver again: same port, same etcd, same certificates, so every client's kubeconfig
         still works. A controller manager that gave up meanwhile is started again too."""
-        apiserver = self._process("kube-apiserver")
+        apiserver = self.process("kube-apiserver")
         if apiserver.alive:
             raise ClusterError("kube-apiserver is running")
         apiserver.start()
         wait_until(lambda: self.get_raw("/readyz") == "ok", timeout, "kube-apiserver /readyz", apiserver)
-        if self.controller_manager and not self._process("kube-controller-manager").alive:
-            self._process("kube-controller-manager").start()
+        if self.controller_manager and not self.process("kube-controller-manager").alive:
+            self.process("kube-controller-manager").start()
 
     def ssl_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=str(self.pki.ca_cert))

@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.node:
         parser.error("--node (or NODE_NAME) is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # each retry's warning; ours say it once
     api = bound_requests(kube_client())
     if args.metrics_port >= 0:
         port = metrics.serve(args.bind_address, args.metrics_port)

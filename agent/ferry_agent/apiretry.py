@@ -42,7 +42,7 @@ class Backoff:
     """Capped exponential delays with jitter: `initial`, times `factor` after each failure, at most `cap`;
     `reset()` after a success. The jitter (±`jitter` of the delay) keeps a fleet of agents from retrying in lockstep."""
 
-    def __init__(self, initial: float = 0.5, cap: float = 30.0, factor: float = 2.0, jitter: float = 0.2) -> None:
+    def __init__(self, initial: float = 0.5, cap: float = 10.0, factor: float = 2.0, jitter: float = 0.2) -> None:
         if not 0 < initial <= cap or factor < 1 or not 0 <= jitter < 1:
             raise ValueError(f"bad backoff: initial={initial} cap={cap} factor={factor} jitter={jitter}")
         self.initial, self.cap, self.factor, self.jitter = initial, cap, factor, jitter
@@ -87,6 +87,8 @@ def describe(exc: BaseException) -> str:
     """One line: an API error's status and reason, or the exception's type and (first line of) text."""
     if isinstance(exc, ApiException):
         return f"{exc.status} {exc.reason}"
+    if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason is not None:
+        exc = exc.reason  # the URL and pool details say nothing new
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 

@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.INFO, stream=sys.stderr,
         format=f"%(asctime)s rank{args.rank}/{args.world_size} %(name)s %(levelname)s %(message)s",
     )  # fmt: skip
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # each retry's warning; ours say it once
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of a replica share one node
     # Events keep the original stdout to themselves; anything else printed there (NIXL logs to stdout, C++
     # libraries write to fd 1) goes to stderr with the logs.

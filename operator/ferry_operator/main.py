@@ -71,8 +71,11 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.client_timeout = CONFIG.watch_server_timeout + 10
     settings.posting.level = logging.INFO
     settings.execution.max_workers = 8
-    # Short API retries: a 403 from a terminating namespace must not stall the shared event-posting queue.
-    settings.networking.error_backoffs = [0.5, 1, 2]
+    # Short retries for Events: a 403 from a terminating namespace must not stall the shared event-posting queue.
+    settings.posting.default_backoffs = settings.posting.logging_backoffs = [0.5, 1, 2]
+    # Every other request rides out an apiserver restart of about two minutes: kopf ends the whole operator when a
+    # watch's retries run out on a 5xx, which a starting apiserver answers for a while.
+    settings.networking.error_backoffs = [0.5, 1, 2, 4, 8] + [15] * 7
     if CONFIG.metrics_port >= 0:
         port = metrics.serve(CONFIG.metrics_address, CONFIG.metrics_port)
         log.info("metrics on http://%s:%d/metrics", CONFIG.metrics_address, port)

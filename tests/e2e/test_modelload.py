@@ -1,7 +1,7 @@
 """ModelLoad orchestration end to end: operator + three agent processes + the real apiserver.
 
 Replica 1's agent holds the version locally; the other two load it from peers over NIXL. Then scale down, an
-agent dies (its Lease expires → Stale, Degraded), and deleting the ModelLoad garbage-collects its replicas."""
+agent dies (its Lease expires → not Live, Degraded), and deleting the ModelLoad garbage-collects its replicas."""
 
 from __future__ import annotations
 
@@ -75,14 +75,21 @@ def test_modelload_lifecycle(cluster, namespace, operator, tmp_path):
         wait_for(lambda: len(replicas(cluster, namespace)) == 2, 30, "scaled to 2", describe)
         wait_for(lambda: ml_status(cluster, namespace).get("ready") == "2/2", 30, "2/2 ready", describe)
 
-        # An agent dies: its Lease expires, the replica turns Stale and the ModelLoad says so.
+        # An agent dies: its Lease expires, the operator says so in the replica's Live condition and the ModelLoad.
+        # The phase is the agent's alone: it still says what the agent last wrote.
         victim = replicas(cluster, namespace)[0]
         agents[victim["spec"]["nodeName"]].kill()
         wait_for(
             lambda: condition({"status": ml_status(cluster, namespace)}, "Degraded").get("reason") == "ReplicaStale",
             30, "ReplicaStale", describe,
         )  # fmt: skip
-        assert get(cluster, namespace, "wr", victim["metadata"]["name"])["status"]["phase"] == "Stale"
+        wait_for(
+            lambda: condition(get(cluster, namespace, "wr", victim["metadata"]["name"]), "Live").get("reason")
+            == "LeaseExpired",
+            30, "Live=False", describe,
+        )  # fmt: skip
+        dead = get(cluster, namespace, "wr", victim["metadata"]["name"])
+        assert dead["status"]["phase"] == "Serving" and condition(dead, "Live")["status"] == "False"
         assert ml_status(cluster, namespace)["ready"] == "1/2"
 
         # Deleting the ModelLoad garbage-collects its replicas (ownerReferences + kube-controller-manager).
