@@ -13,7 +13,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ferry_agent import apiretry
 from ferry_agent.apiretry import Backoff, StatusOutbox, call_with_retry, is_transient
-from ferry_agent.node_agent import NodeAgent
+from ferry_agent.node_agent import NodeAgent, Served
 
 
 def refused() -> urllib3.exceptions.MaxRetryError:
@@ -285,3 +285,21 @@ def test_agent_recreates_a_deleted_lease_and_renews_through_an_outage():
     finally:
         a._release_lease(key)
     assert name not in a._leases.leases and key not in a._renewing
+
+
+def test_agent_publishes_its_phase_again_when_the_object_says_otherwise():
+    """The phase is the agent's: an object that says anything else about a served replica (a write lost to an
+    outage, an older operator's Stale) gets the Serving status back, and nothing is reloaded."""
+    a = agent()
+    a._objects.down = False
+    handle = SimpleNamespace(active_leases=lambda: 2, failure=lambda: None)
+    a._served[("ns", "wr")] = Served("v1", handle, {"phase": "Serving", "version": "v1", "source": "s3"})
+    listed = {"metadata": {"namespace": "ns", "name": "wr"}, "spec": {"nodeName": "n1", "version": "v1"},
+              "status": {"phase": "Stale", "version": "v1"}}  # fmt: skip
+    a._objects.list_cluster_custom_object = lambda *args, **kwargs: {"items": [listed]}
+    a.reconcile_once()
+    assert a._objects.patches == [{"phase": "Serving", "version": "v1", "source": "s3", "activeLeases": 2}]
+    listed["status"] = a._objects.patches[0]
+    a.reconcile_once()
+    assert len(a._objects.patches) == 1, "written once"
+    assert ("ns", "wr") in a._served
