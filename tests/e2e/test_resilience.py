@@ -1,5 +1,6 @@
-"""Agents against a control plane that misbehaves: the kube-apiserver killed for 20 s (in steady state and in the
-middle of a load), an agent frozen for 40 s (SIGSTOP), and a replica's Lease deleted by hand.
+"""Agents against a control plane that misbehaves: the kube-apiserver killed for 20 s (in steady state, in the
+middle of a load, and while the rank processes of a two-rank replica start), an agent frozen for 40 s (SIGSTOP),
+and a replica's Lease deleted by hand.
 
 In each case the agent processes live on (same pids), keep serving what they hold (read back over NIXL with
 the apiserver down), reload nothing they already served (their load counters and `completedTime` do not move),
@@ -12,11 +13,12 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
-from agentutil import agent_metrics, content_sha256, node, read_back, start_agent
+from agentutil import agent_metrics, content_sha256, node, pull, read_back, start_agent
 from safetensors.torch import save_file
-from wvutil import apply, condition, get, put_files, wait_for, wv_body
+from wvutil import apply, condition, get, publish_full, put_files, tensors, wait_for, wv_body
 
 from ferry import checkpoint_format as cf
 from ferry.api.models import API_VERSION
@@ -144,6 +146,48 @@ def test_agents_outlive_an_apiserver_outage(cluster, s3, namespace, operator, tm
             cluster.start_apiserver()
         for a in agents.values():
             a.stop()
+
+
+def test_rank_processes_outlive_an_apiserver_outage(cluster, s3, namespace, operator, tmp_path):
+    """A two-rank replica whose rank processes start (and read the API) while the apiserver is down."""
+    expected = tensors(31, n=6, shape=(64, 48))
+    publish_full(s3, namespace, "v1", expected)
+    name = f"{namespace}-n0"
+    node(cluster, name, {"ferry.dev/pool": namespace})
+    agent = start_agent(cluster, tmp_path, name, s3=s3)
+    pid = agent.proc.pid
+
+    def describe() -> str:
+        return json.dumps(ml_status(cluster, namespace), indent=1) + agent.log_tail(40)
+
+    def phase() -> str | None:
+        return ((replicas(cluster, namespace).get(name) or {}).get("status") or {}).get("phase")
+
+    try:
+        apply(cluster, namespace, wv_body(namespace, "v1"), modelload(namespace, 1, ranksPerReplica=2))
+        began = wait_for(lambda: phase() in ("Loading", "Serving") and phase(), 60, "loading", describe)
+        cluster.stop_apiserver()
+        try:
+            time.sleep(OUTAGE_S)
+            assert agent.alive, describe()
+        finally:
+            cluster.start_apiserver()
+        print(f"the outage began with the replica {began}")
+        wait_for(lambda: ready(cluster, namespace, 1), 120, "1/1 ready after the outage", describe)
+        assert agent.alive and agent.proc.pid == pid
+        loads = [line for line in load_counters(agent) if line.startswith("ferry_agent_loads_total{")]
+        assert loads == ['ferry_agent_loads_total{outcome="Loaded",source_kind="s3"} 1.0'], loads
+        wr = replicas(cluster, namespace)[name]
+        union: dict[str, torch.Tensor] = {}
+        for entry in wr["status"]["ranks"]:
+            union.update(pull(entry, wr["metadata"]["name"]))
+        assert sorted(union) == sorted(expected)
+        for key, array in expected.items():
+            assert np.array_equal(union[key].numpy(), array), key
+    finally:
+        if not cluster.process("kube-apiserver").alive:
+            cluster.start_apiserver()
+        agent.stop()
 
 
 def peer_only_setup(cluster, namespace, tmp_path, count: int):
