@@ -7,9 +7,10 @@ A reader sends a projected service-account token (audience `ferry.dev/worker`, b
    failure), and refuses anything not authenticated with `UNAUTHENTICATED`;
 2. requires the reviewed user to be an allowed agent identity and to carry the node-name extra that pod-bound
    tokens have (`authentication.kubernetes.io/node-name`), else `PERMISSION_DENIED`;
-3. for a manifest or a lease (both hand out NIXL metadata), reads the API on every call and requires a
-   WeightReplica with `spec.nodeName` == the reader's node to be assigned the served namespace/model/version,
-   else `PERMISSION_DENIED`;
+3. for a manifest or a lease (both hand out NIXL metadata), requires a WeightReplica with `spec.nodeName` == the
+   reader's node to be assigned the served namespace/model/version, else `PERMISSION_DENIED`; checked on every
+   call against the API's WeightReplicas (a watched view, milliseconds behind; a direct read while the view is
+   not in sync);
 4. releases a lease only for the principal that holds it.
 
 An API error while checking is `UNAVAILABLE` (transient: the reader retries, then tries another source).
@@ -22,6 +23,7 @@ import base64
 import binascii
 import hashlib
 import json
+import logging
 import os
 import threading
 import time
@@ -31,15 +33,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
-from kubernetes import client
+from kubernetes import client, watch
 
-from ferry.api.models import GROUP, LABEL_NODE, VERSION
+from ferry.api.models import GROUP, LABEL_NODE, VERSION, WORKER_AUDIENCE
 
-WORKER_AUDIENCE = "ferry.dev/worker"
 DEFAULT_TOKEN_FILE = Path("/var/run/secrets/ferry.dev/worker/token")
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 SUCCESS_TTL_S = 60.0
 FAILURE_TTL_S = 2.0
+PLURAL = "weightreplicas"
+log = logging.getLogger(__name__)
 _BEARER = "bearer "
 
 
@@ -188,7 +191,7 @@ class Assignments(Protocol):
 
 
 class ApiAssignments:
-    """WeightReplicas read from the API on every grant (a reassignment takes effect at once)."""
+    """WeightReplicas read from the API for one grant (from the apiserver's watch cache: resourceVersion 0)."""
 
     def __init__(self, api: client.ApiClient) -> None:
         self._objects = client.CustomObjectsApi(api)
@@ -196,9 +199,79 @@ class ApiAssignments:
     def assigned(self, node: str, served: ServedVersion) -> bool:
         # The label narrows the list; the spec decides (labels are not what the operator schedules by).
         items = self._objects.list_namespaced_custom_object(
-            GROUP, VERSION, served.namespace, "weightreplicas", label_selector=f"{LABEL_NODE}={node}"
+            GROUP, VERSION, served.namespace, PLURAL, label_selector=f"{LABEL_NODE}={node}", resource_version="0"
         )["items"]
         return any(_assigns(wr, node, served) for wr in items)
+
+
+class WatchedAssignments:
+    """The WeightReplicas of each served namespace, kept current by a list + watch (milliseconds behind the API), so
+    a grant costs no API round trip (one would be ~1 ms, a few % of a 256 MiB transfer). While a namespace's watch is
+    not in sync (its first moments, after any error) every grant reads the API instead (`ApiAssignments`). A watch
+    that delivers nothing is cut after `WATCH_READ_TIMEOUT_S` and relisted, which bounds how stale a silently
+    partitioned view can be."""
+
+    def __init__(self, api: client.ApiClient, direct: Assignments | None = None) -> None:
+        self._objects = client.CustomObjectsApi(api)
+        self._direct = direct or ApiAssignments(api)
+        self._lock = threading.Lock()
+        self._views: dict[str, _NamespaceView] = {}
+
+    def assigned(self, node: str, served: ServedVersion) -> bool:
+        with self._lock:
+            view = self._views.get(served.namespace)
+            if view is None:
+                view = self._views[served.namespace] = _NamespaceView(self._objects, served.namespace)
+        replicas = view.snapshot()
+        if replicas is None:
+            return self._direct.assigned(node, served)
+        return any(_assigns(wr, node, served) for wr in replicas)
+
+
+WATCH_SECONDS = 60  # the server ends each watch after this; the view then relists
+WATCH_READ_TIMEOUT_S = 90.0
+
+
+class _NamespaceView:
+    def __init__(self, objects: client.CustomObjectsApi, namespace: str) -> None:
+        self._objects = objects
+        self._namespace = namespace
+        self._lock = threading.Lock()
+        self._items: dict[str, Mapping[str, Any]] | None = None  # None: not in sync
+        threading.Thread(target=self._run, name=f"ferry-assignments-{namespace}", daemon=True).start()
+
+    def snapshot(self) -> list[Mapping[str, Any]] | None:
+        with self._lock:
+            return None if self._items is None else list(self._items.values())
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._list_and_watch()
+            except Exception as exc:  # out of sync until the next list succeeds: grants read the API meanwhile
+                with self._lock:
+                    self._items = None
+                log.info("watch of WeightReplicas in %s ended: %s", self._namespace, type(exc).__name__)
+                time.sleep(1.0)
+
+    def _list_and_watch(self) -> None:
+        listed = self._objects.list_namespaced_custom_object(GROUP, VERSION, self._namespace, PLURAL)
+        items = {wr["metadata"]["name"]: wr for wr in listed["items"]}
+        with self._lock:
+            self._items = dict(items)
+        for event in watch.Watch().stream(
+            self._objects.list_namespaced_custom_object, GROUP, VERSION, self._namespace, PLURAL,
+            resource_version=listed["metadata"]["resourceVersion"], timeout_seconds=WATCH_SECONDS,
+            _request_timeout=WATCH_READ_TIMEOUT_S,
+        ):  # fmt: skip
+            obj = event["object"]
+            if event["type"] == "ERROR" or not isinstance(obj, Mapping) or "metadata" not in obj:
+                raise RuntimeError(f"watch error: {obj}")  # e.g. 410 Gone: relist
+            with self._lock:
+                if event["type"] == "DELETED":
+                    self._items.pop(obj["metadata"]["name"], None)
+                else:
+                    self._items[obj["metadata"]["name"]] = obj
 
 
 def _assigns(wr: Mapping[str, Any], node: str, served: ServedVersion) -> bool:
@@ -230,7 +303,7 @@ class WorkerAuth:
 
     @classmethod
     def from_api(cls, api: client.ApiClient, allowed_identities: Iterable[str]) -> WorkerAuth:
-        return cls(CachedReviewer(TokenReviewer(api)), ApiAssignments(api), allowed_identities)
+        return cls(CachedReviewer(TokenReviewer(api)), WatchedAssignments(api), allowed_identities)
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Principal:
         token = _bearer(metadata)

@@ -405,6 +405,8 @@ RESOURCES: list[type[_Model]] = [WeightVersion, ModelLoad, WeightReplica]
 LABEL_MODEL = f"{GROUP}/model"
 LABEL_VERSION = f"{GROUP}/version"
 LABEL_NODE = f"{GROUP}/node"
+# The audience of the projected service-account token an agent presents to other agents' worker services.
+WORKER_AUDIENCE = f"{GROUP}/worker"
 LABEL_MODELLOAD = f"{GROUP}/modelload"
 REPLICA_LEASE_PREFIX = "ferry-wr-"
 

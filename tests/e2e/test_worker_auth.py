@@ -15,6 +15,7 @@ import pytest
 import torch
 from agentutil import content_sha256, node, read_back, replica, start_agent, wait_phase
 from safetensors.torch import save_file
+from wvutil import wait_for
 
 from ferry_agent.proto import worker_pb2, worker_pb2_grpc
 from ferry_agent.worker_auth import WORKER_AUDIENCE, TokenFile
@@ -29,8 +30,9 @@ def _refusal(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
     return info.value.code()
 
 
-def _raw_prepare(endpoint: str, identity: SourceIdentity, metadata) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
-    """The bare RPC, so that nothing of a response (no lease, no NIXL metadata) can hide in a client helper."""
+def _raw_prepare(endpoint: str, identity: SourceIdentity, metadata) -> grpc.StatusCode | None:  # type: ignore[no-untyped-def]
+    """The bare RPC, so that nothing of a response (no lease, no NIXL metadata) can hide in a client helper: the
+    refusal's code, or None for a grant (released at once)."""
     with grpc.insecure_channel(endpoint) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         request = worker_pb2.PrepareTensorReadRequest(source=identity.to_proto(), reader="intruder")
@@ -38,7 +40,9 @@ def _raw_prepare(endpoint: str, identity: SourceIdentity, metadata) -> grpc.Stat
             response = stub.PrepareTensorRead(request, timeout=10, metadata=metadata)
         except grpc.RpcError as exc:
             return exc.code()
-    raise AssertionError(f"granted lease {response.lease_id} with {len(response.manifest.nixl_metadata)} B of NIXL")
+        release = worker_pb2.ReleaseTensorReadRequest(source=identity.to_proto(), lease_id=response.lease_id)
+        stub.ReleaseTensorRead(release, timeout=10, metadata=metadata)
+        return None
 
 
 def test_only_agents_of_assigned_nodes_read(cluster, namespace, tmp_path):
@@ -79,9 +83,17 @@ def test_only_agents_of_assigned_nodes_read(cluster, namespace, tmp_path):
 
         # The reader of the serving node (whose replica is assigned v1) reads every byte.
         assert read_back(entry, "wr-auth") == content_sha256(weights)
-        # Once node-idle is assigned v1 here, its token that was refused a moment ago reads too.
+        # Once node-idle is assigned v1 here, its token that was refused a moment ago reads too; once it is not, no
+        # longer.
         replica(cluster, namespace, "wr-idle-v1", "node-idle", "v1")
         assert read_back(entry, "wr-auth", tmp_path / "idle") == content_sha256(weights)
+        cluster.kubectl("delete", "wr", "wr-idle-v1", "-n", namespace)
+        idle = TokenFile(tmp_path / "idle")
+        wait_for(
+            lambda: _raw_prepare(endpoint, identity, (("authorization", f"Bearer {idle()}"),))
+            == grpc.StatusCode.PERMISSION_DENIED,
+            10, "node-idle refused again",
+        )  # fmt: skip
     finally:
         agent.stop()
         cluster.kubectl("delete", "namespace", other_ns, "--wait=false", check=False)
