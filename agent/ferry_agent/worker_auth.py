@@ -256,9 +256,8 @@ class _NamespaceView:
 
     def _list_and_watch(self) -> None:
         listed = self._objects.list_namespaced_custom_object(GROUP, VERSION, self._namespace, PLURAL)
-        items = {wr["metadata"]["name"]: wr for wr in listed["items"]}
         with self._lock:
-            self._items = dict(items)
+            self._items = {wr["metadata"]["name"]: wr for wr in listed["items"]}
         for event in watch.Watch().stream(
             self._objects.list_namespaced_custom_object, GROUP, VERSION, self._namespace, PLURAL,
             resource_version=listed["metadata"]["resourceVersion"], timeout_seconds=WATCH_SECONDS,
