@@ -4,7 +4,9 @@ an in-process memcpy (torch `copy_`), in one run, for 256 MiB and 1 GiB.
     unshare -n bash -c 'ip link set lo up; UCX_NET_DEVICES=lo ~/.cache/ferry/venv/bin/python bench/bench_p2p.py'
 
 - peer: lease + manifest (gRPC) + add_remote + connection set-up + READ + sync + remove_remote + release,
-  into a pre-faulted target that the strategy reuses (the same buffers the raw READ uses).
+  into a pre-faulted target that the strategy reuses (the same buffers the raw READ uses). Authenticated as an
+  agent's reads are (a pod-bound worker token, TokenReview and the replica-assignment check on a local apiserver
+  started for the run), unless `--no-auth`.
 - raw: only `NixlPeer.read` on an already connected pair.
 - memcpy: `dst.copy_(src)` of the same size in this process.
 Writes bench/results/p2p.json and p2p.md. GB/s means 1e9 bytes per second.
@@ -13,26 +15,37 @@ Writes bench/results/p2p.json and p2p.md. GB/s means 1e9 bytes per second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from _common import summary
 
+try:
+    from bench._common import summary
+except ImportError:  # run as a script: bench/ is on sys.path, the repository root may not be
+    from _common import summary
+
+from ferry.api.models import API_VERSION, WORKER_AUDIENCE
+from ferry.localcluster import local_stack
 from ferry_agent.candidate import SourceCandidate
 from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
+from ferry_agent.registry import LABEL_NODE
 from ferry_agent.resident import ResidentWeights, TensorSpec
 from ferry_agent.source_main import READY_MARKER
 from ferry_agent.strategy import LoadContext
+from ferry_agent.worker_auth import TokenFile, token_subject
 from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest
 
 MIB = 1 << 20
@@ -43,10 +56,37 @@ def parse_size(text: str) -> int:
     return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
 
 
-def start_source(name: str, tensors: int, tensor_bytes: int) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+@dataclass(frozen=True)
+class Auth:
+    """The reader's token and what the source is told to check (None: an open source)."""
+
+    token: Path
+    identity: str
+    kubeconfig: Path
+
+
+def authenticated(cluster: Any, workdir: Path) -> Auth:
+    """A Node with a WeightReplica of bench/v, and a worker token bound to a Pod on it (what a reader holds)."""
+    node = "bench-node"
+    token = cluster.pod_token(node, WORKER_AUDIENCE, workdir / "worker-token")
+    body = {
+        "apiVersion": API_VERSION, "kind": "WeightReplica",
+        "metadata": {"name": "bench-target", "namespace": "default", "labels": {LABEL_NODE: node}},
+        "spec": {"modelLoad": "bench", "modelName": "bench", "version": "v", "nodeName": node, "device": "cpu"},
+    }  # fmt: skip
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    return Auth(token, token_subject(token.read_text()), cluster.kubeconfig)
+
+
+def start_source(
+    name: str, tensors: int, tensor_bytes: int, auth: Auth | None
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     cmd = [sys.executable, "-m", "ferry_agent.source_main", "--agent-name", name, "--tensors", str(tensors),
            "--tensor-bytes", str(tensor_bytes)]  # fmt: skip
     env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
+    if auth is not None:
+        cmd += ["--serve", "default/bench/v", "--worker-allowed-identity", auth.identity]
+        env["KUBECONFIG"] = str(auth.kubeconfig)
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -65,12 +105,13 @@ def timed(fn: Callable[[], Any], reps: int) -> list[float]:
     return out
 
 
-def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int) -> dict[str, Any]:
+def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int, auth: Auth | None) -> dict[str, Any]:
     tensors = max(1, size // tensor_bytes)
-    proc, info = start_source(f"bench-src-{uuid.uuid4().hex[:6]}", tensors, tensor_bytes)
+    proc, info = start_source(f"bench-src-{uuid.uuid4().hex[:6]}", tensors, tensor_bytes, auth)
+    credentials = TokenFile(auth.token) if auth is not None else None
     try:
         identity = SourceIdentity(info["agent_name"], info["instance_id"])
-        manifest = get_tensor_manifest(info["endpoint"], identity, timeout_s=30)
+        manifest = get_tensor_manifest(info["endpoint"], identity, timeout_s=30, credentials=credentials)
         target = ResidentWeights.allocate(manifest.specs, "cpu")
         for t in target.tensors.values():
             t.zero_()  # fault the pages in before timing
@@ -85,8 +126,9 @@ def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int) -> dict[str, 
             instance_id=info["instance_id"],
         )  # fmt: skip
         strategy = PeerStrategy(
-            peer=peer, candidates=lambda _: [cand], settings=TransferSettings(timeout_s=120), allocate=reuse
-        )
+            peer=peer, candidates=lambda _: [cand], settings=TransferSettings(timeout_s=120), allocate=reuse,
+            credentials=credentials,
+        )  # fmt: skip
         ctx = LoadContext(model="bench", version="v", rank=0, target_id="bench-target")
         peer_s = timed(lambda: strategy.load(ctx), reps)
         verified = target.content_sha256() == info["content_sha256"]
@@ -127,7 +169,8 @@ def markdown(report: dict[str, Any]) -> str:
         "# P2P throughput (NIXL READ over UCX, CPU memory, loopback netns)",
         "",
         f"{report['host']} · torch {report['torch']} · reps {report['reps']} (+1 warm-up) · "
-        f"tensors of {report['tensor_mib']} MiB · median (best) GB/s",
+        f"tensors of {report['tensor_mib']} MiB · median (best) GB/s · "
+        f"{'authenticated reader (TokenReview + assignment check)' if report['authenticated'] else 'open source'}",
         "",
         "| size | peer strategy | raw NIXL READ | memcpy | peer/raw | peer/memcpy | raw/memcpy | sha256 |",
         "|---|---|---|---|---|---|---|---|",
@@ -151,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tensor-mib", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--no-auth", action="store_true", help="read from an open source (no apiserver needed)")
     args = parser.parse_args(argv)
 
     interfaces = sorted(name for _, name in socket.if_nameindex())
@@ -163,17 +207,25 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     from ferry_agent.nixl_transfer import NixlPeer
 
-    peer = NixlPeer(f"bench-target-{uuid.uuid4().hex[:6]}")
-    try:
-        results = [bench_size(peer, parse_size(s), args.tensor_mib * MIB, args.reps) for s in args.sizes.split(",")]
-    finally:
-        peer.shutdown()
+    with contextlib.ExitStack() as stack:
+        auth = None
+        if not args.no_auth:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ferry-bench-p2p-")))
+            cluster, _ = stack.enter_context(local_stack(workdir, s3=False, controller_manager=False))
+            auth = authenticated(cluster, workdir)
+        peer = NixlPeer(f"bench-target-{uuid.uuid4().hex[:6]}")
+        try:
+            sizes = [parse_size(s) for s in args.sizes.split(",")]
+            results = [bench_size(peer, size, args.tensor_mib * MIB, args.reps, auth) for size in sizes]
+        finally:
+            peer.shutdown()
     report = {
         "host": f"{platform.node()} ({os.cpu_count()} cpus)",
         "torch": torch.__version__,
         "reps": args.reps,
         "tensor_mib": args.tensor_mib,
         "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
+        "authenticated": not args.no_auth,
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)

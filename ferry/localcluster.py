@@ -509,6 +509,47 @@ class LocalCluster:
             raise ClusterError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
         return proc
 
+    def pod_token(
+        self,
+        node: str,
+        audience: str,
+        path: Path,
+        *,
+        namespace: str = "ferry-system",
+        service_account: str = "ferry-agent",
+        pod: str | None = None,
+        duration_s: int = 3600,
+    ) -> Path:
+        """A real pod-bound service-account token, as the kubelet projects one into a Pod on `node`: a TokenRequest
+        bound to a Pod object with `spec.nodeName` (no kubelet runs it; it only has to exist, and its Node too, so
+        that the token carries `authentication.kubernetes.io/node-name`). Written to `path` (0600)."""
+        pod = pod or f"{service_account}-{node}"
+        objects = [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+            {
+                "apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": {"name": service_account, "namespace": namespace},
+            },
+            {
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "namespace": namespace},
+                "spec": {
+                    "nodeName": node, "serviceAccountName": service_account, "automountServiceAccountToken": False,
+                    "containers": [{"name": "agent", "image": "ferry-agent:test"}],
+                },
+            },
+        ]  # fmt: skip
+        if self.kubectl("get", "node", node, check=False).returncode != 0:
+            objects.insert(0, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
+        self.kubectl("apply", "-f", "-", input="\n".join(json.dumps(o) for o in objects))
+        token = self.kubectl(
+            "create", "token", service_account, "-n", namespace, f"--audience={audience}",
+            "--bound-object-kind=Pod", f"--bound-object-name={pod}", f"--duration={duration_s}s",
+        ).stdout.strip()  # fmt: skip
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(token)
+        path.chmod(0o600)
+        return path
+
     def install_crds(self, crd_dir: Path = CRD_DIR, timeout: float = 60) -> None:
         files = sorted(crd_dir.glob("*.yaml"))
         for f in files:

@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 
 from ferry.kube import kube_client
-from ferry_agent import metrics
+from ferry_agent import metrics, worker_auth
 from ferry_agent.apiretry import bound_requests
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.node_agent import NodeAgent
@@ -65,12 +65,21 @@ def main(argv: list[str] | None = None) -> None:
         help="bound on each agreement step of a multi-rank replica (the other ranks wait in one while the first "
         "replays the chain from S3); a rank process that dies is noticed at once",
     )
+    worker_auth.add_arguments(parser)
     args = parser.parse_args(argv)
     if not args.node:
         parser.error("--node (or NODE_NAME) is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # each retry's warning; ours say it once
     api = bound_requests(kube_client())
+    try:
+        worker_token, auth = worker_auth.from_arguments(args, api)
+    except worker_auth.TokenMissing as exc:  # no worker token: exit now, with the reason
+        raise SystemExit(f"ferry-agent: {exc}") from exc
+    logging.getLogger("ferry.agent").info(
+        "worker readers: pod-bound tokens of %s; own token %s", ", ".join(sorted(auth.allowed_identities)),
+        args.worker_token_file,
+    )  # fmt: skip
     if args.metrics_port >= 0:
         port = metrics.serve(args.bind_address, args.metrics_port)
         logging.getLogger("ferry.agent").info("metrics on http://%s:%d/metrics", args.bind_address, port)
@@ -83,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         store=store,
         s3_endpoint=args.s3_endpoint,
         rank_timeout_s=args.rank_timeout_seconds,
+        worker_auth=auth,
+        worker_token=worker_token,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())

@@ -28,6 +28,8 @@ from ferry_agent.strategy import LoadContext, Outcome, SourceTransferError, Stra
 from ferry_agent.worker_service import (
     DEFAULT_RPC_TIMEOUT_S,
     DEFAULT_TRANSFER_TIMEOUT_S,
+    Credentials,
+    RetryPolicy,
     SourceIdentity,
     SourceManifest,
     prepare_tensor_read,
@@ -36,6 +38,8 @@ from ferry_agent.worker_service import (
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SOURCE_ATTEMPTS = 3
+DEFAULT_RPC_RETRIES = 3
+DEFAULT_RPC_BACKOFF_S = 0.5
 
 Progress = Callable[[int, int, str], None]  # (bytes_done, bytes_total, source label)
 
@@ -62,12 +66,19 @@ class TransferSettings:
     selector: str = "rendezvousHash"
     rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S  # one Worker RPC; the lease release always gets this much
     progress_interval_s: float = 1.0
+    rpc_retries: int = DEFAULT_RPC_RETRIES  # lease RPCs, on UNAVAILABLE only
+    rpc_backoff_s: float = DEFAULT_RPC_BACKOFF_S
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout_s", transfer_timeout_seconds(self.timeout_s))
         if not isinstance(self.max_source_attempts, int) or self.max_source_attempts < 1:
             raise ValueError(f"maxSourceAttempts must be a positive integer, got {self.max_source_attempts!r}")
         make_selector(self.selector)  # unknown selector names fail here, at configuration time
+        _ = self.retry  # invalid retry settings fail here too
+
+    @property
+    def retry(self) -> RetryPolicy:
+        return RetryPolicy(self.rpc_retries, float(self.rpc_backoff_s))
 
     @classmethod
     def from_spec(cls, transfer: Mapping[str, Any], **overrides: Any) -> TransferSettings:
@@ -76,6 +87,8 @@ class TransferSettings:
             timeout_s=transfer.get("timeoutSeconds"),  # type: ignore[arg-type]  # validated in __post_init__
             max_source_attempts=transfer.get("maxSourceAttempts", DEFAULT_MAX_SOURCE_ATTEMPTS),
             selector=transfer.get("selector", "rendezvousHash"),
+            rpc_retries=transfer.get("rpcRetries", DEFAULT_RPC_RETRIES),
+            rpc_backoff_s=transfer.get("rpcBackoffSeconds", DEFAULT_RPC_BACKOFF_S),
             **overrides,
         )
 
@@ -117,8 +130,18 @@ class TransferPeer(Protocol):
 
 
 class GrpcSourceClient:
-    def __init__(self, release_timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> None:
+    """Leases over gRPC; `credentials` is the reader's worker token (None only against an open test source)."""
+
+    def __init__(
+        self,
+        release_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+        *,
+        credentials: Credentials | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
         self._release_timeout_s = release_timeout_s
+        self._credentials = credentials
+        self._retry = retry or RetryPolicy()
 
     def prepare(self, candidate: SourceCandidate, *, reader: str, timeout_s: float) -> ReadLease:
         return prepare_tensor_read(
@@ -127,6 +150,8 @@ class GrpcSourceClient:
             reader=reader,
             timeout_s=timeout_s,
             release_timeout_s=self._release_timeout_s,
+            credentials=self._credentials,
+            retry=self._retry,
         )
 
 
@@ -176,6 +201,8 @@ def _reason(exc: BaseException) -> str:
             grpc.StatusCode.UNAVAILABLE: "SourceUnavailable",
             grpc.StatusCode.DEADLINE_EXCEEDED: "SourceRpcTimeout",
             grpc.StatusCode.FAILED_PRECONDITION: "SourceIdentityMismatch",
+            grpc.StatusCode.UNAUTHENTICATED: "Unauthenticated",
+            grpc.StatusCode.PERMISSION_DENIED: "PermissionDenied",
         }.get(code, "SourceRpcFailed")
     if isinstance(exc, ManifestMismatchError):
         return "ManifestMismatch"
@@ -204,11 +231,14 @@ class PeerStrategy:
         selector: Selector | None = None,
         enabled: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        credentials: Credentials | None = None,
     ) -> None:
         self.settings = settings or TransferSettings()
         self._peer = peer
         self._candidates = candidates
-        self._client = client or GrpcSourceClient(self.settings.rpc_timeout_s)
+        self._client = client or GrpcSourceClient(
+            self.settings.rpc_timeout_s, credentials=credentials, retry=self.settings.retry
+        )
         self._allocate = allocate
         self._progress = ProgressThrottle(progress, self.settings.progress_interval_s, clock)
         self._selector = selector or make_selector(self.settings.selector)

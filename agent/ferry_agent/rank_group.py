@@ -50,6 +50,8 @@ class RankLaunch:
     s3_endpoint: str | None = None
     seeds: Mapping[str, Path] | None = None
     timeout_s: float = 3600.0
+    worker_token_file: Path | None = None  # None: the rank's default (FERRY_WORKER_TOKEN_FILE)
+    worker_allowed_identities: tuple[str, ...] = ()
 
     def argv(self, rank: int, store: str) -> list[str]:
         args = [
@@ -65,6 +67,10 @@ class RankLaunch:
             args += ["--s3-endpoint", self.s3_endpoint]
         for version, path in (self.seeds or {}).items():
             args += ["--seed", f"{version}={path}" if version else str(path)]
+        if self.worker_token_file is not None:
+            args += ["--worker-token-file", str(self.worker_token_file)]
+        for identity in self.worker_allowed_identities:
+            args += ["--worker-allowed-identity", identity]
         return args
 
 

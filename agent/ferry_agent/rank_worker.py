@@ -26,11 +26,12 @@ from typing import Any
 import torch.distributed as dist
 
 from ferry.kube import kube_client
+from ferry_agent import worker_auth
 from ferry_agent.apiretry import bound_requests
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.ranks import TorchRankGroup
-from ferry_agent.replica_load import ApiSources, load_rank, rank_context, serve_rank, source_label
+from ferry_agent.replica_load import ApiSources, load_rank, rank_context, read_guard, serve_rank, source_label
 from ferry_agent.strategy import StrategyRecoveryError
 
 log = logging.getLogger("ferry.rank")
@@ -76,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, action="append", default=[], metavar="[VERSION=]PATH")
     p.add_argument("--timeout-seconds", type=float, default=3600.0, help="bound on every collective")
     p.add_argument("--parent-pid", type=int, help="the node agent's pid: this rank ends when the agent does")
+    worker_auth.add_arguments(p)
     return p
 
 
@@ -107,7 +109,9 @@ def _watch_leases(server: Any, report: Reporter, stop: threading.Event) -> None:
 def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
     if args.world_size < 1 or not 0 <= args.rank < args.world_size:
         raise SystemExit(f"rank {args.rank} is outside a world of {args.world_size}")
-    sources = ApiSources(bound_requests(kube_client()), args.namespace)
+    api = bound_requests(kube_client())
+    token, auth = worker_auth.from_arguments(args, api)
+    sources = ApiSources(api, args.namespace)
     spec = sources.replica(args.replica)["spec"]
     store = None
     if args.checkpoint_dir:
@@ -127,7 +131,7 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
         result = load_rank(
             group, ctx, sources=sources, spec=spec, configured=args.desired_version or None,
             peer=peer, store=store, s3_endpoint=args.s3_endpoint, seeds=dict(args.seed), progress=progress,
-            note=lambda text: report("note", message=text),
+            note=lambda text: report("note", message=text), credentials=token,
         )  # fmt: skip
     except Exception as exc:
         fatal = isinstance(exc, StrategyRecoveryError)
@@ -137,7 +141,10 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
         return 1
     finally:
         group.close()
-    server, entry = serve_rank(result.resident, peer, rank=args.rank, host=args.bind_address, spec=spec)
+    server, entry = serve_rank(
+        result.resident, peer, rank=args.rank, host=args.bind_address, spec=spec,
+        guard=read_guard(auth, args.namespace, spec),
+    )  # fmt: skip
     report(
         "serving", rank=args.rank, version=ctx.version, source=source_label(result), bytes=result.bytes_moved,
         entry=entry, attempts=[a.to_status() for a in ctx.attempts],

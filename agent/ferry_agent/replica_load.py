@@ -31,7 +31,8 @@ from ferry_agent.resident import ResidentWeights, spec_of
 from ferry_agent.s3_strategy import ObjectStorageStrategy
 from ferry_agent.sharding import rank_specs
 from ferry_agent.strategy import LoadContext, StrategyFailed
-from ferry_agent.worker_service import WorkerServer, serve_resident
+from ferry_agent.worker_auth import ReadGuard, ServedVersion, WorkerAuth
+from ferry_agent.worker_service import Credentials, WorkerServer, serve_resident
 
 log = logging.getLogger(__name__)
 PLURAL = "weightreplicas"
@@ -161,12 +162,25 @@ class ApiSources:
         return credentials_from_secret_data(data)
 
 
+def read_guard(auth: WorkerAuth | None, namespace: str, spec: Mapping[str, Any]) -> ReadGuard | None:
+    """What a replica's worker service admits: readers whose node is assigned its namespace/model/version."""
+    if auth is None:
+        return None
+    return auth.guard(ServedVersion(namespace, spec["modelName"], spec["version"]))
+
+
 def serve_rank(
-    resident: ResidentWeights, peer: NixlPeer, *, rank: int, host: str, spec: Mapping[str, Any]
+    resident: ResidentWeights,
+    peer: NixlPeer,
+    *,
+    rank: int,
+    host: str,
+    spec: Mapping[str, Any],
+    guard: ReadGuard | None,
 ) -> tuple[WorkerServer, dict[str, Any]]:
     """Publish a loaded rank as a P2P source: its worker service, and its `status.ranks[]` entry."""
     timeout_s = TransferSettings.from_spec(spec.get("transfer") or {}).timeout_s
-    server = serve_resident(resident, peer, rank=rank, host=host, transfer_timeout_s=timeout_s)
+    server = serve_resident(resident, peer, rank=rank, host=host, transfer_timeout_s=timeout_s, guard=guard)
     entry = {
         "rank": rank, "agentName": peer.name, "grpcEndpoint": server.endpoint, "metadataEndpoint": "",
         "tensorCount": resident.tensor_count, "manifestDigest": resident.digest, "state": "Ready",
@@ -203,6 +217,7 @@ def load_rank(
     seeds: Mapping[str, Path],
     progress: Progress,
     note: Callable[[str], None],
+    credentials: Credentials | None = None,
 ) -> Any:
     """Load this rank (`ctx` from `rank_context`) of a replica, agreeing on everything with the other ranks, and
     return the chain's result."""
@@ -212,7 +227,7 @@ def load_rank(
     strategies: dict[str, Any] = {
         "Peer": PeerStrategy(
             peer=peer, candidates=sources.candidates(version, replica, settings.timeout_s, note),
-            settings=settings, progress=progress,
+            settings=settings, progress=progress, credentials=credentials,
         ),
     }  # fmt: skip
     if store is not None:

@@ -3,6 +3,10 @@ and serves the Worker service on 127.0.0.1.
 
     python -m ferry_agent.source_main --agent-name src-a [--tensors 8 --tensor-bytes 524288 --seed 0]
 
+Unauthenticated by default: anyone who reaches the port may read. That is only for tests and benchmarks of the
+transfer path; the node agent never serves that way. With `--serve NAMESPACE/MODEL/VERSION` it checks readers
+exactly as an agent does (`worker_auth`, against the API of $KUBECONFIG).
+
 It prints one `FERRY-SOURCE {json}` line when ready (port, identity, manifest digest, content sha256)
 and then answers line commands on stdin with `FERRY-REPLY {json}`: `leases`, `drain SECONDS`, `resume`,
 `quit`. stdin EOF or SIGTERM stops it cleanly. Other output (NIXL logs) may share stdout, hence the
@@ -91,16 +95,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--lease-ttl", type=float, default=None, help="seconds; default from the transfer timeout")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--serve", metavar="NAMESPACE/MODEL/VERSION", help="authenticate readers for this version")
+    parser.add_argument("--worker-allowed-identity", action="append", default=[], metavar="USERNAME")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
 
     from ferry_agent.nixl_transfer import NixlPeer  # after torch: the NIXL import probes CUDA through it
 
+    guard = None
+    if args.serve:
+        from ferry.kube import kube_client
+        from ferry_agent.worker_auth import ServedVersion, WorkerAuth
+
+        namespace, model, version = args.serve.split("/")
+        auth = WorkerAuth.from_api(kube_client(), args.worker_allowed_identity)
+        guard = auth.guard(ServedVersion(namespace, model, version))
     weights = seeded_weights(args.seed, args.tensors, args.tensor_bytes, args.device)
     peer = NixlPeer(args.agent_name)
     server = serve_resident(
-        weights, peer, rank=args.rank, instance_id=args.instance_id, port=args.port, lease_ttl_s=args.lease_ttl
-    )
+        weights, peer, rank=args.rank, instance_id=args.instance_id, port=args.port, lease_ttl_s=args.lease_ttl,
+        guard=guard,
+    )  # fmt: skip
     identity = server.identity
 
     stop = threading.Event()

@@ -4,6 +4,10 @@ Semantics follow ModelExpress `worker_server.py` (reference §3.4): identity val
 UNAVAILABLE while draining, NOT_FOUND for an unknown or expired lease, lease TTL
 ceil(2*max(120, transfer timeout) + 30) seconds, lazy expiry, and `drain(timeout)` that re-opens the
 source and raises `TimeoutError` when readers do not finish in time.
+
+With a `ReadGuard` (`worker_auth`; what the node agent and its ranks always use) every call is authenticated
+first and a manifest or lease is granted only to an agent whose node is assigned the served version; without
+one (`guard=None`) the service is open, which only the standalone test/bench source (`source_main`) uses.
 """
 
 from __future__ import annotations
@@ -15,16 +19,19 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 
 from ferry_agent.nixl_transfer import ManifestMismatchError, NixlPeer, RemoteTensor, describe
 from ferry_agent.proto import worker_pb2, worker_pb2_grpc
 from ferry_agent.resident import ResidentWeights, TensorSpec, manifest_digest
+from ferry_agent.worker_auth import AccessDenied, ReadGuard, bearer_metadata
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DEFAULT_TRANSFER_TIMEOUT_S = 300.0
 DEFAULT_RPC_TIMEOUT_S = 5.0
@@ -51,6 +58,10 @@ class SourceDraining(RuntimeError):
     """The source is draining and grants no new reads."""
 
 
+class LeaseNotHeld(PermissionError):
+    """A release of a lease that another reader holds."""
+
+
 class TensorReadLeases:
     """Read leases of one rank. `clock` is the lease time source (injectable for tests)."""
 
@@ -67,12 +78,14 @@ class TensorReadLeases:
         self._clock = clock
         self._cond = threading.Condition()
         self._deadlines: dict[str, float] = {}
+        self._holders: dict[str, str] = {}  # lease id -> who acquired it ("" when unauthenticated)
         self._accepting = True
 
     def _prune(self) -> None:
         now = self._clock()
         for lease_id in [k for k, deadline in self._deadlines.items() if deadline <= now]:
             del self._deadlines[lease_id]
+            self._holders.pop(lease_id, None)
             log.warning("tensor read lease %s expired without release", lease_id)
         self._cond.notify_all()
 
@@ -81,20 +94,24 @@ class TensorReadLeases:
         with self._cond:
             return self._accepting
 
-    def acquire(self) -> str:
+    def acquire(self, holder: str = "") -> str:
         with self._cond:
             if not self._accepting:
                 raise SourceDraining("source is draining")
             self._prune()
             lease_id = uuid.uuid4().hex
             self._deadlines[lease_id] = self._clock() + self.ttl_s
+            self._holders[lease_id] = holder
             return lease_id
 
-    def release(self, lease_id: str) -> bool:
-        """False when the lease is unknown or already expired."""
+    def release(self, lease_id: str, holder: str = "") -> bool:
+        """False when the lease is unknown or already expired; `LeaseNotHeld` when `holder` did not acquire it."""
         with self._cond:
             self._prune()
+            if lease_id in self._deadlines and self._holders.get(lease_id, "") != holder:
+                raise LeaseNotHeld(f"tensor read lease {lease_id} is held by another reader")
             found = self._deadlines.pop(lease_id, None) is not None
+            self._holders.pop(lease_id, None)
             self._cond.notify_all()
             return found
 
@@ -153,9 +170,25 @@ def build_manifest(
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, manifest: worker_pb2.TensorManifest, leases: TensorReadLeases) -> None:
+    def __init__(
+        self, manifest: worker_pb2.TensorManifest, leases: TensorReadLeases, guard: ReadGuard | None = None
+    ) -> None:
         self._manifest = manifest
         self._leases = leases
+        self._guard = guard
+
+    def _admit(self, context: grpc.ServicerContext, *, read: bool) -> str:
+        """Who calls (the lease holder key; "" when unguarded). Runs before anything else, so a refused caller
+        learns nothing about this source, and never sees its NIXL metadata."""
+        if self._guard is None:
+            return ""
+        metadata = context.invocation_metadata()
+        try:
+            principal = self._guard.admit_read(metadata) if read else self._guard.admit_release(metadata)
+        except AccessDenied as exc:
+            log.warning("refused a worker call (%s): %s", exc.code.name, exc)
+            context.abort(exc.code, str(exc))
+        return principal.key
 
     def _validate(self, request_source: worker_pb2.SourceIdentity, context: grpc.ServicerContext) -> None:
         own = self._manifest.source
@@ -173,6 +206,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def GetTensorManifest(
         self, request: worker_pb2.GetTensorManifestRequest, context: grpc.ServicerContext
     ) -> worker_pb2.GetTensorManifestResponse:
+        self._admit(context, read=True)
         self._validate(request.source, context)
         if not self._leases.accepting:
             context.abort(grpc.StatusCode.UNAVAILABLE, "source is draining")
@@ -181,12 +215,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def PrepareTensorRead(
         self, request: worker_pb2.PrepareTensorReadRequest, context: grpc.ServicerContext
     ) -> worker_pb2.PrepareTensorReadResponse:
+        holder = self._admit(context, read=True)
         self._validate(request.source, context)
         try:
-            lease_id = self._leases.acquire()
+            lease_id = self._leases.acquire(holder)
         except SourceDraining:
             context.abort(grpc.StatusCode.UNAVAILABLE, "source is draining")
-        log.info("tensor read lease %s granted to %s", lease_id, request.reader or "?")
+        log.info("tensor read lease %s granted to %s (%s)", lease_id, request.reader or "?", holder or "open")
         return worker_pb2.PrepareTensorReadResponse(
             lease_id=lease_id, ttl_seconds=self._leases.ttl_s, manifest=self._manifest
         )
@@ -194,8 +229,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def ReleaseTensorRead(
         self, request: worker_pb2.ReleaseTensorReadRequest, context: grpc.ServicerContext
     ) -> worker_pb2.ReleaseTensorReadResponse:
+        holder = self._admit(context, read=False)
         self._validate(request.source, context)
-        if not self._leases.release(request.lease_id):
+        try:
+            found = self._leases.release(request.lease_id, holder)
+        except LeaseNotHeld as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        if not found:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no active tensor read lease {request.lease_id!r}")
         return worker_pb2.ReleaseTensorReadResponse()
 
@@ -212,11 +252,12 @@ class WorkerServer:
         port: int = 0,
         host: str = "127.0.0.1",
         max_workers: int = 4,
+        guard: ReadGuard | None = None,
     ) -> None:
         self.leases = leases or TensorReadLeases()
         self.identity = SourceIdentity(manifest.source.agent_name, manifest.source.instance_id)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_GRPC_OPTIONS)
-        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(manifest, self.leases), self._server)
+        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(manifest, self.leases, guard), self._server)
         self.host = host
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         if not self.port:
@@ -247,14 +288,16 @@ def serve_resident(
     host: str = "127.0.0.1",
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
     lease_ttl_s: float | None = None,
+    guard: ReadGuard | None = None,
 ) -> WorkerServer:
     """Publish loaded weights as a P2P source: register them (once), serve their manifest and read leases,
-    and pump NIXL progress so targets can connect. Stop with `server.stop()` then `peer.stop_progress()`."""
+    and pump NIXL progress so targets can connect. Stop with `server.stop()` then `peer.stop_progress()`.
+    `guard` None serves anyone: only for the standalone test/bench source."""
     peer.register(resident)
     identity = SourceIdentity(peer.name, instance_id or uuid.uuid4().hex)
     manifest = build_manifest(resident, identity=identity, rank=rank, nixl_metadata=peer.metadata())
     leases = TensorReadLeases(lease_ttl_s, transfer_timeout_s=transfer_timeout_s)
-    server = WorkerServer(manifest, leases=leases, port=port, host=host)
+    server = WorkerServer(manifest, leases=leases, port=port, host=host, guard=guard)
     peer.start_progress()
     server.start()
     return server
@@ -315,6 +358,48 @@ def _stub(endpoint: str) -> Iterator[worker_pb2_grpc.WorkerStub]:
         channel.close()
 
 
+Connect = Callable[[str], AbstractContextManager[Any]]  # endpoint -> a Worker stub for one call
+Credentials = Callable[[], str]  # the reader's bearer token, read again for every call (it rotates)
+TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Lease RPCs retried on a transient error (UNAVAILABLE: a restarting or briefly unreachable source, or one
+    that cannot reach the API to check the reader): up to `retries` more attempts, waiting `backoff_s`, then
+    twice that, and so on. Anything else fails at once."""
+
+    retries: int = 0
+    backoff_s: float = 0.5
+    sleep: Callable[[float], None] = field(default=time.sleep, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.retries, int) or self.retries < 0:
+            raise ValueError(f"rpcRetries must be a non-negative integer, got {self.retries!r}")
+        if not self.backoff_s >= 0:
+            raise ValueError(f"rpcBackoffSeconds must be >= 0, got {self.backoff_s!r}")
+
+    def call(self, attempt: Callable[[], _T], what: str) -> _T:
+        for n in range(self.retries + 1):
+            try:
+                return attempt()
+            except grpc.RpcError as exc:
+                code = exc.code() if callable(getattr(exc, "code", None)) else None
+                if code not in TRANSIENT_CODES or n == self.retries:
+                    raise
+                delay = self.backoff_s * 2**n
+                log.info("%s: %s, retry %d/%d in %.2fs", what, code.name, n + 1, self.retries, delay)
+                self.sleep(delay)
+        raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+NO_RETRY = RetryPolicy()
+
+
+def _metadata(credentials: Credentials | None) -> tuple[tuple[str, str], ...] | None:
+    return bearer_metadata(credentials()) if credentials is not None else None
+
+
 def _check_identity(manifest: SourceManifest, expected: SourceIdentity) -> None:
     got = manifest.identity
     if got.agent_name != expected.agent_name or (expected.instance_id and got.instance_id != expected.instance_id):
@@ -322,11 +407,18 @@ def _check_identity(manifest: SourceManifest, expected: SourceIdentity) -> None:
 
 
 def get_tensor_manifest(
-    endpoint: str, identity: SourceIdentity, *, timeout_s: float = DEFAULT_RPC_TIMEOUT_S
+    endpoint: str,
+    identity: SourceIdentity,
+    *,
+    timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+    credentials: Credentials | None = None,
+    connect: Connect = _stub,
 ) -> SourceManifest:
-    with _stub(endpoint) as stub:
+    with connect(endpoint) as stub:
         response = stub.GetTensorManifest(
-            worker_pb2.GetTensorManifestRequest(source=identity.to_proto()), timeout=timeout_s
+            worker_pb2.GetTensorManifestRequest(source=identity.to_proto()),
+            timeout=timeout_s,
+            metadata=_metadata(credentials),
         )
     manifest = SourceManifest.from_proto(response.manifest)
     _check_identity(manifest, identity)
@@ -334,12 +426,24 @@ def get_tensor_manifest(
 
 
 def release_tensor_read(
-    endpoint: str, identity: SourceIdentity, lease_id: str, *, timeout_s: float = DEFAULT_RPC_TIMEOUT_S
+    endpoint: str,
+    identity: SourceIdentity,
+    lease_id: str,
+    *,
+    timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+    credentials: Credentials | None = None,
+    retry: RetryPolicy = NO_RETRY,
+    connect: Connect = _stub,
 ) -> None:
-    with _stub(endpoint) as stub:
-        stub.ReleaseTensorRead(
-            worker_pb2.ReleaseTensorReadRequest(source=identity.to_proto(), lease_id=lease_id), timeout=timeout_s
-        )
+    def attempt() -> None:
+        with connect(endpoint) as stub:
+            stub.ReleaseTensorRead(
+                worker_pb2.ReleaseTensorReadRequest(source=identity.to_proto(), lease_id=lease_id),
+                timeout=timeout_s,
+                metadata=_metadata(credentials),
+            )
+
+    retry.call(attempt, f"ReleaseTensorRead at {endpoint}")
 
 
 class TensorReadLease:
@@ -354,6 +458,9 @@ class TensorReadLease:
         manifest: SourceManifest,
         *,
         release_timeout_s: float,
+        credentials: Credentials | None = None,
+        retry: RetryPolicy = NO_RETRY,
+        connect: Connect = _stub,
     ) -> None:
         self.endpoint = endpoint
         self.identity = identity
@@ -361,6 +468,9 @@ class TensorReadLease:
         self.ttl_s = ttl_s
         self.manifest = manifest
         self._release_timeout_s = release_timeout_s
+        self._credentials = credentials
+        self._retry = retry
+        self._connect = connect
         self._closed = False
 
     def close(self) -> None:
@@ -368,7 +478,10 @@ class TensorReadLease:
         if self._closed:
             return
         self._closed = True
-        release_tensor_read(self.endpoint, self.identity, self.lease_id, timeout_s=self._release_timeout_s)
+        release_tensor_read(
+            self.endpoint, self.identity, self.lease_id, timeout_s=self._release_timeout_s,
+            credentials=self._credentials, retry=self._retry, connect=self._connect,
+        )  # fmt: skip
 
 
 def prepare_tensor_read(
@@ -378,21 +491,33 @@ def prepare_tensor_read(
     reader: str = "",
     timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
     release_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+    credentials: Credentials | None = None,
+    retry: RetryPolicy = NO_RETRY,
+    connect: Connect = _stub,
 ) -> TensorReadLease:
-    with _stub(endpoint) as stub:
-        response = stub.PrepareTensorRead(
-            worker_pb2.PrepareTensorReadRequest(source=identity.to_proto(), reader=reader), timeout=timeout_s
-        )
+    def attempt() -> worker_pb2.PrepareTensorReadResponse:
+        with connect(endpoint) as stub:
+            return stub.PrepareTensorRead(
+                worker_pb2.PrepareTensorReadRequest(source=identity.to_proto(), reader=reader),
+                timeout=timeout_s,
+                metadata=_metadata(credentials),
+            )
+
+    response = retry.call(attempt, f"PrepareTensorRead at {endpoint}")
     try:
         manifest = SourceManifest.from_proto(response.manifest)
         _check_identity(manifest, identity)
     except BaseException:
         # A lease granted with a response we reject must not be left to expire.
         try:
-            release_tensor_read(endpoint, identity, response.lease_id, timeout_s=release_timeout_s)
+            release_tensor_read(
+                endpoint, identity, response.lease_id, timeout_s=release_timeout_s,
+                credentials=credentials, retry=retry, connect=connect,
+            )  # fmt: skip
         except Exception as exc:
             log.warning("releasing rejected lease %s at %s failed: %s", response.lease_id, endpoint, exc)
         raise
     return TensorReadLease(
-        endpoint, identity, response.lease_id, response.ttl_seconds, manifest, release_timeout_s=release_timeout_s
-    )
+        endpoint, identity, response.lease_id, response.ttl_seconds, manifest, release_timeout_s=release_timeout_s,
+        credentials=credentials, retry=retry, connect=connect,
+    )  # fmt: skip

@@ -92,6 +92,19 @@ class TransferSpec(_Model):
     maxSourceAttempts: int = Field(default=3, ge=1, le=16, description="Peers tried before falling back.")
     selector: SelectorKind = SelectorKind.RENDEZVOUS_HASH
     stallSeconds: int = Field(default=60, ge=1, le=86400, description="No progress for this long is a stall.")
+    rpcRetries: int = Field(
+        default=3,
+        ge=0,
+        le=10,
+        description="Retries of a read-lease RPC (PrepareTensorRead/ReleaseTensorRead) that failed with a transient "
+        "error (UNAVAILABLE), before the source counts as failed.",
+    )
+    rpcBackoffSeconds: float = Field(
+        default=0.5,
+        ge=0,
+        le=30,
+        description="Wait before the first lease RPC retry; each further retry waits twice as long.",
+    )
 
 
 # ---------------------------------------------------------------- WeightVersion
@@ -411,6 +424,8 @@ RESOURCES: list[type[_Model]] = [WeightVersion, ModelLoad, WeightReplica]
 LABEL_MODEL = f"{GROUP}/model"
 LABEL_VERSION = f"{GROUP}/version"
 LABEL_NODE = f"{GROUP}/node"
+# The audience of the projected service-account token an agent presents to other agents' worker services.
+WORKER_AUDIENCE = f"{GROUP}/worker"
 LABEL_MODELLOAD = f"{GROUP}/modelload"
 REPLICA_LEASE_PREFIX = "ferry-wr-"
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 from wvutil import get, wait_for
@@ -13,6 +14,10 @@ from wvutil import get, wait_for
 from ferry.api.models import API_VERSION
 from ferry.localcluster import ManagedProcess
 from ferry_agent.registry import LABEL_MODEL, LABEL_NODE, LABEL_VERSION
+from ferry_agent.worker_auth import WORKER_AUDIENCE, TokenFile
+
+# node -> the worker token of the agent started for it (what a reader on that node would hold)
+NODE_TOKENS: dict[str, Path] = {}
 
 
 def content_sha256(tensors: dict[str, torch.Tensor]) -> str:
@@ -48,7 +53,10 @@ def replica(cluster, namespace: str, name: str, node_name: str, version: str, ra
 def start_agent(
     cluster, tmp_path, node_name: str, *seeds: str, retry_seconds: float = 1.0, lease_seconds: int = 3, s3=None
 ) -> ManagedProcess:
-    """An agent process for one node; with `s3`, it has a checkpoint store of its own and reads that S3."""
+    """An agent process for one node; with `s3`, it has a checkpoint store of its own and reads that S3. It holds a
+    real worker token bound to a Pod on that node, as the chart's projected volume gives it."""
+    token = cluster.pod_token(node_name, WORKER_AUDIENCE, tmp_path / f"worker-token-{node_name}")
+    NODE_TOKENS[node_name] = token
     argv = [
         sys.executable,
         "-m",
@@ -63,6 +71,8 @@ def start_agent(
         str(retry_seconds),
         "--metrics-port",
         "0",
+        "--worker-token-file",
+        str(token),
     ]
     for seed in seeds:
         argv += ["--seed", seed]
@@ -81,13 +91,22 @@ def wait_phase(cluster, namespace, name, phase, proc, timeout=60):
     )  # fmt: skip
 
 
-def read_back(rank_entry: dict, replica_name: str) -> str:
+def read_back(rank_entry: dict, replica_name: str, token: Path | None = None) -> str:
     """Pull one rank of a replica over NIXL as an independent reader; the content sha256 of what it serves."""
-    return content_sha256(pull(rank_entry, replica_name))
+    return content_sha256(pull(rank_entry, replica_name, token))
 
 
-def pull(rank_entry: dict, replica_name: str) -> dict[str, torch.Tensor]:
-    """A copy of what one rank of a replica serves, read over NIXL by an independent reader."""
+def serving_node_token(agent_name: str) -> Path:
+    """The worker token of the agent that serves as `agent_name` (`<node>-<id>[-r<rank>]`): a reader on that node,
+    whose own replica is assigned the version, may read it."""
+    nodes = [n for n in NODE_TOKENS if agent_name.startswith(f"{n}-")]
+    assert nodes, f"no test agent started for {agent_name}"
+    return NODE_TOKENS[max(nodes, key=len)]
+
+
+def pull(rank_entry: dict, replica_name: str, token: Path | None = None) -> dict[str, torch.Tensor]:
+    """A copy of what one rank of a replica serves, read over NIXL by an independent reader holding `token`
+    (default: the serving node's worker token)."""
     from ferry_agent.candidate import SourceCandidate
     from ferry_agent.nixl_transfer import NixlPeer
     from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
@@ -96,7 +115,10 @@ def pull(rank_entry: dict, replica_name: str) -> dict[str, torch.Tensor]:
     reader = NixlPeer(f"reader-{os.getpid()}-{replica_name}")
     rank = rank_entry["rank"]
     cand = SourceCandidate(replica_name, rank, rank_entry["agentName"], rank_entry["grpcEndpoint"])
-    strategy = PeerStrategy(peer=reader, candidates=lambda ctx: [cand], settings=TransferSettings(timeout_s=30))
+    credentials = TokenFile(token or serving_node_token(rank_entry["agentName"]))
+    strategy = PeerStrategy(
+        peer=reader, candidates=lambda ctx: [cand], settings=TransferSettings(timeout_s=30), credentials=credentials
+    )
     try:
         result = strategy.load(LoadContext(model="m", version="any", rank=rank, target_id=f"reader-{replica_name}"))
         tensors = {name: t.clone() for name, t in result.resident.tensors.items()}

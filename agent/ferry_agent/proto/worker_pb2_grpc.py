@@ -26,7 +26,13 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Authentication (checked before anything else, so a refused caller gets no manifest and no NIXL metadata): every
+    call carries `authorization: Bearer <token>`, a projected service-account token with audience ferry.dev/worker
+    bound to the reader agent's Pod. No token, or one TokenReview rejects -> UNAUTHENTICATED; a user that is not an
+    allowed agent identity, a token without the node-name extra, or (manifest, lease) a node with no WeightReplica
+    assigned the served namespace/model/version -> PERMISSION_DENIED; the API unreachable -> UNAVAILABLE. Only the
+    reader that took a lease may release it (else PERMISSION_DENIED). See ferry_agent/worker_auth.py.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,7 +58,13 @@ class WorkerStub:
 
 
 class WorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Authentication (checked before anything else, so a refused caller gets no manifest and no NIXL metadata): every
+    call carries `authorization: Bearer <token>`, a projected service-account token with audience ferry.dev/worker
+    bound to the reader agent's Pod. No token, or one TokenReview rejects -> UNAUTHENTICATED; a user that is not an
+    allowed agent identity, a token without the node-name extra, or (manifest, lease) a node with no WeightReplica
+    assigned the served namespace/model/version -> PERMISSION_DENIED; the API unreachable -> UNAVAILABLE. Only the
+    reader that took a lease may release it (else PERMISSION_DENIED). See ferry_agent/worker_auth.py.
+    """
 
     def GetTensorManifest(self, request, context):
         """UNAVAILABLE while draining.
@@ -103,7 +115,13 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Missing associated documentation comment in .proto file."""
+    """Authentication (checked before anything else, so a refused caller gets no manifest and no NIXL metadata): every
+    call carries `authorization: Bearer <token>`, a projected service-account token with audience ferry.dev/worker
+    bound to the reader agent's Pod. No token, or one TokenReview rejects -> UNAUTHENTICATED; a user that is not an
+    allowed agent identity, a token without the node-name extra, or (manifest, lease) a node with no WeightReplica
+    assigned the served namespace/model/version -> PERMISSION_DENIED; the API unreachable -> UNAVAILABLE. Only the
+    reader that took a lease may release it (else PERMISSION_DENIED). See ferry_agent/worker_auth.py.
+    """
 
     @staticmethod
     def GetTensorManifest(request,

@@ -1,0 +1,396 @@
+"""Who may read weights from a worker service: authenticated agents, for versions their own node is assigned.
+
+A reader sends a projected service-account token (audience `ferry.dev/worker`, bound to its Pod) as
+`authorization: Bearer <token>` on every call. The server
+
+1. verifies the token with a TokenReview for that audience (cached by token hash: 60 s on success, 2 s on
+   failure), and refuses anything not authenticated with `UNAUTHENTICATED`;
+2. requires the reviewed user to be an allowed agent identity and to carry the node-name extra that pod-bound
+   tokens have (`authentication.kubernetes.io/node-name`), else `PERMISSION_DENIED`;
+3. for a manifest or a lease (both hand out NIXL metadata), requires a WeightReplica with `spec.nodeName` == the
+   reader's node to be assigned the served namespace/model/version, else `PERMISSION_DENIED`; checked on every
+   call against the API's WeightReplicas (a watched view, milliseconds behind; a direct read while the view is
+   not in sync);
+4. releases a lease only for the principal that holds it.
+
+An API error while checking is `UNAVAILABLE` (transient: the reader retries, then tries another source).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+from kubernetes import client, watch
+
+from ferry.api.models import GROUP, LABEL_NODE, VERSION, WORKER_AUDIENCE
+
+DEFAULT_TOKEN_FILE = Path("/var/run/secrets/ferry.dev/worker/token")
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+SUCCESS_TTL_S = 60.0
+FAILURE_TTL_S = 2.0
+PLURAL = "weightreplicas"
+log = logging.getLogger(__name__)
+_BEARER = "bearer "
+
+
+class AccessDenied(Exception):
+    """A refused call: `code` is the gRPC status the server answers with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ---------------------------------------------------------------------------------------------- reader side
+
+
+class TokenFile:
+    """The reader's credential: a projected token the kubelet rotates, so it is read again on every call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def __call__(self) -> str:
+        try:
+            token = self.path.read_text().strip()
+        except OSError as exc:
+            raise TokenMissing(f"worker token {self.path} cannot be read: {exc.strerror or exc}") from exc
+        if not token:
+            raise TokenMissing(f"worker token {self.path} is empty")
+        return token
+
+
+class TokenMissing(RuntimeError):
+    """The agent's worker token is not there (no projected volume?)."""
+
+
+def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+def token_subject(token: str) -> str:
+    """The `sub` claim of a JWT, unverified: only to default the allowed identity to the agent's own."""
+    try:
+        payload = token.split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+        subject = claims["sub"]
+    except (IndexError, KeyError, ValueError, TypeError, binascii.Error) as exc:
+        raise ValueError("the worker token is not a JWT with a `sub` claim") from exc
+    if not isinstance(subject, str) or not subject:
+        raise ValueError("the worker token has an empty `sub` claim")
+    return subject
+
+
+# ---------------------------------------------------------------------------------------------- server side
+
+
+@dataclass(frozen=True)
+class Review:
+    """What a TokenReview said about a token."""
+
+    authenticated: bool
+    username: str = ""
+    extra: Mapping[str, Sequence[str]] | None = None
+    error: str = ""
+
+
+class Reviewer(Protocol):
+    def review(self, token: str) -> Review:
+        """Raises on API errors (not cached, answered UNAVAILABLE)."""
+
+
+class TokenReviewer:
+    """A TokenReview against the Kubernetes API for the worker audience."""
+
+    def __init__(self, api: client.ApiClient, audience: str = WORKER_AUDIENCE) -> None:
+        self._auth = client.AuthenticationV1Api(api)
+        self._audience = audience
+
+    def review(self, token: str) -> Review:
+        body = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[self._audience]))
+        status = self._auth.create_token_review(body).status
+        if not status or not status.authenticated:
+            return Review(False, error=(status.error if status else "") or "token not authenticated")
+        if self._audience not in (status.audiences or []):
+            return Review(False, error=f"token is not for audience {self._audience}")
+        user = status.user
+        return Review(True, username=user.username or "", extra=user.extra or {})
+
+
+class CachedReviewer:
+    """Reviews keyed by the token's sha256: a success for `ok_ttl_s`, a refusal for `fail_ttl_s`."""
+
+    def __init__(
+        self,
+        reviewer: Reviewer,
+        *,
+        ok_ttl_s: float = SUCCESS_TTL_S,
+        fail_ttl_s: float = FAILURE_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._reviewer = reviewer
+        self._ok_ttl_s = ok_ttl_s
+        self._fail_ttl_s = fail_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[float, Review]] = {}
+
+    def review(self, token: str) -> Review:
+        key = hashlib.sha256(token.encode()).hexdigest()
+        now = self._clock()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None and hit[0] > now:
+                return hit[1]
+            for stale in [k for k, (until, _) in self._cache.items() if until <= now]:
+                del self._cache[stale]
+        result = self._reviewer.review(token)  # outside the lock: one slow review must not stall every reader
+        ttl = self._ok_ttl_s if result.authenticated else self._fail_ttl_s
+        with self._lock:
+            self._cache[key] = (self._clock() + ttl, result)
+        return result
+
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated agent on one node."""
+
+    username: str
+    node: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.username}@{self.node}"
+
+
+@dataclass(frozen=True)
+class ServedVersion:
+    """What one worker service serves; a reader's node must have a WeightReplica assigned exactly this."""
+
+    namespace: str
+    model: str
+    version: str
+
+
+class Assignments(Protocol):
+    def assigned(self, node: str, served: ServedVersion) -> bool:
+        """Raises on API errors."""
+
+
+class ApiAssignments:
+    """WeightReplicas read from the API for one grant (from the apiserver's watch cache: resourceVersion 0)."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self._objects = client.CustomObjectsApi(api)
+
+    def assigned(self, node: str, served: ServedVersion) -> bool:
+        # The label narrows the list; the spec decides (labels are not what the operator schedules by).
+        items = self._objects.list_namespaced_custom_object(
+            GROUP, VERSION, served.namespace, PLURAL, label_selector=f"{LABEL_NODE}={node}", resource_version="0"
+        )["items"]
+        return any(_assigns(wr, node, served) for wr in items)
+
+
+class WatchedAssignments:
+    """The WeightReplicas of each served namespace, kept current by a list + watch (milliseconds behind the API), so
+    a grant costs no API round trip (one would be ~1 ms, a few % of a 256 MiB transfer). While a namespace's watch is
+    not in sync (its first moments, after any error) every grant reads the API instead (`ApiAssignments`). A watch
+    that delivers nothing is cut after `WATCH_READ_TIMEOUT_S` and relisted, which bounds how stale a silently
+    partitioned view can be."""
+
+    def __init__(self, api: client.ApiClient, direct: Assignments | None = None) -> None:
+        self._objects = client.CustomObjectsApi(api)
+        self._direct = direct or ApiAssignments(api)
+        self._lock = threading.Lock()
+        self._views: dict[str, _NamespaceView] = {}
+
+    def assigned(self, node: str, served: ServedVersion) -> bool:
+        with self._lock:
+            view = self._views.get(served.namespace)
+            if view is None:
+                view = self._views[served.namespace] = _NamespaceView(self._objects, served.namespace)
+        replicas = view.snapshot()
+        if replicas is None:
+            return self._direct.assigned(node, served)
+        return any(_assigns(wr, node, served) for wr in replicas)
+
+
+WATCH_SECONDS = 60  # the server ends each watch after this; the view then relists
+WATCH_READ_TIMEOUT_S = 90.0
+
+
+class _NamespaceView:
+    def __init__(self, objects: client.CustomObjectsApi, namespace: str) -> None:
+        self._objects = objects
+        self._namespace = namespace
+        self._lock = threading.Lock()
+        self._items: dict[str, Mapping[str, Any]] | None = None  # None: not in sync
+        threading.Thread(target=self._run, name=f"ferry-assignments-{namespace}", daemon=True).start()
+
+    def snapshot(self) -> list[Mapping[str, Any]] | None:
+        with self._lock:
+            return None if self._items is None else list(self._items.values())
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._list_and_watch()
+            except Exception as exc:  # out of sync until the next list succeeds: grants read the API meanwhile
+                with self._lock:
+                    self._items = None
+                log.info("watch of WeightReplicas in %s ended: %s", self._namespace, type(exc).__name__)
+                time.sleep(1.0)
+
+    def _list_and_watch(self) -> None:
+        listed = self._objects.list_namespaced_custom_object(GROUP, VERSION, self._namespace, PLURAL)
+        with self._lock:
+            self._items = {wr["metadata"]["name"]: wr for wr in listed["items"]}
+        for event in watch.Watch().stream(
+            self._objects.list_namespaced_custom_object, GROUP, VERSION, self._namespace, PLURAL,
+            resource_version=listed["metadata"]["resourceVersion"], timeout_seconds=WATCH_SECONDS,
+            _request_timeout=WATCH_READ_TIMEOUT_S,
+        ):  # fmt: skip
+            obj = event["object"]
+            if event["type"] == "ERROR" or not isinstance(obj, Mapping) or "metadata" not in obj:
+                raise RuntimeError(f"watch error: {obj}")  # e.g. 410 Gone: relist
+            with self._lock:
+                if event["type"] == "DELETED":
+                    self._items.pop(obj["metadata"]["name"], None)
+                else:
+                    self._items[obj["metadata"]["name"]] = obj
+
+
+def _assigns(wr: Mapping[str, Any], node: str, served: ServedVersion) -> bool:
+    spec = wr.get("spec") or {}
+    return (
+        not (wr.get("metadata") or {}).get("deletionTimestamp")
+        and spec.get("nodeName") == node
+        and spec.get("version") == served.version
+        and spec.get("modelName") == served.model
+    )
+
+
+def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key.lower() == "authorization" and isinstance(value, str) and value.lower().startswith(_BEARER):
+            return value[len(_BEARER) :].strip() or None
+    return None
+
+
+class WorkerAuth:
+    """Authentication and authorization shared by every worker service of one agent process."""
+
+    def __init__(self, reviewer: Reviewer, assignments: Assignments, allowed_identities: Iterable[str]) -> None:
+        self._reviewer = reviewer
+        self._assignments = assignments
+        self.allowed_identities = frozenset(allowed_identities)
+        if not self.allowed_identities:
+            raise ValueError("at least one allowed worker identity is required")
+
+    @classmethod
+    def from_api(cls, api: client.ApiClient, allowed_identities: Iterable[str]) -> WorkerAuth:
+        return cls(CachedReviewer(TokenReviewer(api)), WatchedAssignments(api), allowed_identities)
+
+    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Principal:
+        token = _bearer(metadata)
+        if token is None:
+            raise AccessDenied(
+                grpc.StatusCode.UNAUTHENTICATED, "a bearer token (audience ferry.dev/worker) is required"
+            )
+        try:
+            result = self._reviewer.review(token)
+        except Exception as exc:
+            raise AccessDenied(grpc.StatusCode.UNAVAILABLE, f"cannot review the token: {type(exc).__name__}") from exc
+        if not result.authenticated:
+            raise AccessDenied(grpc.StatusCode.UNAUTHENTICATED, f"token rejected: {result.error}")
+        if result.username not in self.allowed_identities:
+            raise AccessDenied(grpc.StatusCode.PERMISSION_DENIED, f"{result.username} is not a Ferry agent identity")
+        nodes = list((result.extra or {}).get(NODE_NAME_EXTRA) or [])
+        if len(nodes) != 1 or not nodes[0]:
+            raise AccessDenied(
+                grpc.StatusCode.PERMISSION_DENIED, "the token is not bound to a pod on a node (no node-name extra)"
+            )
+        return Principal(result.username, nodes[0])
+
+    def authorize_read(self, principal: Principal, served: ServedVersion) -> None:
+        try:
+            ok = self._assignments.assigned(principal.node, served)
+        except Exception as exc:
+            raise AccessDenied(
+                grpc.StatusCode.UNAVAILABLE, f"cannot check replica assignments: {type(exc).__name__}"
+            ) from exc
+        if not ok:
+            raise AccessDenied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"no WeightReplica on node {principal.node} is assigned {served.namespace}/{served.version}",
+            )
+
+    def guard(self, served: ServedVersion) -> ReadGuard:
+        return ReadGuard(self, served)
+
+
+class ReadGuard:
+    """The checks of one worker service: it serves `served` and nothing else."""
+
+    def __init__(self, auth: WorkerAuth, served: ServedVersion) -> None:
+        self._auth = auth
+        self.served = served
+
+    def admit_read(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Principal:
+        """For a manifest or a lease: an allowed agent whose node is assigned the served version."""
+        principal = self._auth.authenticate(metadata)
+        self._auth.authorize_read(principal, self.served)
+        return principal
+
+    def admit_release(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Principal:
+        """For a release: an allowed agent; the service then checks it holds the lease."""
+        return self._auth.authenticate(metadata)
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The worker-auth flags of the agent and of its rank processes."""
+    parser.add_argument(
+        "--worker-token-file",
+        type=Path,
+        default=Path(os.environ.get("FERRY_WORKER_TOKEN_FILE") or DEFAULT_TOKEN_FILE),
+        help="projected service-account token (audience ferry.dev/worker) sent to peers on every worker call; "
+        f"read again each call (env FERRY_WORKER_TOKEN_FILE, default {DEFAULT_TOKEN_FILE})",
+    )
+    parser.add_argument(
+        "--worker-allowed-identity",
+        action="append",
+        default=[],
+        metavar="USERNAME",
+        help="a user (as TokenReview reports it) whose pod-bound tokens may read from this agent; repeatable "
+        "(default: the `sub` of this agent's own worker token, i.e. its service account)",
+    )
+
+
+def from_arguments(args: argparse.Namespace, api: client.ApiClient) -> tuple[TokenFile, WorkerAuth]:
+    """The reader's credential and the server's checks; `TokenMissing` says what to mount when there is no token."""
+    token = TokenFile(args.worker_token_file)
+    try:
+        current = token()
+        identities = args.worker_allowed_identity or [token_subject(current)]
+    except (TokenMissing, ValueError) as exc:
+        raise TokenMissing(
+            f"{exc}; mount a projected service-account token with audience {WORKER_AUDIENCE} there "
+            "(the chart does) or pass --worker-token-file"
+        ) from exc
+    return token, WorkerAuth.from_api(api, identities)

@@ -1,0 +1,68 @@
+"""`worker_auth` against the real apiserver: TokenReview of real pod-bound tokens (audience, node-name extra,
+revocation with the Pod) and the watched WeightReplica assignments."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+from ferry.api.models import API_VERSION, LABEL_NODE, WORKER_AUDIENCE
+from ferry_agent.worker_auth import NODE_NAME_EXTRA, ServedVersion, TokenReviewer, WatchedAssignments
+
+pytestmark = pytest.mark.cluster
+
+
+def _eventually(predicate, what: str, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_token_review_of_pod_bound_tokens(cluster, kube, tmp_path) -> None:
+    reviewer = TokenReviewer(kube)
+    node = f"n-{uuid.uuid4().hex[:6]}"
+    good = cluster.pod_token(node, WORKER_AUDIENCE, tmp_path / "good").read_text()
+    review = reviewer.review(good)
+    assert review.authenticated and review.username == "system:serviceaccount:ferry-system:ferry-agent"
+    assert review.extra[NODE_NAME_EXTRA] == [node]
+
+    other = cluster.pod_token(node, "ferry.dev/other", tmp_path / "other").read_text()
+    assert not reviewer.review(other).authenticated
+
+    # A bound token dies with its Pod: deleting the agent Pod revokes what it could read (once the apiserver's own
+    # token cache, ~10 s, lets go).
+    cluster.kubectl("delete", "pod", f"ferry-agent-{node}", "-n", "ferry-system", "--grace-period=0", "--force")
+    _eventually(lambda: not reviewer.review(good).authenticated, "the token to die with its pod", timeout=30)
+
+
+def test_watched_assignments_follow_the_replicas(cluster, kube, namespace) -> None:
+    direct_calls = []
+
+    class CountingDirect:
+        def assigned(self, node: str, served: ServedVersion) -> bool:
+            direct_calls.append(node)
+            return False
+
+    assignments = WatchedAssignments(kube, direct=CountingDirect())
+    served = ServedVersion(namespace, "m", "v1")
+    assert assignments.assigned("n1", served) is False  # nothing assigned yet
+
+    body = {
+        "apiVersion": API_VERSION, "kind": "WeightReplica",
+        "metadata": {"name": "wr-1", "namespace": namespace, "labels": {LABEL_NODE: "n1"}},
+        "spec": {"modelLoad": "ml", "modelName": "m", "version": "v1", "nodeName": "n1", "device": "cpu"},
+    }  # fmt: skip
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    _eventually(lambda: assignments.assigned("n1", served), "the new replica in the watched view")
+    calls = len(direct_calls)
+    assert not assignments.assigned("n2", served)  # another node
+    assert not assignments.assigned("n1", ServedVersion(namespace, "m", "v2"))  # another version
+    assert not assignments.assigned("n1", ServedVersion(namespace, "other-model", "v1"))
+    assert len(direct_calls) == calls, "in sync: no API read per grant"
+
+    cluster.kubectl("delete", "wr", "wr-1", "-n", namespace)
+    _eventually(lambda: not assignments.assigned("n1", served), "the deletion in the watched view")

@@ -1,0 +1,109 @@
+"""The worker service admits only agents whose node is assigned the served version (issue 10 item 5), checked
+against the real apiserver with real pod-bound tokens (TokenRequest / TokenReview) and a real agent serving
+over NIXL: no token, a wrong-audience token, a token of another identity and a valid token of a node that is not
+assigned the version are all refused, with no NIXL metadata; the node's own reader still reads every byte."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import grpc
+import pytest
+import torch
+from agentutil import content_sha256, node, read_back, replica, start_agent, wait_phase
+from safetensors.torch import save_file
+from wvutil import wait_for
+
+from ferry_agent.proto import worker_pb2, worker_pb2_grpc
+from ferry_agent.worker_auth import WORKER_AUDIENCE, TokenFile
+from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest, prepare_tensor_read
+
+pytestmark = pytest.mark.e2e
+
+
+def _refusal(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code()
+
+
+def _raw_prepare(endpoint: str, identity: SourceIdentity, metadata) -> grpc.StatusCode | None:  # type: ignore[no-untyped-def]
+    """The bare RPC, so that nothing of a response (no lease, no NIXL metadata) can hide in a client helper: the
+    refusal's code, or None for a grant (released at once)."""
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        request = worker_pb2.PrepareTensorReadRequest(source=identity.to_proto(), reader="intruder")
+        try:
+            response = stub.PrepareTensorRead(request, timeout=10, metadata=metadata)
+        except grpc.RpcError as exc:
+            return exc.code()
+        release = worker_pb2.ReleaseTensorReadRequest(source=identity.to_proto(), lease_id=response.lease_id)
+        stub.ReleaseTensorRead(release, timeout=10, metadata=metadata)
+        return None
+
+
+def test_only_agents_of_assigned_nodes_read(cluster, namespace, tmp_path):
+    gen = torch.Generator().manual_seed(10)
+    weights = {f"layers.{i}.weight": torch.randn((64, 128), generator=gen) for i in range(4)}
+    seed = tmp_path / "v1.safetensors"
+    save_file(weights, str(seed))
+    for n in ("node-auth", "node-idle"):
+        node(cluster, n)
+    agent = start_agent(cluster, tmp_path, "node-auth", f"v1={seed}")
+    other_ns = f"t-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", other_ns)
+    try:
+        replica(cluster, namespace, "wr-auth", "node-auth", "v1")
+        entry = wait_phase(cluster, namespace, "wr-auth", "Serving", agent)["status"]["ranks"][0]
+        endpoint, identity = entry["grpcEndpoint"], SourceIdentity(entry["agentName"])
+        # node-idle holds replicas, just not of v1 in this namespace: another version here, and a `v1` that is
+        # another tenant's (same name, other namespace). Nobody loads them; they only have to exist.
+        replica(cluster, namespace, "wr-idle-v2", "node-idle", "v2")
+        replica(cluster, other_ns, "wr-idle-v1", "node-idle", "v1")
+
+        def token(name: str, node_name: str, audience: str = WORKER_AUDIENCE, sa: str = "ferry-agent") -> TokenFile:
+            return TokenFile(cluster.pod_token(node_name, audience, tmp_path / name, service_account=sa))
+
+        refused = {
+            "no token": (None, grpc.StatusCode.UNAUTHENTICATED),
+            "wrong audience": (token("aud", "node-auth", audience="ferry.dev/other"), grpc.StatusCode.UNAUTHENTICATED),
+            "not a token": (lambda: "not-a-jwt", grpc.StatusCode.UNAUTHENTICATED),
+            "not the agent": (token("sa", "node-auth", sa="intruder"), grpc.StatusCode.PERMISSION_DENIED),
+            "node not assigned": (token("idle", "node-idle"), grpc.StatusCode.PERMISSION_DENIED),
+        }
+        for what, (creds, code) in refused.items():
+            metadata = (("authorization", f"Bearer {creds()}"),) if creds else None
+            assert _raw_prepare(endpoint, identity, metadata) == code, what
+            assert _refusal(lambda c=creds: get_tensor_manifest(endpoint, identity, credentials=c)) == code, what
+            assert _refusal(lambda c=creds: prepare_tensor_read(endpoint, identity, credentials=c)) == code, what
+        assert "granted to" not in agent.log_tail(400), "no lease was ever granted"
+
+        # The reader of the serving node (whose replica is assigned v1) reads every byte.
+        assert read_back(entry, "wr-auth") == content_sha256(weights)
+        # Once node-idle is assigned v1 here, its token that was refused a moment ago reads too; once it is not, no
+        # longer.
+        replica(cluster, namespace, "wr-idle-v1", "node-idle", "v1")
+        assert read_back(entry, "wr-auth", tmp_path / "idle") == content_sha256(weights)
+        cluster.kubectl("delete", "wr", "wr-idle-v1", "-n", namespace)
+        idle = TokenFile(tmp_path / "idle")
+        wait_for(
+            lambda: _raw_prepare(endpoint, identity, (("authorization", f"Bearer {idle()}"),))
+            == grpc.StatusCode.PERMISSION_DENIED,
+            10, "node-idle refused again",
+        )  # fmt: skip
+    finally:
+        agent.stop()
+        cluster.kubectl("delete", "namespace", other_ns, "--wait=false", check=False)
+
+
+def test_agent_without_a_worker_token_exits_clearly(cluster, tmp_path):
+    missing = tmp_path / "no-such-token"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry_agent", "--node", "node-notoken", "--worker-token-file", str(missing)],
+        env={**os.environ, **cluster.env()}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert f"worker token {missing} cannot be read" in proc.stderr and WORKER_AUDIENCE in proc.stderr, proc.stderr
