@@ -13,7 +13,9 @@ A reader sends a projected service-account token (audience `ferry.dev/worker`, b
    not in sync);
 4. releases a lease only for the principal that holds it.
 
-An API error while checking is `UNAVAILABLE` (transient: the reader retries, then tries another source).
+An API error while checking is `UNAVAILABLE` (transient: the reader retries, then tries another source), except
+during an apiserver outage: a token accepted and a view in sync within the last `OUTAGE_GRACE_S` keep answering,
+so agents keep serving each other what they hold while the API is down.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ DEFAULT_TOKEN_FILE = Path("/var/run/secrets/ferry.dev/worker/token")
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 SUCCESS_TTL_S = 60.0
 FAILURE_TTL_S = 2.0
+# How long an accepted review and a last-synced assignment view still answer while the API cannot be reached: the
+# readers the API last allowed keep reading through an outage; nobody new gets in, and it ends when the API returns.
+OUTAGE_GRACE_S = 600.0
 PLURAL = "weightreplicas"
 log = logging.getLogger(__name__)
 _BEARER = "bearer "
@@ -131,7 +136,8 @@ class TokenReviewer:
 
 
 class CachedReviewer:
-    """Reviews keyed by the token's sha256: a success for `ok_ttl_s`, a refusal for `fail_ttl_s`."""
+    """Reviews keyed by the token's sha256: a success for `ok_ttl_s`, a refusal for `fail_ttl_s`. While the API
+    cannot be reached, a success is still answered for `outage_grace_s` after it was last confirmed."""
 
     def __init__(
         self,
@@ -139,29 +145,41 @@ class CachedReviewer:
         *,
         ok_ttl_s: float = SUCCESS_TTL_S,
         fail_ttl_s: float = FAILURE_TTL_S,
+        outage_grace_s: float = OUTAGE_GRACE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._reviewer = reviewer
         self._ok_ttl_s = ok_ttl_s
         self._fail_ttl_s = fail_ttl_s
+        self._outage_grace_s = outage_grace_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[float, Review]] = {}
+        self._cache: dict[str, tuple[float, Review]] = {}  # key -> (reviewed at, review)
 
     def review(self, token: str) -> Review:
         key = hashlib.sha256(token.encode()).hexdigest()
         now = self._clock()
         with self._lock:
             hit = self._cache.get(key)
-            if hit is not None and hit[0] > now:
+            if hit is not None and now - hit[0] < self._ttl(hit[1]):
                 return hit[1]
-            for stale in [k for k, (until, _) in self._cache.items() if until <= now]:
-                del self._cache[stale]
-        result = self._reviewer.review(token)  # outside the lock: one slow review must not stall every reader
-        ttl = self._ok_ttl_s if result.authenticated else self._fail_ttl_s
+            for old in [k for k, (at, r) in self._cache.items() if now - at >= max(self._ttl(r), self._grace(r))]:
+                del self._cache[old]
+        try:
+            result = self._reviewer.review(token)  # outside the lock: one slow review must not stall every reader
+        except Exception:
+            if hit is not None and hit[1].authenticated and now - hit[0] < self._outage_grace_s:
+                return hit[1]
+            raise
         with self._lock:
-            self._cache[key] = (self._clock() + ttl, result)
+            self._cache[key] = (self._clock(), result)
         return result
+
+    def _ttl(self, review: Review) -> float:
+        return self._ok_ttl_s if review.authenticated else self._fail_ttl_s
+
+    def _grace(self, review: Review) -> float:
+        return self._outage_grace_s if review.authenticated else 0.0
 
 
 @dataclass(frozen=True)
@@ -207,13 +225,23 @@ class ApiAssignments:
 class WatchedAssignments:
     """The WeightReplicas of each served namespace, kept current by a list + watch (milliseconds behind the API), so
     a grant costs no API round trip (one would be ~1 ms, a few % of a 256 MiB transfer). While a namespace's watch is
-    not in sync (its first moments, after any error) every grant reads the API instead (`ApiAssignments`). A watch
-    that delivers nothing is cut after `WATCH_READ_TIMEOUT_S` and relisted, which bounds how stale a silently
-    partitioned view can be."""
+    not in sync (its first moments, after any error) every grant reads the API instead (`ApiAssignments`); when that
+    read fails too, the last view answers for `outage_grace_s` after it fell out of sync. A watch that delivers
+    nothing is cut after `WATCH_READ_TIMEOUT_S` and relisted, which bounds how stale a silently partitioned view can
+    be."""
 
-    def __init__(self, api: client.ApiClient, direct: Assignments | None = None) -> None:
+    def __init__(
+        self,
+        api: client.ApiClient,
+        direct: Assignments | None = None,
+        *,
+        outage_grace_s: float = OUTAGE_GRACE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._objects = client.CustomObjectsApi(api)
         self._direct = direct or ApiAssignments(api)
+        self._outage_grace_s = outage_grace_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._views: dict[str, _NamespaceView] = {}
 
@@ -221,11 +249,15 @@ class WatchedAssignments:
         with self._lock:
             view = self._views.get(served.namespace)
             if view is None:
-                view = self._views[served.namespace] = _NamespaceView(self._objects, served.namespace)
-        replicas = view.snapshot()
-        if replicas is None:
-            return self._direct.assigned(node, served)
-        return any(_assigns(wr, node, served) for wr in replicas)
+                view = self._views[served.namespace] = _NamespaceView(self._objects, served.namespace, self._clock)
+        replicas, lost_at = view.snapshot()
+        if lost_at is not None:
+            try:
+                return self._direct.assigned(node, served)
+            except Exception:
+                if replicas is None or self._clock() - lost_at >= self._outage_grace_s:
+                    raise
+        return any(_assigns(wr, node, served) for wr in replicas or ())
 
 
 WATCH_SECONDS = 60  # the server ends each watch after this; the view then relists
@@ -233,16 +265,19 @@ WATCH_READ_TIMEOUT_S = 90.0
 
 
 class _NamespaceView:
-    def __init__(self, objects: client.CustomObjectsApi, namespace: str) -> None:
+    def __init__(self, objects: client.CustomObjectsApi, namespace: str, clock: Callable[[], float]) -> None:
         self._objects = objects
         self._namespace = namespace
+        self._clock = clock
         self._lock = threading.Lock()
-        self._items: dict[str, Mapping[str, Any]] | None = None  # None: not in sync
+        self._items: dict[str, Mapping[str, Any]] | None = None  # the last view; None before the first list
+        self._lost_at: float | None = clock()  # when the view fell out of sync; None while in sync
         threading.Thread(target=self._run, name=f"ferry-assignments-{namespace}", daemon=True).start()
 
-    def snapshot(self) -> list[Mapping[str, Any]] | None:
+    def snapshot(self) -> tuple[list[Mapping[str, Any]] | None, float | None]:
+        """The last view and when it fell out of sync (None while it is in sync)."""
         with self._lock:
-            return None if self._items is None else list(self._items.values())
+            return (None if self._items is None else list(self._items.values())), self._lost_at
 
     def _run(self) -> None:
         while True:
@@ -250,7 +285,8 @@ class _NamespaceView:
                 self._list_and_watch()
             except Exception as exc:  # out of sync until the next list succeeds: grants read the API meanwhile
                 with self._lock:
-                    self._items = None
+                    if self._lost_at is None:
+                        self._lost_at = self._clock()
                 log.info("watch of WeightReplicas in %s ended: %s", self._namespace, type(exc).__name__)
                 time.sleep(1.0)
 
@@ -258,6 +294,7 @@ class _NamespaceView:
         listed = self._objects.list_namespaced_custom_object(GROUP, VERSION, self._namespace, PLURAL)
         with self._lock:
             self._items = {wr["metadata"]["name"]: wr for wr in listed["items"]}
+            self._lost_at = None
         for event in watch.Watch().stream(
             self._objects.list_namespaced_custom_object, GROUP, VERSION, self._namespace, PLURAL,
             resource_version=listed["metadata"]["resourceVersion"], timeout_seconds=WATCH_SECONDS,

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
+from kubernetes import client
 from test_leases import IDENTITY, FakeClock, code_of, manifest_proto
 
 from ferry_agent.peer_strategy import TransferSettings
@@ -22,7 +24,9 @@ from ferry_agent.worker_auth import (
     ServedVersion,
     TokenFile,
     TokenMissing,
+    WatchedAssignments,
     WorkerAuth,
+    _NamespaceView,
     token_subject,
 )
 from ferry_agent.worker_service import (
@@ -178,6 +182,47 @@ def test_review_cache_keeps_successes_60s_and_refusals_2s() -> None:
     clock.now += 58
     cached.review(f"{AGENT}@node-a")
     assert reviewer.calls == 4
+
+
+def test_an_accepted_token_keeps_reading_through_an_outage_for_the_grace_only() -> None:
+    reviewer, clock = FakeReviewer(), FakeClock()
+    cached = CachedReviewer(reviewer, outage_grace_s=600, clock=clock)
+    assert cached.review(f"{AGENT}@node-a").authenticated
+    assert not cached.review("bad").authenticated
+    reviewer.down = True
+    clock.now += 300  # past the 60 s cache, inside the grace
+    assert cached.review(f"{AGENT}@node-a").authenticated
+    for never_accepted in ("bad", f"{AGENT}@node-b"):  # nobody the API did not accept gets in
+        with pytest.raises(ConnectionError):
+            cached.review(never_accepted)
+    clock.now += 301
+    with pytest.raises(ConnectionError):
+        cached.review(f"{AGENT}@node-a")
+    reviewer.down = False
+    assert cached.review(f"{AGENT}@node-a").authenticated
+
+
+def test_assignments_answer_from_the_last_view_while_the_api_is_down_for_the_grace_only() -> None:
+    class Down:
+        def assigned(self, node: str, served: ServedVersion) -> bool:
+            raise ConnectionError("apiserver unreachable")
+
+    clock = FakeClock()
+    view = WatchedAssignments(client.ApiClient(), direct=Down(), outage_grace_s=600, clock=clock)
+    ns_view = _NamespaceView.__new__(_NamespaceView)  # no watch thread: the test plays the watch
+    ns_view._lock, ns_view._clock = threading.Lock(), clock
+    ns_view._items = {"wr": {"metadata": {"name": "wr"}, "spec": {"nodeName": "node-a", "modelName": "m",
+                                                                  "version": "v1"}}}  # fmt: skip
+    ns_view._lost_at = None
+    view._views["ns"] = ns_view
+    assert view.assigned("node-a", SERVED)
+    ns_view._lost_at = clock.now  # the watch ended and the API does not answer
+    clock.now += 300
+    assert view.assigned("node-a", SERVED)
+    assert not view.assigned("node-b", SERVED)
+    clock.now += 301
+    with pytest.raises(ConnectionError):
+        view.assigned("node-a", SERVED)
 
 
 def test_token_file_is_read_on_every_call(tmp_path: Path) -> None:
