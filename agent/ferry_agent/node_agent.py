@@ -319,7 +319,7 @@ class NodeAgent:
     def _hold_lease(self, key: tuple[str, str]) -> None:
         """(Re)write the replica's Lease and keep renewing it until `_release_lease`."""
         namespace, name = key
-        body = lease_body(name, self.agent_name, _micro_now(), self._lease_seconds)
+        body = lease_body(name, self.agent_name, _micro_now(), self._lease_seconds, node=self.node)
         try:
             self._leases.create_namespaced_lease(namespace, body)
         except ApiException as exc:
