@@ -9,6 +9,7 @@ TokenRequest bound to such a Pod gives what the kubelet would mount, a token who
   (no rewritten `ranks`, no deleted or relabelled Lease), and nothing at all with a token not bound to a node.
 - Secrets: agent and operator read them in tenant namespaces only, never in another namespace or kube-system.
 - Leases: only in tenant namespaces, only named like a replica's Lease and labelled with the agent's node.
+- A namespace enabled later with the chart README's two RoleBindings gets the same rights.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Setup:
     other: str  # not listed
     node_a: str
     node_b: str
+    release: str
     agent_sa: str
     clients: dict[str, client.ApiClient]  # agent-a, agent-b, agent-unbound, operator: one bearer token each
     tokens: dict[str, str]  # those, and agent-a-worker, agent-b-worker: audience ferry.dev/worker
@@ -157,7 +159,7 @@ def setup(cluster: LocalCluster, kube: client.ApiClient, helm_env) -> Iterator[S
             tokens[label] = core.create_namespaced_service_account_token(sa, release_ns, plain).status.token
         clients = {label: bearer_client(cluster, token) for label, token in tokens.items() if "worker" not in label}
 
-        s = Setup(cluster, release_ns, tenant, other, node_a, node_b, agent_sa, clients, tokens)
+        s = Setup(cluster, release_ns, tenant, other, node_a, node_b, release, agent_sa, clients, tokens)
         # RBAC and the policy take effect once the apiserver's informers see them: wait for an allowed read and for
         # the first denial of a write that RBAC alone allows (a probe replica of the other node).
         wait_until(lambda: s.core("agent-a").read_namespaced_secret(SECRET, tenant) is not None, 30, "RBAC")
@@ -287,3 +289,26 @@ def test_agent_may_review_worker_tokens(setup):
     spec = client.V1TokenReviewSpec(token=setup.tokens["agent-b"], audiences=["ferry.dev/worker"])
     review = client.AuthenticationV1Api(setup.clients["agent-a"]).create_token_review(client.V1TokenReview(spec=spec))
     assert not review.status.authenticated
+
+
+def test_a_namespace_enabled_later_by_the_documented_role_bindings(setup, kube):
+    """charts/ferry/README.md, "Enabling a namespace": two RoleBindings give the same rights as tenantNamespaces."""
+    ns = f"rbac-late-{uuid.uuid4().hex[:6]}"
+    core = client.CoreV1Api(kube)
+    core.create_namespace({"metadata": {"name": ns}})
+    try:
+        core.create_namespaced_secret(ns, {"metadata": {"name": SECRET}, "data": {"k": "dg=="}})
+        agent, operator = setup.core("agent-a"), setup.core("operator")
+        assert by_rbac(forbidden(lambda: agent.read_namespaced_secret(SECRET, ns)))
+        for component in ("agent", "operator"):
+            name = f"{setup.release}-{component}"
+            setup.cluster.kubectl("-n", ns, "create", "rolebinding", name, f"--clusterrole={name}-tenant",
+                                  f"--serviceaccount={setup.release_ns}:{name}")  # fmt: skip
+        wait_until(lambda: agent.read_namespaced_secret(SECRET, ns) is not None, 30, "the agent's RoleBinding")
+        wait_until(lambda: operator.read_namespaced_secret(SECRET, ns) is not None, 30, "the operator's RoleBinding")
+        lease = lease_body("late-a", "agent-a-1", now(), 15, node=setup.node_a)
+        setup.leases("agent-a").create_namespaced_lease(ns, lease)
+        other = lease_body("late-b", "agent-a-1", now(), 15, node=setup.node_b)
+        assert by_policy(forbidden(lambda: setup.leases("agent-a").create_namespaced_lease(ns, other)))
+    finally:
+        setup.cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
