@@ -391,12 +391,14 @@ class NodeAgent:
     def _write_lease(self, key: tuple[str, str], *, acquire: bool) -> None:
         namespace, name = key
         now = _micro_now()
-        body = lease_body(name, self.agent_name, now, self._lease_seconds)
+        body = lease_body(name, self.agent_name, now, self._lease_seconds, node=self.node)
         # Acquiring takes over a Lease left by an earlier agent (or kept across a version change) as it is: a
         # replace would need its resourceVersion.
         spec = body["spec"] if acquire else {"renewTime": now, "holderIdentity": self.agent_name}
         try:
-            self._leases.patch_namespaced_lease(lease_name(name), namespace, {"spec": spec})
+            # The node label too: an older agent's Lease may lack it, and the admission policy requires it.
+            patch = {"metadata": {"labels": body["metadata"]["labels"]}, "spec": spec} if acquire else {"spec": spec}
+            self._leases.patch_namespaced_lease(lease_name(name), namespace, patch)
         except ApiException as exc:
             if exc.status != 404:
                 raise

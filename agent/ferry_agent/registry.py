@@ -59,11 +59,15 @@ def source_candidates(
     return found
 
 
-def lease_body(replica: str, holder: str, now: str, duration: int = DEFAULT_LEASE_SECONDS) -> dict[str, Any]:
+def lease_body(
+    replica: str, holder: str, now: str, duration: int = DEFAULT_LEASE_SECONDS, *, node: str
+) -> dict[str, Any]:
+    """The replica's liveness Lease. It carries the agent's node: the chart's admission policy lets an agent write
+    only Leases labelled with the node its token is bound to."""
     return {
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
-        "metadata": {"name": lease_name(replica), "labels": {f"{GROUP}/replica": replica}},
+        "metadata": {"name": lease_name(replica), "labels": {f"{GROUP}/replica": replica, LABEL_NODE: node}},
         "spec": {
             "holderIdentity": holder,
             "leaseDurationSeconds": duration,

@@ -1,7 +1,9 @@
-"""Fixtures of the S3 strategy tests: the session's S3 with their bucket, a fresh prefix, a checkpoint store."""
+"""Fixtures of the S3 strategy tests (the session's S3 with their bucket, a fresh prefix, a checkpoint store) and of
+the chart tests (a private Helm home)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,3 +39,13 @@ def chain3() -> tuple[Weights, Weights, Weights]:
     w2 = evolve(w1, 2, ["embed.weight", "layers.0.attn.weight", "mask"])
     w3 = evolve(w2, 3, ["layers.0.mlp.weight", "norm.scale", "embed.weight", "step"])
     return w1, w2, w3
+
+
+@pytest.fixture(scope="module")
+def helm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Helm's cache/config/data dirs in a temp dir, so the tests never touch ~/.config/helm."""
+    home = tmp_path_factory.mktemp("helm")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HELM_") and k != "KUBECONFIG"}
+    for kind in ("CACHE", "CONFIG", "DATA"):
+        env[f"HELM_{kind}_HOME"] = str(home / kind.lower())
+    return env

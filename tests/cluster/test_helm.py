@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import yaml
+from helmutil import CHART, KUBE_VERSION, helm, render, sets
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -28,39 +27,11 @@ from ferry.localcluster import LocalCluster, binary, write_kubeconfig
 
 pytestmark = pytest.mark.cluster
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "ferry"
-KUBE_VERSION = "1.36.3"
 CRD_NAMES = ("weightversions.ferry.dev", "modelloads.ferry.dev", "weightreplicas.ferry.dev")
+CLUSTER_SCOPED = "clusterrole,clusterrolebinding,validatingadmissionpolicy,validatingadmissionpolicybinding"
 
 
 # ---------------------------------------------------------------- helpers
-
-
-@pytest.fixture(scope="module")
-def helm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Helm's cache/config/data dirs in a temp dir, so the tests never touch ~/.config/helm."""
-    home = tmp_path_factory.mktemp("helm")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HELM_") and k != "KUBECONFIG"}
-    for kind in ("CACHE", "CONFIG", "DATA"):
-        env[f"HELM_{kind}_HOME"] = str(home / kind.lower())
-    return env
-
-
-def helm(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([binary("helm"), *args], capture_output=True, text=True, env=env, timeout=120)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}\n{proc.stdout}")
-    return proc
-
-
-def render(env: dict[str, str], *values: str, namespace: str = "ferry-system", release: str = "ferry") -> list[dict]:
-    out = helm(env, "template", release, str(CHART), "--kube-version", KUBE_VERSION, "-n", namespace, *values).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
-
-
-def sets(**values: str) -> list[str]:
-    return [arg for key, value in values.items() for arg in ("--set", f"{key.replace('__', '.')}={value}")]
 
 
 @contextlib.contextmanager
@@ -74,7 +45,7 @@ def release(cluster: LocalCluster, env: dict[str, str], namespace: str, *values:
     finally:
         helm(env, "uninstall", name, *kube, check=False)
         selector = f"app.kubernetes.io/instance={name}"
-        cluster.kubectl("delete", "clusterrole,clusterrolebinding", "-l", selector, "--ignore-not-found", check=False)
+        cluster.kubectl("delete", CLUSTER_SCOPED, "-l", selector, "--ignore-not-found", check=False)
 
 
 def exists(cluster: LocalCluster, kind: str, name: str, namespace: str | None = None) -> bool:
@@ -162,16 +133,18 @@ def test_values_schema_rejects_bad_values(helm_env, values, message):
     assert message in proc.stderr, proc.stderr
 
 
-def test_chart_refuses_kubernetes_older_than_1_29(helm_env):
-    proc = helm(helm_env, "template", "ferry", str(CHART), "--kube-version", "1.28.9", check=False)
+def test_chart_refuses_kubernetes_older_than_1_30(helm_env):
+    """1.30: ValidatingAdmissionPolicy v1 and the node name in Pod-bound ServiceAccount tokens."""
+    proc = helm(helm_env, "template", "ferry", str(CHART), "--kube-version", "1.29.9", check=False)
     assert proc.returncode != 0
-    assert "incompatible with Kubernetes v1.28.9" in proc.stderr, proc.stderr
+    assert "incompatible with Kubernetes v1.29.9" in proc.stderr, proc.stderr
 
 
 def test_rendered_objects(helm_env):
     docs = by_kind(render(helm_env))
     assert {k: len(v) for k, v in docs.items()} == {
-        "ServiceAccount": 2, "ClusterRole": 2, "ClusterRoleBinding": 2, "Service": 1, "Deployment": 1, "DaemonSet": 1,
+        "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2, "Service": 1, "Deployment": 1, "DaemonSet": 1,
+        "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
     }  # fmt: skip
     for obj in (o for objs in docs.values() for o in objs):
         labels = obj["metadata"]["labels"]
@@ -204,6 +177,15 @@ def test_rendered_objects(helm_env):
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["checkpoint-store"]["hostPath"]["path"] == "/var/lib/ferry/checkpoints"
     assert "rdma-devices" not in volumes, "RDMA devices must be opt-in"
+    # The worker token: Pod-bound, for Ferry's worker service only, where FERRY_WORKER_TOKEN_FILE says.
+    (source,) = volumes["worker-token"]["projected"]["sources"]
+    assert source == {
+        "serviceAccountToken": {"audience": "ferry.dev/worker", "expirationSeconds": 3600, "path": "token"}
+    }
+    mount = next(m for m in agent["volumeMounts"] if m["name"] == "worker-token")
+    assert mount == {"name": "worker-token", "mountPath": "/var/run/secrets/ferry.dev/worker", "readOnly": True}
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    assert env["FERRY_WORKER_TOKEN_FILE"] == "/var/run/secrets/ferry.dev/worker/token"
 
     # RDMA on: /dev/infiniband is mounted and IPC_LOCK added; UCX settings reach the env.
     rdma = by_kind(
@@ -227,6 +209,42 @@ def test_cluster_scoped_names_include_the_release(helm_env):
             assert obj["metadata"]["name"].startswith("blue-"), obj["metadata"]["name"]
 
 
+def test_tenant_namespaces_get_role_bindings_and_nothing_reads_secrets_cluster_wide(helm_env):
+    docs = by_kind(render(helm_env, "--set", "tenantNamespaces={team-a,team-b}", "--set", "agent.secretNames={s3}"))
+    bindings = {(b["metadata"]["namespace"], b["metadata"]["name"]): b for b in docs["RoleBinding"]}
+    assert set(bindings) == {(ns, f"ferry-{c}") for ns in ("team-a", "team-b") for c in ("agent", "operator")}
+    for (_, name), binding in bindings.items():
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                      "name": f"{name}-tenant"}  # fmt: skip
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": "ferry-system"}]
+    roles = {r["metadata"]["name"]: r["rules"] for r in docs["ClusterRole"]}
+    bound_cluster_wide = {b["roleRef"]["name"] for b in docs["ClusterRoleBinding"]}
+    assert bound_cluster_wide == {"ferry-agent", "ferry-operator"}
+    for name in bound_cluster_wide:
+        assert not any("secrets" in r["resources"] or ("leases" in r["resources"] and "create" in r["verbs"])
+                       for r in roles[name]), f"{name} reads Secrets or writes Leases cluster-wide"  # fmt: skip
+    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": ["s3"]} in roles[
+        "ferry-agent-tenant"
+    ]
+    # No tenant namespaces: no RoleBindings at all.
+    assert "RoleBinding" not in by_kind(render(helm_env))
+
+
+def test_admission_policy_names_the_agent_and_the_api_constants(helm_env):
+    docs = by_kind(render(helm_env, namespace="ferry-system", release="blue"))
+    (policy,) = docs["ValidatingAdmissionPolicy"]
+    (binding,) = docs["ValidatingAdmissionPolicyBinding"]
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    (match,) = policy["spec"]["matchConditions"]
+    assert "'system:serviceaccount:ferry-system:blue-ferry-agent'" in match["expression"]
+    text = json.dumps(policy["spec"]["validations"])
+    # The Lease name prefix and node label the agent writes (ferry/api/models.py).
+    assert f"startsWith('{models.REPLICA_LEASE_PREFIX}')" in text and f"'{models.LABEL_NODE}'" in text
+    resources = {r for rule in policy["spec"]["matchConstraints"]["resourceRules"] for r in rule["resources"]}
+    assert resources == {"weightreplicas", "weightreplicas/status", "leases"}
+
+
 # ---------------------------------------------------------------- the real apiserver
 
 
@@ -242,6 +260,7 @@ def test_cluster_scoped_names_include_the_release(helm_env):
     ids=["defaults", "rdma-and-options", "operator-only"],
 )  # fmt: skip
 def test_rendered_objects_pass_server_dry_run(cluster, namespace, helm_env, values):
+    values = [*values, "--set", f"tenantNamespaces={{{namespace}}}"]
     docs = render(helm_env, "--include-crds", *values, namespace=namespace, release=f"dry-{namespace}")
     assert {d["kind"] for d in docs} >= {"CustomResourceDefinition", "ClusterRole", "Deployment"}
     manifest = yaml.safe_dump_all(docs)
@@ -273,6 +292,8 @@ def test_install_then_uninstall_keeps_crds_and_resources(cluster, namespace, hel
         for kind in ("clusterrole", "clusterrolebinding"):
             for component in ("operator", "agent"):
                 assert exists(cluster, kind, f"{name}-{component}"), f"{kind}/{name}-{component} missing"
+        for kind in ("validatingadmissionpolicy", "validatingadmissionpolicybinding"):
+            assert exists(cluster, kind, f"{name}-agent-node-scope"), f"{kind} missing"
 
         # A custom resource created while the release is installed.
         wv = {
@@ -293,6 +314,7 @@ def test_install_then_uninstall_keeps_crds_and_resources(cluster, namespace, hel
         for component in ("operator", "agent"):
             assert not exists(cluster, "clusterrole", f"{name}-{component}")
             assert not exists(cluster, "clusterrolebinding", f"{name}-{component}")
+        assert not exists(cluster, "validatingadmissionpolicy", f"{name}-agent-node-scope")
         assert json.loads(helm(helm_env, "list", *kube, "-o", "json").stdout) == []
 
         # Kept: the CRDs (still Established) and every custom resource.
@@ -310,7 +332,7 @@ AGENT_ALLOWED = [
     ("get", "weightreplicas.ferry.dev"), ("list", "weightreplicas.ferry.dev"), ("watch", "weightreplicas.ferry.dev"),
     ("patch", "weightreplicas.ferry.dev/status"), ("update", "weightreplicas.ferry.dev/status"),
     ("get", "weightversions.ferry.dev"), ("list", "weightversions.ferry.dev"), ("watch", "weightversions.ferry.dev"),
-    ("get", "secrets/s3-creds"),
+    ("get", "secrets/s3-creds"), ("create", "tokenreviews.authentication.k8s.io"),
     *[(verb, "leases.coordination.k8s.io") for verb in ("create", "get", "list", "watch", "update", "patch", "delete")],
 ]  # fmt: skip
 AGENT_DENIED = [
@@ -340,15 +362,23 @@ def can_i(cluster: LocalCluster, namespace: str, user: str, verb: str, resource:
 
 
 def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
-    with release(cluster, helm_env, namespace, "--set", "agent.secretNames={s3-creds}") as name:
+    """What RBAC grants. Which node's objects an agent may write, the admission policy decides: test_rbac.py."""
+    tenant = ["--set", f"tenantNamespaces={{{namespace}}}"]
+    with release(cluster, helm_env, namespace, "--set", "agent.secretNames={s3-creds}", *tenant) as name:
         agent_sa = f"system:serviceaccount:{namespace}:{name}-agent"
         allowed = [(v, r) for v, r in AGENT_ALLOWED if not can_i(cluster, namespace, agent_sa, v, r)]
         denied = [(v, r) for v, r in AGENT_DENIED if can_i(cluster, namespace, agent_sa, v, r)]
         assert not allowed, f"agent lacks {allowed}"
         assert not denied, f"agent may {denied}"
-        # The agent watches replicas cluster-wide; the operator's role is broader than the agent's.
+        # The agent watches replicas cluster-wide, but Secrets and Leases only in tenant namespaces.
         assert can_i(cluster, "kube-system", agent_sa, "list", "weightreplicas.ferry.dev")
+        for verb, resource in [("get", "secrets/s3-creds"), ("create", "leases.coordination.k8s.io"),
+                               ("delete", "leases.coordination.k8s.io")]:  # fmt: skip
+            assert not can_i(cluster, "kube-system", agent_sa, verb, resource), f"agent may {verb} {resource}"
+        # The operator's role is broader than the agent's; it too reads Secrets only in tenant namespaces.
         operator_sa = f"system:serviceaccount:{namespace}:{name}-operator"
+        assert can_i(cluster, namespace, operator_sa, "get", "secrets/s3-creds")
+        assert not can_i(cluster, "kube-system", operator_sa, "get", "secrets/s3-creds")
         assert can_i(cluster, namespace, operator_sa, "create", "weightreplicas.ferry.dev")
         assert can_i(cluster, namespace, operator_sa, "patch", "weightversions.ferry.dev/status")
         assert not can_i(cluster, namespace, operator_sa, "create", "weightversions.ferry.dev")
@@ -417,28 +447,12 @@ def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
             )
         assert denied.value.status == 403
 
-        # What the agent does for a living: read its replicas and versions, write replica status, hold a Lease.
+        # What the agent reads for a living: its replicas (cluster-wide) and their versions. Its writes (replica
+        # status, Leases) need a token bound to a Pod on a node: test_rbac.py.
         listed = as_agent("get", "weightreplicas", "-A", "-l", "ferry.dev/node=node-a", "-o", "name")
         assert listed.returncode == 0 and listed.stdout.strip() == "weightreplica.ferry.dev/m-node-a", listed.stderr
         assert as_agent("get", "weightversion", "v1", "-o", "name").returncode == 0
-        status = {"status": {"phase": "Loading", "version": "v1", "bytesDone": 0, "bytesTotal": 10}}
-        objects.patch_namespaced_custom_object_status(
-            models.GROUP, models.VERSION, namespace, "weightreplicas", "m-node-a", status
-        )
         api.close()
-        got = json.loads(cluster.kubectl("get", "wr", "m-node-a", "-n", namespace, "-o", "json").stdout)
-        assert got["status"]["phase"] == "Loading" and "tampered" not in got["metadata"].get("labels", {})
-        lease = {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": {"name": "ferry-replica-m-node-a"},
-            "spec": {"holderIdentity": "node-a", "leaseDurationSeconds": 15},
-        }
-        renew = ["--type=merge", "-p", '{"spec":{"leaseDurationSeconds":30}}']
-        lease_name = lease["metadata"]["name"]
-        for args in (["create", "-f", "-"], ["patch", "lease", lease_name, *renew], ["delete", "lease", lease_name]):
-            proc = as_agent(*args, input=json.dumps(lease))
-            assert proc.returncode == 0, f"agent cannot {args[0]} its lease: {proc.stderr}"
 
         # Versions and loads are untouched by all the denied attempts.
         assert exists(cluster, "weightversion", "v1", namespace) and exists(cluster, "modelload", "m", namespace)

@@ -37,6 +37,7 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, tmp_path):
         assert a["status"]["bytesDone"] == a["status"]["bytesTotal"] == total
         lease = json.loads(cluster.kubectl("get", "lease", lease_name("wr-a"), "-n", namespace, "-o", "json").stdout)
         assert lease["spec"]["holderIdentity"] == a["status"]["ranks"][0]["agentName"]
+        assert lease["metadata"]["labels"]["ferry.dev/node"] == "node-a"  # what the chart's admission policy checks
 
         replica(cluster, namespace, "wr-b", "node-b", "v1")
         b = wait_phase(cluster, namespace, "wr-b", "Serving", agent_b)

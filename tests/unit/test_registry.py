@@ -6,6 +6,7 @@ import datetime as dt
 
 import pytest
 
+from ferry.api.models import GROUP, LABEL_NODE, REPLICA_LEASE_PREFIX
 from ferry_agent.registry import lease_body, lease_is_live, lease_name, source_candidates
 
 pytestmark = pytest.mark.unit
@@ -36,7 +37,7 @@ def wr(name, *, phase="Serving", version="v1", rank=0, state="Ready", deleting=F
 
 
 def live(*names, age=1.0):
-    return {lease_name(n): lease_body(n, f"agent-{n}", ts(age), duration=15) for n in names}
+    return {lease_name(n): lease_body(n, f"agent-{n}", ts(age), duration=15, node=f"node-{n}") for n in names}
 
 
 def names(cands):
@@ -74,5 +75,12 @@ def test_no_lease_means_not_a_source():
 
 @pytest.mark.parametrize(("age", "expected"), [(0, True), (14.9, True), (15.1, False)])
 def test_lease_liveness_boundary(age, expected):
-    assert lease_is_live(lease_body("a", "h", ts(age), duration=15), NOW) is expected
+    assert lease_is_live(lease_body("a", "h", ts(age), duration=15, node="n"), NOW) is expected
     assert not lease_is_live(None, NOW)
+
+
+def test_lease_is_labelled_with_replica_and_node():
+    """The chart's admission policy admits an agent's Lease write only when this label names the agent's node."""
+    meta = lease_body("m-node-a", "node-a-1234", ts(0), node="node-a")["metadata"]
+    assert meta["name"] == lease_name("m-node-a") and meta["name"].startswith(REPLICA_LEASE_PREFIX)
+    assert meta["labels"] == {f"{GROUP}/replica": "m-node-a", LABEL_NODE: "node-a"}

@@ -1,0 +1,314 @@
+"""The chart's RBAC and admission policy against the real apiserver, with the tokens agents really hold.
+
+The chart's ServiceAccounts, roles, bindings and ValidatingAdmissionPolicy are rendered by the real `helm template`
+and applied. Agent Pod objects with `spec.nodeName` stand in for the DaemonSet's pods (there is no kubelet): a
+TokenRequest bound to such a Pod gives what the kubelet would mount, a token whose userInfo carries the node
+(`authentication.kubernetes.io/node-name`). Every request below is made with a plain client and that bearer token.
+
+- An agent writes the status of its own node's WeightReplicas and its own node's Leases, nothing of another node's
+  (no rewritten `ranks`, no deleted or relabelled Lease), and nothing at all with a token not bound to a node.
+- Secrets: agent and operator read them in tenant namespaces only, never in another namespace or kube-system.
+- Leases: only in tenant namespaces, only named like a replica's Lease and labelled with the agent's node.
+- A namespace enabled later with the chart README's two RoleBindings gets the same rights.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import yaml
+from helmutil import render
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from ferry.api import models
+from ferry.localcluster import LocalCluster, wait_until
+from ferry_agent.registry import lease_body, lease_name
+
+pytestmark = pytest.mark.cluster
+
+APPLIED_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "RoleBinding", "ValidatingAdmissionPolicy",
+                 "ValidatingAdmissionPolicyBinding"}  # fmt: skip
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+SECRET = "s3-creds"
+ATTACKER = "203.0.113.66:50051"
+
+
+@dataclass
+class Setup:
+    cluster: LocalCluster
+    release_ns: str
+    tenant: str  # listed in tenantNamespaces
+    other: str  # not listed
+    node_a: str
+    node_b: str
+    release: str
+    agent_sa: str
+    clients: dict[str, client.ApiClient]  # agent-a, agent-b, agent-unbound, operator: one bearer token each
+    tokens: dict[str, str]  # those, and agent-a-worker, agent-b-worker: audience ferry.dev/worker
+
+    def custom(self, who: str) -> client.CustomObjectsApi:
+        return client.CustomObjectsApi(self.clients[who])
+
+    def core(self, who: str) -> client.CoreV1Api:
+        return client.CoreV1Api(self.clients[who])
+
+    def leases(self, who: str) -> client.CoordinationV1Api:
+        return client.CoordinationV1Api(self.clients[who])
+
+
+def bearer_client(cluster: LocalCluster, token: str) -> client.ApiClient:
+    cfg = client.Configuration()
+    cfg.host = cluster.server
+    cfg.ssl_ca_cert = str(cluster.pki.ca_cert)
+    cfg.api_key = {"authorization": f"Bearer {token}"}
+    return client.ApiClient(cfg)
+
+
+def pod_bound_token(admin: client.ApiClient, namespace: str, sa: str, pod: dict, audiences: list[str] | None = None):
+    """A TokenRequest bound to `pod`, as the kubelet requests it for a projected ServiceAccount token volume."""
+    ref = client.V1BoundObjectReference(
+        kind="Pod", api_version="v1", name=pod["metadata"]["name"], uid=pod["metadata"]["uid"]
+    )
+    spec = client.V1TokenRequestSpec(audiences=audiences or [], bound_object_ref=ref, expiration_seconds=3600)
+    req = client.CoreV1Api(admin).create_namespaced_service_account_token(
+        sa, namespace, client.AuthenticationV1TokenRequest(spec=spec)
+    )
+    return req.status.token
+
+
+def forbidden(call: Callable[[], object]) -> ApiException:
+    with pytest.raises(ApiException) as caught:
+        call()
+    assert caught.value.status == 403, caught.value.body
+    return caught.value
+
+
+def by_policy(exc: ApiException) -> bool:
+    """Denied by the chart's ValidatingAdmissionPolicy (not by RBAC)."""
+    return "-agent-node-scope' denied request: the agent" in exc.body
+
+
+def by_rbac(exc: ApiException) -> bool:
+    return "cannot" in exc.body and "ValidatingAdmissionPolicy" not in exc.body
+
+
+def replica(name: str, node: str) -> dict:
+    return {
+        "apiVersion": models.API_VERSION,
+        "kind": "WeightReplica",
+        "metadata": {"name": name, "labels": {models.LABEL_NODE: node}},
+        "spec": {"modelLoad": "m", "modelName": "m", "version": "v1", "nodeName": node},
+    }
+
+
+def serving_status(agent: str, endpoint: str) -> dict:
+    rank = {"rank": 0, "agentName": agent, "grpcEndpoint": endpoint, "tensorCount": 3, "manifestDigest": "d"}
+    return {"status": {"phase": "Serving", "version": "v1", "ranks": [rank]}}
+
+
+def endpoints(wr: dict) -> list[tuple[str, str]]:
+    return [(r["agentName"], r["grpcEndpoint"]) for r in wr["status"]["ranks"]]
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@pytest.fixture(scope="module")
+def setup(cluster: LocalCluster, kube: client.ApiClient, helm_env) -> Iterator[Setup]:
+    suffix = uuid.uuid4().hex[:6]
+    release_ns, tenant, other = (f"rbac-{kind}-{suffix}" for kind in ("sys", "tenant", "other"))
+    release = f"ferry-{suffix}"
+    node_a, node_b = f"rbac-node-a-{suffix}", f"rbac-node-b-{suffix}"
+    core = client.CoreV1Api(kube)
+    clients: dict[str, client.ApiClient] = {}
+    try:
+        for ns in (release_ns, tenant, other):
+            core.create_namespace({"metadata": {"name": ns}})
+        docs = render(helm_env, "--set", f"tenantNamespaces={{{tenant}}}", namespace=release_ns, release=release)
+        rbac = [d for d in docs if d["kind"] in APPLIED_KINDS]
+        assert {d["kind"] for d in rbac} == APPLIED_KINDS
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(rbac))  # each names its namespace
+        agent_sa, operator_sa = f"{release}-agent", f"{release}-operator"
+
+        # The same Secret name in the tenant namespace, another namespace and kube-system.
+        for ns in (tenant, other, "kube-system"):
+            data = {"AWS_ACCESS_KEY_ID": base64.b64encode(ns.encode()).decode()}
+            core.create_namespaced_secret(ns, {"metadata": {"name": SECRET}, "data": data})
+
+        tokens = {}
+        for label, node in (("agent-a", node_a), ("agent-b", node_b)):
+            core.create_node({"metadata": {"name": node}})
+            pod = {
+                "metadata": {"name": f"{label}-{suffix}"},
+                "spec": {"serviceAccountName": agent_sa, "nodeName": node,
+                         "containers": [{"name": "agent", "image": "ferry:0.1.0"}]},
+            }  # fmt: skip
+            pod = kube.sanitize_for_serialization(core.create_namespaced_pod(release_ns, pod))
+            tokens[label] = pod_bound_token(kube, release_ns, agent_sa, pod)
+            tokens[f"{label}-worker"] = pod_bound_token(kube, release_ns, agent_sa, pod, ["ferry.dev/worker"])
+        # A token of the agent's ServiceAccount not bound to any Pod (`kubectl create token`): no node name.
+        plain = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[]))
+        for label, sa in (("agent-unbound", agent_sa), ("operator", operator_sa)):
+            tokens[label] = core.create_namespaced_service_account_token(sa, release_ns, plain).status.token
+        clients = {label: bearer_client(cluster, token) for label, token in tokens.items() if "worker" not in label}
+
+        s = Setup(cluster, release_ns, tenant, other, node_a, node_b, release, agent_sa, clients, tokens)
+        # RBAC and the policy take effect once the apiserver's informers see them: wait for an allowed read and for
+        # the first denial of a write that RBAC alone allows (a probe replica of the other node).
+        wait_until(lambda: s.core("agent-a").read_namespaced_secret(SECRET, tenant) is not None, 30, "RBAC")
+        objects = client.CustomObjectsApi(kube)
+        objects.create_namespaced_custom_object(models.GROUP, models.VERSION, tenant, "weightreplicas",
+                                                replica("probe", node_b))  # fmt: skip
+
+        def probe_denied() -> bool:
+            try:
+                s.custom("agent-a").patch_namespaced_custom_object_status(
+                    models.GROUP, models.VERSION, tenant, "weightreplicas", "probe", {"status": {"phase": "Pending"}}
+                )
+            except ApiException as exc:
+                return exc.status == 403 and by_policy(exc)
+            return False
+
+        wait_until(probe_denied, 30, "the admission policy's first denial")
+        yield s
+    finally:
+        for api in clients.values():
+            api.close()
+        selector = f"app.kubernetes.io/instance={release}"
+        kinds = "clusterrole,clusterrolebinding,validatingadmissionpolicy,validatingadmissionpolicybinding"
+        cluster.kubectl("delete", kinds, "-l", selector, "--ignore-not-found", check=False)
+        cluster.kubectl("delete", "node", node_a, node_b, "--ignore-not-found", check=False)
+        cluster.kubectl("delete", "secret", SECRET, "-n", "kube-system", "--ignore-not-found", check=False)
+        for ns in (release_ns, tenant, other):
+            cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
+
+
+def test_the_agents_token_names_its_node(setup):
+    """The premise of the policy: a Pod-bound token carries the Pod's node; `kubectl create token` does not."""
+
+    def whoami(who: str) -> client.V1UserInfo:
+        review = client.AuthenticationV1Api(setup.clients[who]).create_self_subject_review(client.V1SelfSubjectReview())
+        return review.status.user_info
+
+    user = whoami("agent-a")
+    assert user.username == f"system:serviceaccount:{setup.release_ns}:{setup.agent_sa}"
+    assert user.extra[NODE_NAME_EXTRA] == [setup.node_a]
+    assert whoami("agent-b").extra[NODE_NAME_EXTRA] == [setup.node_b]
+    assert NODE_NAME_EXTRA not in (whoami("agent-unbound").extra or {})
+
+
+@pytest.mark.parametrize("who", ["agent-a", "operator"])
+def test_secrets_are_readable_only_in_tenant_namespaces(setup, who):
+    core = setup.core(who)
+    secret = core.read_namespaced_secret(SECRET, setup.tenant)
+    assert base64.b64decode(secret.data["AWS_ACCESS_KEY_ID"]).decode() == setup.tenant
+    for ns in (setup.other, "kube-system"):
+        assert by_rbac(forbidden(lambda ns=ns: core.read_namespaced_secret(SECRET, ns)))
+    assert by_rbac(forbidden(lambda: core.list_namespaced_secret(setup.tenant)))
+    assert by_rbac(forbidden(lambda: core.list_secret_for_all_namespaces()))
+
+
+def test_agent_writes_status_only_of_its_own_nodes_replicas(setup, kube):
+    admin = client.CustomObjectsApi(kube)
+    wr = (models.GROUP, models.VERSION, setup.tenant, "weightreplicas")
+    for name, node in (("m-a", setup.node_a), ("m-b", setup.node_b)):
+        admin.create_namespaced_custom_object(*wr, replica(name, node))
+    honest = serving_status("agent-b", "10.0.0.2:50051")
+    setup.custom("agent-b").patch_namespaced_custom_object_status(*wr, "m-b", honest)
+
+    # Own node: allowed, through the agent's own call (a PATCH on /status).
+    mine = serving_status("agent-a", "10.0.0.1:50051")
+    setup.custom("agent-a").patch_namespaced_custom_object_status(*wr, "m-a", mine)
+    assert endpoints(admin.get_namespaced_custom_object(*wr, "m-a")) == [("agent-a", "10.0.0.1:50051")]
+
+    # Another node's replica: readers must not be pointed at an attacker's endpoint, by patch or by update.
+    agent_a, unbound = setup.custom("agent-a"), setup.custom("agent-unbound")
+    hijack = serving_status("agent-b", ATTACKER)
+    assert by_policy(forbidden(lambda: agent_a.patch_namespaced_custom_object_status(*wr, "m-b", hijack)))
+    current = agent_a.get_namespaced_custom_object(*wr, "m-b")
+    current["status"] = hijack["status"]
+    assert by_policy(forbidden(lambda: agent_a.replace_namespaced_custom_object_status(*wr, "m-b", current)))
+    # A token of the agent's ServiceAccount not bound to a node may not even write its "own".
+    assert by_policy(forbidden(lambda: unbound.patch_namespaced_custom_object_status(*wr, "m-a", mine)))
+    assert endpoints(admin.get_namespaced_custom_object(*wr, "m-b")) == [("agent-b", "10.0.0.2:50051")]
+
+
+def test_agent_holds_only_its_own_nodes_leases(setup):
+    leases_a, leases_b, leases_unbound = (setup.leases(w) for w in ("agent-a", "agent-b", "agent-unbound"))
+    ns = setup.tenant
+
+    # Own Lease, the way the agent writes it (lease_body), renews it (a spec patch) and releases it.
+    mine = lease_body("own-a", "agent-a-1", now(), 15, node=setup.node_a)
+    created = leases_a.create_namespaced_lease(ns, mine)
+    assert created.metadata.labels[models.LABEL_NODE] == setup.node_a
+    renewed = leases_a.patch_namespaced_lease(lease_name("own-a"), ns, {"spec": {"renewTime": now()}})
+    assert renewed.spec.renew_time > created.spec.renew_time
+    leases_a.delete_namespaced_lease(lease_name("own-a"), ns)
+
+    # Node b's Lease, written by node b's agent: node a may neither delete, renew nor relabel it as its own.
+    theirs = lease_body("m-b", "agent-b-1", now(), 15, node=setup.node_b)
+    leases_b.create_namespaced_lease(ns, theirs)
+    name_b = lease_name("m-b")
+    assert by_policy(forbidden(lambda: leases_a.delete_namespaced_lease(name_b, ns)))
+    assert by_policy(forbidden(lambda: leases_a.patch_namespaced_lease(name_b, ns, {"spec": {"holderIdentity": "x"}})))
+    relabel = {"metadata": {"labels": {models.LABEL_NODE: setup.node_a}}, "spec": {"holderIdentity": "x"}}
+    assert by_policy(forbidden(lambda: leases_a.patch_namespaced_lease(name_b, ns, relabel)))
+    kept = leases_b.read_namespaced_lease(name_b, ns)
+    assert kept.spec.holder_identity == "agent-b-1" and kept.metadata.labels[models.LABEL_NODE] == setup.node_b
+
+    # Creating: not labelled for another node, not unlabelled, not under another name, not without a node.
+    unlabelled = lease_body("x-a", "agent-a-1", now(), 15, node=setup.node_a)
+    del unlabelled["metadata"]["labels"][models.LABEL_NODE]
+    foreign = {**lease_body("y-a", "agent-a-1", now(), 15, node=setup.node_a)}
+    foreign["metadata"] = {**foreign["metadata"], "name": "kube-scheduler"}
+    for body in (lease_body("z-a", "agent-a-1", now(), 15, node=setup.node_b), unlabelled, foreign):
+        assert by_policy(forbidden(lambda body=body: leases_a.create_namespaced_lease(ns, body)))
+    assert by_policy(forbidden(lambda: leases_unbound.create_namespaced_lease(ns, mine)))
+
+    # Outside tenant namespaces RBAC grants no Lease at all: not in kube-system, not in another namespace.
+    for where in ("kube-system", setup.other):
+        assert by_rbac(forbidden(lambda where=where: leases_a.create_namespaced_lease(where, mine)))
+    assert by_rbac(forbidden(lambda: leases_a.delete_namespaced_lease("kube-controller-manager", "kube-system")))
+
+
+def test_agent_may_review_worker_tokens(setup):
+    """The worker service's check of a reader: a TokenReview for the Ferry audience returns the reader's node."""
+    spec = client.V1TokenReviewSpec(token=setup.tokens["agent-b-worker"], audiences=["ferry.dev/worker"])
+    review = client.AuthenticationV1Api(setup.clients["agent-a"]).create_token_review(client.V1TokenReview(spec=spec))
+    assert review.status.authenticated, review.status.error
+    assert review.status.user.username == f"system:serviceaccount:{setup.release_ns}:{setup.agent_sa}"
+    assert review.status.user.extra[NODE_NAME_EXTRA] == [setup.node_b]
+    # The API token is not a worker token.
+    spec = client.V1TokenReviewSpec(token=setup.tokens["agent-b"], audiences=["ferry.dev/worker"])
+    review = client.AuthenticationV1Api(setup.clients["agent-a"]).create_token_review(client.V1TokenReview(spec=spec))
+    assert not review.status.authenticated
+
+
+def test_a_namespace_enabled_later_by_the_documented_role_bindings(setup, kube):
+    """charts/ferry/README.md, "Enabling a namespace": two RoleBindings give the same rights as tenantNamespaces."""
+    ns = f"rbac-late-{uuid.uuid4().hex[:6]}"
+    core = client.CoreV1Api(kube)
+    core.create_namespace({"metadata": {"name": ns}})
+    try:
+        core.create_namespaced_secret(ns, {"metadata": {"name": SECRET}, "data": {"k": "dg=="}})
+        agent, operator = setup.core("agent-a"), setup.core("operator")
+        assert by_rbac(forbidden(lambda: agent.read_namespaced_secret(SECRET, ns)))
+        for component in ("agent", "operator"):
+            name = f"{setup.release}-{component}"
+            setup.cluster.kubectl("-n", ns, "create", "rolebinding", name, f"--clusterrole={name}-tenant",
+                                  f"--serviceaccount={setup.release_ns}:{name}")  # fmt: skip
+        wait_until(lambda: agent.read_namespaced_secret(SECRET, ns) is not None, 30, "the agent's RoleBinding")
+        wait_until(lambda: operator.read_namespaced_secret(SECRET, ns) is not None, 30, "the operator's RoleBinding")
+        lease = lease_body("late-a", "agent-a-1", now(), 15, node=setup.node_a)
+        setup.leases("agent-a").create_namespaced_lease(ns, lease)
+        other = lease_body("late-b", "agent-a-1", now(), 15, node=setup.node_b)
+        assert by_policy(forbidden(lambda: setup.leases("agent-a").create_namespaced_lease(ns, other)))
+    finally:
+        setup.cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
