@@ -15,6 +15,8 @@ from ferry_agent import apiretry
 from ferry_agent.apiretry import Backoff, StatusOutbox, call_with_retry, is_transient
 from ferry_agent.node_agent import NodeAgent, Served
 
+pytestmark = pytest.mark.unit
+
 
 def refused() -> urllib3.exceptions.MaxRetryError:
     return urllib3.exceptions.MaxRetryError(None, "/apis", ConnectionRefusedError(111, "Connection refused"))
