@@ -40,7 +40,7 @@ def source_candidates(
             continue
         if status.get("phase") != "Serving" or status.get("version") != version:
             continue
-        if not lease_is_live(leases.get(lease_name(name)), now):
+        if not lease_is_live(leases.get(lease_name(name)), now, node=(wr.get("spec") or {}).get("nodeName")):
             continue
         for entry in status.get("ranks") or []:
             if entry.get("rank") == rank and entry.get("state", "Ready") == "Ready":

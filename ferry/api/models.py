@@ -328,6 +328,7 @@ class LiveReason(StrEnum):
     LEASE_RENEWED = "LeaseRenewed"  # True: renewed within its leaseDurationSeconds
     LEASE_EXPIRED = "LeaseExpired"  # False: not renewed within its leaseDurationSeconds
     LEASE_MISSING = "LeaseMissing"  # False: no Lease (the agent takes it once the replica is loaded)
+    LEASE_OF_OTHER_NODE = "LeaseOfOtherNode"  # False: the Lease's ferry.dev/node is not the replica's spec.nodeName
 
 
 class ReplicaReason(StrEnum):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ferry.api.conditions import get_condition, set_condition
-from ferry.api.liveness import DEFAULT_LEASE_SECONDS, lease_is_live, parse_time
+from ferry.api.liveness import DEFAULT_LEASE_SECONDS, lease_is_live, lease_node, parse_time
 from ferry.api.models import (
     API_VERSION,
     LABEL_MODEL,
@@ -265,6 +265,11 @@ def liveness(replica: Mapping[str, Any], leases: Mapping[str, Mapping[str, Any]]
     if lease is None:
         return Liveness(False, LiveReason.LEASE_MISSING, f"no Lease {name}")
     spec = lease.get("spec") or {}
+    node = (replica.get("spec") or {}).get("nodeName")
+    if lease_node(lease) != node:
+        return Liveness(
+            False, LiveReason.LEASE_OF_OTHER_NODE, f"Lease {name} is labelled for node {lease_node(lease)}, not {node}"
+        )
     if lease_is_live(lease, now):
         return Liveness(True, LiveReason.LEASE_RENEWED, f"{spec.get('holderIdentity')} renews Lease {name}")
     return Liveness(

@@ -53,11 +53,15 @@ def wr(node_name, version="v2", phase="Serving", **status):
     }
 
 
-def live(*nodes):
+def lease(node_name, ago=1, **spec):
     return {
-        replica_lease_name(replica_name("serve", n)): {"spec": {"renewTime": ts(1), "leaseDurationSeconds": 15}}
-        for n in nodes
+        "metadata": {"labels": {"ferry.dev/node": node_name}},
+        "spec": {"renewTime": ts(ago), "leaseDurationSeconds": 15, **spec},
     }
+
+
+def live(*nodes):
+    return {replica_lease_name(replica_name("serve", n)): lease(n) for n in nodes}
 
 
 def test_choose_nodes_respects_selector_keeps_placements_and_prefers_holders():
@@ -132,8 +136,7 @@ def test_staleness_is_derived_from_the_lease_every_time():
 
 
 def test_live_condition_follows_the_lease_and_is_written_only_on_change():
-    expired = {replica_lease_name("serve-a"): {"spec": {"renewTime": ts(20), "leaseDurationSeconds": 15,
-                                                        "holderIdentity": "agent-a"}}}  # fmt: skip
+    expired = {replica_lease_name("serve-a"): lease("a", 20, holderIdentity="agent-a")}
     first = live_conditions([wr("a")], expired, NOW, ts(0))["serve-a"]
     (cond,) = first
     assert (cond["type"], cond["status"], cond["reason"]) == ("Live", "False", "LeaseExpired")
@@ -144,13 +147,17 @@ def test_live_condition_follows_the_lease_and_is_written_only_on_change():
     assert live_conditions([wr("b")], {}, NOW, ts(0))["serve-b"][0]["reason"] == "LeaseMissing"
 
 
-def test_a_renewal_after_a_gap_longer_than_the_lease_is_noticed():
-    def lease(ago):
-        return {"spec": {"renewTime": ts(ago), "leaseDurationSeconds": 15}}
+def test_a_lease_written_for_another_node_does_not_keep_a_replica_live():
+    squatted = {replica_lease_name("serve-a"): lease("b")}  # node b's agent wrote serve-a's Lease name
+    (cond,) = live_conditions([wr("a")], squatted, NOW, ts(0))["serve-a"]
+    assert (cond["status"], cond["reason"]) == ("False", "LeaseOfOtherNode")
+    assert stale_replicas([wr("a")], squatted, NOW) == ["serve-a"]
 
-    assert renewed_after_expiry(NOW - dt.timedelta(seconds=45), lease(1))
-    assert not renewed_after_expiry(NOW - dt.timedelta(seconds=6), lease(1))
-    assert not renewed_after_expiry(None, lease(1))
+
+def test_a_renewal_after_a_gap_longer_than_the_lease_is_noticed():
+    assert renewed_after_expiry(NOW - dt.timedelta(seconds=45), lease("a"))
+    assert not renewed_after_expiry(NOW - dt.timedelta(seconds=6), lease("a"))
+    assert not renewed_after_expiry(None, lease("a"))
 
 
 def test_stalled_peer_names_replica_source_bytes_and_time():

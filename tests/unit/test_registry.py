@@ -69,6 +69,13 @@ def test_only_live_serving_replicas_of_the_exact_version_and_rank():
     assert c.label == "peer/good"
 
 
+def test_a_lease_written_by_another_node_does_not_make_a_source():
+    replicas = [{**wr("a"), "spec": {"nodeName": "node-a"}}, {**wr("b"), "spec": {"nodeName": "node-b"}}]
+    squatted = {lease_name("a"): lease_body("a", "agent-c", ts(1), duration=15, node="node-c"), **live("b")}
+    cands = source_candidates(replicas, squatted, version="v1", rank=0, self_replica="x", now=NOW)
+    assert names(cands) == ["b"]
+
+
 def test_no_lease_means_not_a_source():
     assert source_candidates([wr("a")], {}, version="v1", rank=0, self_replica="x", now=NOW) == []
 
