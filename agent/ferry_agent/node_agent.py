@@ -26,7 +26,7 @@ from kubernetes.client.exceptions import ApiException
 from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION, ReplicaReason
 from ferry_agent import metrics
-from ferry_agent.checkpoint_store import CheckpointStore
+from ferry_agent.checkpoint_store import CheckpointStore, model_key
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import Progress, TransferSettings
 from ferry_agent.rank_group import LoadFailed, RankLaunch, RankProcesses
@@ -293,7 +293,7 @@ class NodeAgent:
         except BaseException as exc:
             ranks.stop(drain_s=0)  # no rank may keep its GPU memory, or serve, for a load the agent gave up on
             if self._store is not None:  # a leader killed between prepare and activate left its mark
-                self._store.release_prepared(spec["modelName"], spec["version"])
+                self._store.release_prepared(model_key(namespace, spec["modelName"]), spec["version"])
             if isinstance(exc, Exception) and not isinstance(exc, LoadFailed):
                 raise LoadFailed(f"supervising the rank processes failed: {type(exc).__name__}: {exc}", []) from exc
             raise

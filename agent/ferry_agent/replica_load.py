@@ -197,8 +197,8 @@ def load_rank(
     }  # fmt: skip
     if store is not None:
         strategies["ObjectStorage"] = ObjectStorageStrategy(
-            fetch_version=sources.version, credentials=sources.credentials,
-            store=store, default_endpoint=s3_endpoint, progress=progress,
+            namespace=sources.namespace, fetch_version=sources.version, credentials=sources.credentials,
+            store=store, default_endpoint=s3_endpoint, progress=progress, timeout_s=settings.timeout_s,
         )  # fmt: skip
     local = LocalFileStrategy(seeds)
     return run_cold_start(

@@ -163,6 +163,12 @@ class WeightVersionStatus(_Model):
     totalBytes: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
     size: str | None = Field(default=None, max_length=32, description="totalBytes for humans, e.g. 1.5Gi.")
     tensorCount: int | None = Field(default=None, ge=0)
+    indexDigest: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 (hex) of the index object the operator verified; agents load only an index with this "
+        "digest and use a stored copy only if it was written from it.",
+    )
     readyTime: str | None = None
     holders: int | None = Field(default=None, ge=0)
     releaseBlockers: list[str] | None = Field(default=None, description="What keeps a deleted version alive.")
