@@ -76,6 +76,7 @@ class Loaded:
     bytes_moved: int
     attempts: list[dict[str, Any]]
     ranks: list[dict[str, Any]]
+    version_uid: str | None = None  # of the WeightVersion object the bytes came from (status.versionUid)
 
 
 @dataclass
@@ -207,7 +208,7 @@ class NodeAgent:
             key,
             {
                 "phase": "Loading", "version": version, "startedTime": _micro_now(), "completedTime": None,
-                "bytesDone": 0, "bytesTotal": None, "source": None, "attempts": [], "ranks": None,
+                "bytesDone": 0, "bytesTotal": None, "source": None, "attempts": [], "ranks": None, "versionUid": None,
                 "reason": None, "message": "", "observedGeneration": generation,
             },
         )  # fmt: skip
@@ -247,6 +248,7 @@ class NodeAgent:
                     "phase": "Serving", "source": loaded.source, "bytesDone": loaded.bytes_moved,
                     "bytesTotal": loaded.bytes_moved, "completedTime": _micro_now(), "lastProgressTime": _micro_now(),
                     "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks,
+                    "versionUid": loaded.version_uid,
                     "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
                 },
             )  # fmt: skip
@@ -272,7 +274,8 @@ class NodeAgent:
             raise LoadFailed(str(exc), [a.to_status() for a in ctx.attempts]) from exc
         server, entry = serve_rank(result.resident, self._peer, rank=0, host=self._bind_address, spec=spec)
         handle = InProcessReplica(result.resident, server, self._peer)
-        return Loaded(handle, source_label(result), result.bytes_moved, [a.to_status() for a in ctx.attempts], [entry])
+        attempts = [a.to_status() for a in ctx.attempts]
+        return Loaded(handle, source_label(result), result.bytes_moved, attempts, [entry], ctx.version_uid)
 
     def _load_ranks(self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress,
                     note: Callable[[str], None]) -> Loaded:  # fmt: skip
@@ -299,7 +302,9 @@ class NodeAgent:
             raise
         source = ",".join(sorted({e["source"] for e in serving}))  # each rank may copy from a different peer
         entries = [e["entry"] for e in serving]
-        return Loaded(ranks, source, sum(e["bytes"] for e in serving), serving[0]["attempts"], entries)
+        uids = {e.get("version_uid") for e in serving}
+        uid = uids.pop() if len(uids) == 1 else None  # ranks that disagree serve no uid-checked reader
+        return Loaded(ranks, source, sum(e["bytes"] for e in serving), serving[0]["attempts"], entries, uid)
 
     def _fail(self, key, version, generation, reason: ReplicaReason, message, attempts=None) -> None:
         log.error("%s/%s failed to load %s: %s", *key, version, message)

@@ -25,7 +25,7 @@ from ferry_agent.cold_start import DEFAULT_SOURCE_ORDER, run_cold_start
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import PeerStrategy, Progress, TransferSettings
 from ferry_agent.ranks import RankGroup
-from ferry_agent.registry import LABEL_VERSION, first_loader, source_candidates
+from ferry_agent.registry import LABEL_VERSION, first_loader, peer_version_problem, source_candidates
 from ferry_agent.resident import ResidentWeights, spec_of
 from ferry_agent.s3_strategy import ObjectStorageStrategy
 from ferry_agent.sharding import rank_specs
@@ -94,10 +94,20 @@ class ApiSources:
     def candidates(
         self, version: str, self_name: str, wait_s: float, note: Callable[[str], None]
     ) -> Callable[[LoadContext], list]:
-        """Peer sources for a rank. When there are none yet but another replica is the first loader of the
-        version, wait up to `wait_s` for it (`note` says so) and copy from it, instead of all reading S3."""
+        """Peer sources for a rank: replicas serving the very WeightVersion object of that name, which must exist,
+        be Ready and be of the replica's model (raises otherwise; `ctx.version_uid` says which object). When
+        there are none yet but another replica is the first loader of the version, wait up to `wait_s` for it
+        (`note` says so) and copy from it, instead of all reading S3."""
 
-        def once(ctx: LoadContext) -> tuple[list, list]:
+        def check(ctx: LoadContext) -> str:
+            body = self.version(version)
+            problem = peer_version_problem(body, name=version, model=ctx.model)
+            if problem is not None:
+                raise ValueError(problem)
+            assert body is not None
+            return str(body["metadata"]["uid"])
+
+        def once(ctx: LoadContext, uid: str) -> tuple[list, list]:
             replicas = self._objects.list_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, PLURAL, label_selector=f"{LABEL_VERSION}={version}"
             )["items"]
@@ -107,12 +117,13 @@ class ApiSources:
             }
             found = source_candidates(
                 replicas, leases, version=version, rank=ctx.rank, self_replica=self_name,
-                now=dt.datetime.now(dt.UTC), world_size=ctx.world_size,
+                now=dt.datetime.now(dt.UTC), world_size=ctx.world_size, version_uid=uid,
             )  # fmt: skip
             return found, replicas
 
         def listing(ctx: LoadContext) -> list:
-            found, replicas = once(ctx)
+            ctx.version_uid = uid = check(ctx)
+            found, replicas = once(ctx, uid)
             deadline = time.monotonic() + wait_s
             while not found and time.monotonic() < deadline:
                 leader = first_loader(replicas, version=version, self_replica=self_name)
@@ -120,7 +131,7 @@ class ApiSources:
                     break
                 note(f"waiting for {leader} to load {version}")
                 time.sleep(0.5)
-                found, replicas = once(ctx)
+                found, replicas = once(ctx, uid)
             return found
 
         return listing

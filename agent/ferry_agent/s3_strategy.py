@@ -526,6 +526,7 @@ class ObjectStorageStrategy:
                 plan = self._plan(ctx, links, pool)
                 timings["validate"] = time.monotonic() - t0
                 resident, downloaded = self._execute(ctx, plan, pool, timings, activate=activate)
+        ctx.version_uid = links[-1].uid
         return self._result(ctx, plan, resident, downloaded, t0, timings)
 
     def attach(self, ctx: LoadContext, chain: Sequence[str]) -> None:
@@ -561,6 +562,7 @@ class ObjectStorageStrategy:
                 timings["validate"] = time.monotonic() - t0
                 # The prepared chain is protected in the store's state, so it is read outside the lock.
                 resident = self._build(ctx, plan, pool, timings)
+        ctx.version_uid = links[-1].uid
         return self._result(ctx, plan, resident, 0, t0, timings)
 
     def activate(self, ctx: LoadContext, chain: Sequence[str]) -> None:

@@ -351,6 +351,12 @@ class RankEndpoint(_Model):
 class WeightReplicaStatus(_Model):
     phase: ReplicaPhase | None = None
     version: str | None = None
+    versionUid: str | None = Field(
+        default=None,
+        max_length=128,
+        description="uid of the WeightVersion object the served bytes came from; peers copy only from replicas "
+        "of the same uid, so a deleted and republished name never serves old bytes.",
+    )
     source: str | None = Field(default=None, description="peer/<replica> or s3.")
     bytesDone: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
     bytesTotal: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})

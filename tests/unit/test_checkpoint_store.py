@@ -27,7 +27,10 @@ from ferry_agent.checkpoint_store import (
     CheckpointCacheCapacityError,
     CheckpointStore,
     StoreStatus,
+    VersionIdentity,
     chain_refs,
+    index_digest,
+    model_key,
 )
 
 pytestmark = pytest.mark.unit
@@ -381,3 +384,52 @@ def test_check_shard_rejects_inconsistent_shards() -> None:
     forged = len(body).to_bytes(8, "little") + body + unchecked[8 + length :]
     with pytest.raises(ckpt.InvalidShard, match="no valid adler32"):
         ckpt.check_shard(forged, len(forged), {"a"}, checksummed=True)
+
+
+# ---------------------------------------------------------------- identity
+
+
+def ident(uid: str, digest: str | None = "d1", namespace: str = "ns", uri: str = "s3://b/m/i.json") -> VersionIdentity:
+    return VersionIdentity(namespace, uid, uri, digest)
+
+
+def test_a_stored_copy_is_used_only_for_the_identity_it_was_written_from(store: CheckpointStore) -> None:
+    ref = ArtifactRef("ns/m", FULL, "v1")
+    with store.write(ref, {"uri": "s3://b/m/i.json"}, [ident("u1")]) as tmp:
+        (tmp / "data.bin").write_bytes(b"x")
+    assert store.identity(ref) == (ident("u1"),)
+    assert store.artifact(ref, [ident("u1")]) is not None
+    assert store.artifact(ref, [ident("u1", digest=None)]) is not None  # no recorded digest: not compared
+    # A republished name (new uid), another index, another URI or a chain of another length: ignored and dropped.
+    for other in ([ident("u2")], [ident("u1", digest="d2")], [ident("u1", uri="s3://b/x/i.json")], []):
+        probe = ArtifactRef("ns/m", DELTA, "probe")
+        with store.write(probe, {}, [ident("u1")]) as tmp:
+            (tmp / "data.bin").write_bytes(b"x")
+        assert store.artifact(probe, other) is None and not store.path(probe).exists()
+    legacy = put(store, "ns/m", FULL, "v2")  # a marker without identity (written before identities existed)
+    assert store.artifact(ArtifactRef("ns/m", FULL, "v2"), [ident("u1")]) is None and not legacy.exists()
+
+
+def test_namespaces_never_share_a_path(store: CheckpointStore) -> None:
+    a, b = ArtifactRef(model_key("tenant-a", "m"), FULL, "v1"), ArtifactRef(model_key("tenant-b", "m"), FULL, "v1")
+    assert store.path(a) != store.path(b) and store.path(a).parent.parent.parent.name == "tenant-a"
+    for ref, uid in ((a, "ua"), (b, "ub")):
+        with store.write(ref, {}, [ident(uid, namespace=ref.model.split("/")[0])]) as tmp:
+            (tmp / "data.bin").write_bytes(uid.encode())
+    assert (store.artifact(b, [ident("ub", namespace="tenant-b")]) / "data.bin").read_bytes() == b"ub"
+    assert store.artifact(b, [ident("ua", namespace="tenant-a")]) is None  # the other tenant's identity
+    assert (store.artifact(a, [ident("ua", namespace="tenant-a")]) / "data.bin").read_bytes() == b"ua"
+    assert {x.ref for x in store.artifacts()} == {a}
+
+
+def test_a_materialized_copy_matches_its_whole_chain(store: CheckpointStore) -> None:
+    ref = ArtifactRef("ns/m", MAT, "v2")
+    chain = [ident("u1"), ident("u2", uri="s3://b/m/v2.json")]
+    with store.write(ref, {}, chain) as tmp:
+        (tmp / "data.bin").write_bytes(b"x")
+    assert store.artifact(ref, chain) is not None
+    assert store.artifact(ref, [ident("u1-republished"), chain[1]]) is None  # its root changed: other bytes
+
+
+def test_index_digest_is_sha256_hex() -> None:
+    assert index_digest(b"{}") == "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
