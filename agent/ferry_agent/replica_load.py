@@ -92,12 +92,13 @@ class ApiSources:
         return self._objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
 
     def candidates(
-        self, version: str, self_name: str, wait_s: float, note: Callable[[str], None]
+        self, version: str, self_name: str, wait_s: float, note: Callable[[str], None], progress: Progress | None = None
     ) -> Callable[[LoadContext], list]:
         """Peer sources for a rank: replicas serving the very WeightVersion object of that name, which must exist,
         be Ready and be of the replica's model (raises otherwise; `ctx.version_uid` says which object). When
         there are none yet but another replica is the first loader of the version, wait up to `wait_s` for it
-        (`note` says so) and copy from it, instead of all reading S3."""
+        (`note` says so, and `progress` names it as the source waited on) and copy from it, instead of all
+        reading S3."""
 
         def check(ctx: LoadContext) -> str:
             body = self.version(version)
@@ -125,11 +126,15 @@ class ApiSources:
             ctx.version_uid = uid = check(ctx)
             found, replicas = once(ctx, uid)
             deadline = time.monotonic() + wait_s
+            waited_on = None
             while not found and time.monotonic() < deadline:
                 leader = first_loader(replicas, version=version, self_replica=self_name)
                 if leader == self_name or self._stopping.is_set():
                     break
                 note(f"waiting for {leader} to load {version}")
+                if progress is not None and leader != waited_on:  # once: progress reports reset stall detection
+                    progress(0, 0, f"peer/{leader}")  # a stall names the peer waited on
+                    waited_on = leader
                 time.sleep(0.5)
                 found, replicas = once(ctx, uid)
             return found
@@ -202,7 +207,7 @@ def load_rank(
     version = configured or ""
     strategies: dict[str, Any] = {
         "Peer": PeerStrategy(
-            peer=peer, candidates=sources.candidates(version, replica, settings.timeout_s, note),
+            peer=peer, candidates=sources.candidates(version, replica, settings.timeout_s, note, progress),
             settings=settings, progress=progress,
         ),
     }  # fmt: skip
