@@ -184,6 +184,12 @@ def _check_name(what: str, name: str) -> None:
         raise ValueError(f"{what} {name!r} cannot be stored (empty, a path, or ending in {TMP_SUFFIX!r})")
 
 
+def _is_legacy_model_dir(path: Path) -> bool:
+    """`<root>/<model>/` of the layout before namespaces: its state file or artifacts sit one level higher than
+    in `<root>/<namespace>/<model>/`."""
+    return (path / STATE_FILE).is_file() or any(any((path / kind).glob(f"*/{MARKER}")) for kind in ArtifactKind)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -543,9 +549,13 @@ class CheckpointStore:
 
     def recover(self) -> list[str]:
         """Run on start: remove tmp debris and incomplete artifacts, and turn every interrupted update (or an
-        unreadable state) back into a consistent READY state. Returns what it did, for the log."""
+        unreadable state) back into a consistent READY state; remove model folders of the layout before namespaces
+        (`<root>/<model>/`, no identity: never used). Returns what it did, for the log."""
         actions: list[str] = []
         with self.lock():
+            for legacy in sorted(p for p in self.root.iterdir() if p.is_dir() and _is_legacy_model_dir(p)):
+                _remove(legacy)
+                actions.append(f"removed {legacy.name}: a model folder of the layout without namespaces")
             for model, model_dir in self._model_dirs():
                 for kind in ArtifactKind:
                     kind_dir = model_dir / kind

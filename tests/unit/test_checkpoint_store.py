@@ -431,5 +431,17 @@ def test_a_materialized_copy_matches_its_whole_chain(store: CheckpointStore) -> 
     assert store.artifact(ref, [ident("u1-republished"), chain[1]]) is None  # its root changed: other bytes
 
 
+def test_recover_removes_model_folders_of_the_layout_without_namespaces(store: CheckpointStore) -> None:
+    put(store, "ns/full", FULL, "v1")  # a model named like a kind, in the namespaced layout: kept
+    activate(store, "ns/full", ("v1",))
+    legacy = store.root / "m"
+    (legacy / "full" / "v1").mkdir(parents=True)
+    (legacy / "full" / "v1" / MARKER).write_text("{}")
+    (legacy / STATE_FILE).write_text("{}")
+    actions = store.recover()
+    assert not legacy.exists() and any("without namespaces" in a for a in actions)
+    assert store.artifact(ArtifactRef("ns/full", FULL, "v1")) is not None and store.state("ns/full").version == "v1"
+
+
 def test_index_digest_is_sha256_hex() -> None:
     assert index_digest(b"{}") == "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
