@@ -209,7 +209,8 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
 
     def strategy(root: Path) -> ObjectStorageStrategy:
         return ObjectStorageStrategy(
-            fetch_version=versions.get, credentials=lambda _: creds, store=CheckpointStore(root, quota_bytes=64 << 30),
+            namespace="bench", fetch_version=versions.get, credentials=lambda _: creds,
+            store=CheckpointStore(root, quota_bytes=64 << 30),
             default_endpoint=server.endpoint, download_workers=args.workers, range_bytes=range_bytes,
         )  # fmt: skip
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ class StorageReport:
     total_bytes: int | None = None  # sum of shard object sizes
     tensor_count: int | None = None  # entries in the index's weight_map
     shard_count: int | None = None
+    index_digest: str | None = None  # sha256 (hex) of the index object that was verified
 
 
 class _Stop(Exception):
@@ -263,6 +265,7 @@ def _verify(client: Any, uri: str, *, delta: bool, version: str, base_version: s
         total_bytes=total_bytes,
         tensor_count=len(index.weight_map),
         shard_count=shards,
+        index_digest=hashlib.sha256(raw).hexdigest(),
     )
 
 

@@ -1,7 +1,8 @@
 """The node-local checkpoint store (ModelExpress §5.7, simplified): what the ObjectStorage strategy downloaded
 and derived, kept so that the next load of the same model only fetches what is missing.
 
-Layout under `<root>/<quoted model name>/`:
+Layout under `<root>/<namespace>/<quoted model name>/` (a model's store key is `<namespace>/<model>`, see
+`model_key`: two tenants' versions of the same name never share a path):
 
 - `full/<v>/`          a FullCheckpoint as published (index + shards), immutable;
 - `deltas/<v>/`        an XorDelta as published (index + shards), immutable;
@@ -12,10 +13,16 @@ Layout under `<root>/<quoted model name>/`:
                        (UPDATING) or prepared and waiting for every rank to load it before activation (READY).
 
 Every artifact is written into `<kind>/<v>.tmp/`, its files and the folder are fsynced, and then it is renamed
-into place, its marker `source.json` (source URI + file sizes) written last. So a folder without the `.tmp`
+into place, its marker `source.json` (source URI, identity, file sizes) written last. So a folder without the `.tmp`
 suffix is complete, and a crash at any point leaves only `*.tmp` debris, which `recover()` removes on start.
 `state.json` is replaced atomically the same way and says UPDATING before any artifact of an update is written;
 `recover()` turns an interrupted update back into READY at the last activated version.
+
+Identity: every artifact's marker records the `VersionIdentity` of each version its bytes derive from (one for
+a full or a delta, the whole replay chain for a materialized version): namespace, WeightVersion uid, storage URI
+and the sha256 of the index object. `artifact(ref, identity)` hands out a stored copy only when that identity
+matches the version being loaded; a copy of another identity (a deleted and republished name, an index that
+changed) is discarded, so the load fetches the version again instead of serving or mixing in other bytes.
 
 Quota: `reserve()` evicts materialized → deltas → full, least recently used first, and never an artifact of
 an active chain (the last activated chain of every model, and the chains of updates in progress). If it still
@@ -29,12 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 import urllib.parse
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -44,6 +53,7 @@ STATE_FILE = "state.json"
 MARKER = "source.json"
 TMP_SUFFIX = ".tmp"
 LOCK_FILE = ".lock"
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a Kubernetes namespace: a DNS label
 
 
 class ArtifactKind(StrEnum):
@@ -64,9 +74,47 @@ class CheckpointCacheCapacityError(RuntimeError):
     """The store cannot make room without evicting an active chain."""
 
 
+def model_key(namespace: str, model: str) -> str:
+    """The store key of a model of one namespace: what `ArtifactRef.model` and the per-model methods take."""
+    return f"{namespace}/{model}"
+
+
+def index_digest(raw: bytes) -> str:
+    """The digest a WeightVersion records as `status.indexDigest`: sha256 (hex) of its index object."""
+    return hashlib.sha256(raw).hexdigest()
+
+
+@dataclass(frozen=True)
+class VersionIdentity:
+    """What determines the bytes of one stored version: the WeightVersion object (namespace and uid; a deleted
+    and republished name is another version), where it is stored, and the digest of its index."""
+
+    namespace: str
+    uid: str
+    uri: str
+    index_digest: str | None = None  # expected: None when the WeightVersion records none (then not compared)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"namespace": self.namespace, "uid": self.uid, "uri": self.uri, "indexDigest": self.index_digest}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> VersionIdentity:
+        return cls(str(doc["namespace"]), str(doc["uid"]), str(doc["uri"]), doc.get("indexDigest"))
+
+    def matches(self, stored: VersionIdentity) -> bool:
+        """`self` is what a load expects, `stored` what a marker recorded (always with the actual digest)."""
+        return (self.namespace, self.uid, self.uri) == (stored.namespace, stored.uid, stored.uri) and (
+            self.index_digest is None or self.index_digest == stored.index_digest
+        )
+
+
+def identities_match(expected: Sequence[VersionIdentity], stored: Sequence[VersionIdentity]) -> bool:
+    return len(expected) == len(stored) and all(e.matches(s) for e, s in zip(expected, stored, strict=True))
+
+
 @dataclass(frozen=True)
 class ArtifactRef:
-    model: str
+    model: str  # the store key, `model_key(namespace, model name)`
     kind: ArtifactKind
     version: str
 
@@ -134,6 +182,12 @@ def _check_name(what: str, name: str) -> None:
     # Versions are Kubernetes names; the checks keep every path inside the store and apart from tmp debris.
     if not name or name in (".", "..") or "/" in name or "\0" in name or name.endswith(TMP_SUFFIX):
         raise ValueError(f"{what} {name!r} cannot be stored (empty, a path, or ending in {TMP_SUFFIX!r})")
+
+
+def _is_legacy_model_dir(path: Path) -> bool:
+    """`<root>/<model>/` of the layout before namespaces: its state file or artifacts sit one level higher than
+    in `<root>/<namespace>/<model>/`."""
+    return (path / STATE_FILE).is_file() or any(any((path / kind).glob(f"*/{MARKER}")) for kind in ArtifactKind)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -251,9 +305,19 @@ class CheckpointStore:
     # ------------------------------------------------------------------ paths and reads
 
     def model_dir(self, model: str) -> Path:
-        if not model or model in (".", ".."):
-            raise ValueError(f"model name {model!r} cannot be stored")
-        return self.root / urllib.parse.quote(model, safe="")
+        """The folder of a store key (`model_key`): `<root>/<namespace>/<quoted model name>`."""
+        namespace, _, name = model.partition("/")
+        if not _NAMESPACE.fullmatch(namespace) or not name or name in (".", ".."):
+            raise ValueError(f"model {model!r} cannot be stored (expected a key <namespace>/<model name>)")
+        return self.root / namespace / urllib.parse.quote(name, safe="")
+
+    def _model_dirs(self) -> list[tuple[str, Path]]:
+        """(store key, folder) of every model in the store."""
+        found = []
+        for ns_dir in sorted(p for p in self.root.iterdir() if p.is_dir() and _NAMESPACE.fullmatch(p.name)):
+            for model_dir in sorted(p for p in ns_dir.iterdir() if p.is_dir()):
+                found.append((model_key(ns_dir.name, urllib.parse.unquote(model_dir.name)), model_dir))
+        return found
 
     def path(self, ref: ArtifactRef) -> Path:
         _check_name("version", ref.version)
@@ -266,9 +330,11 @@ class CheckpointStore:
         except FileNotFoundError:
             return StoreState()
 
-    def artifact(self, ref: ArtifactRef) -> Path | None:
-        """The folder of a complete artifact, or None. One whose files no longer match its marker (sizes) is
-        discarded. Marks the artifact recently used, for eviction."""
+    def artifact(self, ref: ArtifactRef, identity: Sequence[VersionIdentity] | None = None) -> Path | None:
+        """The folder of a complete artifact, or None. One whose files no longer match its marker (sizes), or
+        (when `identity` is given) whose recorded identity is not the expected one, is discarded: a copy of
+        other bytes is never handed out, and the load that asked overwrites it. Marks the artifact recently
+        used, for eviction."""
         with self.lock():
             path = self.path(ref)
             if not path.is_dir():
@@ -276,8 +342,19 @@ class CheckpointStore:
             if not self._intact(path):
                 self.discard(ref)
                 return None
+            if identity is not None and not identities_match(identity, self.identity(ref)):
+                self.discard(ref)
+                return None
             os.utime(path)
             return path
+
+    def identity(self, ref: ArtifactRef) -> tuple[VersionIdentity, ...]:
+        """The identities an artifact was written with (root first for a materialized one); () if unreadable."""
+        try:
+            docs = json.loads((self.path(ref) / MARKER).read_text()).get("identity") or []
+            return tuple(VersionIdentity.from_json(d) for d in docs)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return ()
 
     def source(self, ref: ArtifactRef) -> dict[str, Any]:
         """The `source` document an artifact was written with (for example the S3 URI of its index)."""
@@ -294,8 +371,7 @@ class CheckpointStore:
     def artifacts(self) -> list[StoredArtifact]:
         """Every complete-looking artifact (no tmp debris), across models."""
         found: list[StoredArtifact] = []
-        for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            model = urllib.parse.unquote(model_dir.name)
+        for model, model_dir in self._model_dirs():
             for kind in ArtifactKind:
                 kind_dir = model_dir / kind
                 if not kind_dir.is_dir():
@@ -318,9 +394,12 @@ class CheckpointStore:
         write_json_atomic(folder / STATE_FILE, {"model": model, **state.to_json()})
 
     @contextlib.contextmanager
-    def write(self, ref: ArtifactRef, source: Mapping[str, Any]) -> Iterator[Path]:
-        """Yield an empty `<v>.tmp` folder to fill; on a clean exit fsync everything, write the marker and rename
-        it into place. On an exception the tmp folder is removed and nothing changes."""
+    def write(
+        self, ref: ArtifactRef, source: Mapping[str, Any], identity: Sequence[VersionIdentity] = ()
+    ) -> Iterator[Path]:
+        """Yield an empty `<v>.tmp` folder to fill; on a clean exit fsync everything, write the marker (with
+        `identity`, what `artifact()` checks) and rename it into place. On an exception the tmp folder is
+        removed and nothing changes."""
         with self.lock():
             final = self.path(ref)
             if final.exists():
@@ -335,7 +414,8 @@ class CheckpointStore:
                 for name in files:
                     _fsync_file(tmp / name)
                 # Written last; this also fsyncs the folder, making every entry in it durable.
-                write_json_atomic(tmp / MARKER, {"source": dict(source), "files": files})
+                marker = {"source": dict(source), "identity": [i.to_json() for i in identity], "files": files}
+                write_json_atomic(tmp / MARKER, marker)
                 os.rename(tmp, final)
                 _fsync_dir(final.parent)
             except BaseException:
@@ -420,9 +500,8 @@ class CheckpointStore:
         """Artifacts eviction must keep: every model's active chain, its prepared one, and the chains of updates
         in progress."""
         refs: set[ArtifactRef] = set().union(*self._pins) if self._pins else set()
-        for model_dir in self.root.iterdir():
+        for model, model_dir in self._model_dirs():
             if (model_dir / STATE_FILE).is_file():
-                model = urllib.parse.unquote(model_dir.name)
                 with contextlib.suppress(ValueError, KeyError, TypeError):  # unreadable state protects nothing
                     state = self.state(model)
                     refs |= chain_refs(model, state.chain) | chain_refs(model, state.target_chain)
@@ -470,11 +549,14 @@ class CheckpointStore:
 
     def recover(self) -> list[str]:
         """Run on start: remove tmp debris and incomplete artifacts, and turn every interrupted update (or an
-        unreadable state) back into a consistent READY state. Returns what it did, for the log."""
+        unreadable state) back into a consistent READY state; remove model folders of the layout before namespaces
+        (`<root>/<model>/`, no identity: never used). Returns what it did, for the log."""
         actions: list[str] = []
         with self.lock():
-            for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
-                model = urllib.parse.unquote(model_dir.name)
+            for legacy in sorted(p for p in self.root.iterdir() if p.is_dir() and _is_legacy_model_dir(p)):
+                _remove(legacy)
+                actions.append(f"removed {legacy.name}: a model folder of the layout without namespaces")
+            for model, model_dir in self._model_dirs():
                 for kind in ArtifactKind:
                     kind_dir = model_dir / kind
                     for path in sorted(kind_dir.iterdir()) if kind_dir.is_dir() else ():

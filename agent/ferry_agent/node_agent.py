@@ -29,7 +29,7 @@ from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION, ReplicaReason
 from ferry_agent import metrics
 from ferry_agent.apiretry import REQUEST_TIMEOUT_S, Backoff, StatusOutbox, describe, is_transient
-from ferry_agent.checkpoint_store import CheckpointStore
+from ferry_agent.checkpoint_store import CheckpointStore, model_key
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import Progress, TransferSettings
 from ferry_agent.rank_group import LoadFailed, RankLaunch, RankProcesses
@@ -88,6 +88,7 @@ class Loaded:
     bytes_moved: int
     attempts: list[dict[str, Any]]
     ranks: list[dict[str, Any]]
+    version_uid: str | None = None  # of the WeightVersion object the bytes came from (status.versionUid)
 
 
 @dataclass
@@ -267,7 +268,7 @@ class NodeAgent:
             key,
             {
                 "phase": "Loading", "version": version, "startedTime": _micro_now(), "completedTime": None,
-                "bytesDone": 0, "bytesTotal": None, "source": None, "attempts": [], "ranks": None,
+                "bytesDone": 0, "bytesTotal": None, "source": None, "attempts": [], "ranks": None, "versionUid": None,
                 "reason": None, "message": "", "observedGeneration": generation,
             },
         )  # fmt: skip
@@ -301,6 +302,7 @@ class NodeAgent:
             "phase": "Serving", "version": version, "source": loaded.source, "bytesDone": loaded.bytes_moved,
             "bytesTotal": loaded.bytes_moved, "completedTime": _micro_now(), "lastProgressTime": _micro_now(),
             "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks, "reason": None,
+            "versionUid": loaded.version_uid,
             "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
         }  # fmt: skip
         self._served[key] = Served(version, loaded.handle, status)
@@ -330,7 +332,8 @@ class NodeAgent:
             guard=read_guard(self._worker_auth, namespace, spec),
         )  # fmt: skip
         handle = InProcessReplica(result.resident, server, self._peer)
-        return Loaded(handle, source_label(result), result.bytes_moved, [a.to_status() for a in ctx.attempts], [entry])
+        attempts = [a.to_status() for a in ctx.attempts]
+        return Loaded(handle, source_label(result), result.bytes_moved, attempts, [entry], ctx.version_uid)
 
     def _load_ranks(self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress,
                     note: Callable[[str], None]) -> Loaded:  # fmt: skip
@@ -353,13 +356,15 @@ class NodeAgent:
         except BaseException as exc:
             ranks.stop(drain_s=0)  # no rank may keep its GPU memory, or serve, for a load the agent gave up on
             if self._store is not None:  # a leader killed between prepare and activate left its mark
-                self._store.release_prepared(spec["modelName"], spec["version"])
+                self._store.release_prepared(model_key(namespace, spec["modelName"]), spec["version"])
             if isinstance(exc, Exception) and not isinstance(exc, LoadFailed):
                 raise LoadFailed(f"supervising the rank processes failed: {type(exc).__name__}: {exc}", []) from exc
             raise
         source = ",".join(sorted({e["source"] for e in serving}))  # each rank may copy from a different peer
         entries = [e["entry"] for e in serving]
-        return Loaded(ranks, source, sum(e["bytes"] for e in serving), serving[0]["attempts"], entries)
+        uids = {e.get("version_uid") for e in serving}
+        uid = uids.pop() if len(uids) == 1 else None  # ranks that disagree serve no uid-checked reader
+        return Loaded(ranks, source, sum(e["bytes"] for e in serving), serving[0]["attempts"], entries, uid)
 
     def _fail(self, key, version, generation, reason: ReplicaReason, message, attempts=None) -> None:
         log.error("%s/%s failed to load %s: %s", *key, version, message)

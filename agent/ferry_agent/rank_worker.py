@@ -147,7 +147,7 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
     )  # fmt: skip
     report(
         "serving", rank=args.rank, version=ctx.version, source=source_label(result), bytes=result.bytes_moved,
-        entry=entry, attempts=[a.to_status() for a in ctx.attempts],
+        entry=entry, attempts=[a.to_status() for a in ctx.attempts], version_uid=ctx.version_uid,
     )  # fmt: skip
     stop = threading.Event()
     threading.Thread(target=_watch_leases, args=(server, report, stop), daemon=True).start()

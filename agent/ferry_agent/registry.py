@@ -1,7 +1,8 @@
 """The source registry in CRDs: which WeightReplicas may a target read from, and how a loaded one is published.
 
 Pure functions over Kubernetes object dicts, so the rules are unit-testable without a cluster:
-a source is a Serving WeightReplica of the exact version, with a Ready entry for the same rank and a live Lease.
+a source is a Serving WeightReplica of the exact version (name, and WeightVersion uid when known), with a Ready
+entry for the same rank and a live Lease.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import datetime as dt
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ferry.api.conditions import is_true
 from ferry.api.liveness import DEFAULT_LEASE_SECONDS, lease_is_live
 from ferry.api.models import GROUP, LABEL_MODEL, LABEL_NODE, LABEL_VERSION
 from ferry.api.models import replica_lease_name as lease_name
@@ -27,9 +29,12 @@ def source_candidates(
     self_replica: str,
     now: dt.datetime,
     world_size: int = 1,
+    version_uid: str | None = None,
 ) -> list[SourceCandidate]:
     """Sources for one rank of `version`, from WeightReplica objects and Leases keyed by name. Only replicas
-    with the same number of ranks qualify: rank r of a replica holds a share of the tensors that depends on it."""
+    with the same number of ranks qualify: rank r of a replica holds a share of the tensors that depends on it.
+    With `version_uid`, only replicas that serve that very WeightVersion object (`status.versionUid`): a deleted
+    and republished name is another version, whose old bytes must never be copied."""
     found = []
     for wr in replicas:
         name = wr["metadata"]["name"]
@@ -39,6 +44,8 @@ def source_candidates(
         if (wr.get("spec") or {}).get("ranks", 1) != world_size:
             continue
         if status.get("phase") != "Serving" or status.get("version") != version:
+            continue
+        if version_uid is not None and status.get("versionUid") != version_uid:
             continue
         if not lease_is_live(leases.get(lease_name(name)), now, node=(wr.get("spec") or {}).get("nodeName")):
             continue
@@ -57,6 +64,20 @@ def source_candidates(
                     )
                 )
     return found
+
+
+def peer_version_problem(body: Mapping[str, Any] | None, *, name: str, model: str) -> str | None:
+    """Why a target must not copy WeightVersion `name` (its object, or None if missing) from peers, or None.
+    The agent checks this itself: the operator's retarget may lag a deleted, failed or republished version."""
+    if body is None:
+        return f"WeightVersion {name} does not exist"
+    if (body.get("metadata") or {}).get("deletionTimestamp"):
+        return f"WeightVersion {name} is being deleted"
+    if (body.get("spec") or {}).get("modelName") != model:
+        return f"WeightVersion {name} is for model {(body.get('spec') or {}).get('modelName')!r}, not {model!r}"
+    if not is_true((body.get("status") or {}).get("conditions"), "Ready"):
+        return f"WeightVersion {name} is not Ready"
+    return None
 
 
 def lease_body(

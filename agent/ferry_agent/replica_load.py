@@ -26,7 +26,7 @@ from ferry_agent.cold_start import DEFAULT_SOURCE_ORDER, run_cold_start
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import PeerStrategy, Progress, TransferSettings
 from ferry_agent.ranks import RankGroup
-from ferry_agent.registry import LABEL_VERSION, first_loader, source_candidates
+from ferry_agent.registry import LABEL_VERSION, first_loader, peer_version_problem, source_candidates
 from ferry_agent.resident import ResidentWeights, spec_of
 from ferry_agent.s3_strategy import ObjectStorageStrategy
 from ferry_agent.sharding import rank_specs
@@ -102,10 +102,21 @@ class ApiSources:
         )
 
     def candidates(
-        self, version: str, self_name: str, wait_s: float, note: Callable[[str], None]
+        self, version: str, self_name: str, wait_s: float, note: Callable[[str], None], progress: Progress | None = None
     ) -> Callable[[LoadContext], list]:
-        """Peer sources for a rank. When there are none yet but another replica is the first loader of the
-        version, wait up to `wait_s` for it (`note` says so) and copy from it, instead of all reading S3."""
+        """Peer sources for a rank: replicas serving the very WeightVersion object of that name, which must exist,
+        be Ready and be of the replica's model (raises otherwise; `ctx.version_uid` says which object). When
+        there are none yet but another replica is the first loader of the version, wait up to `wait_s` for it
+        (`note` says so, and `progress` names it as the source waited on) and copy from it, instead of all
+        reading S3."""
+
+        def check(ctx: LoadContext) -> str:
+            body = self.version(version)
+            problem = peer_version_problem(body, name=version, model=ctx.model)
+            if problem is not None:
+                raise ValueError(problem)
+            assert body is not None
+            return str(body["metadata"]["uid"])
 
         def listed() -> tuple[list, dict]:
             replicas = self._objects.list_namespaced_custom_object(
@@ -117,24 +128,29 @@ class ApiSources:
             }
             return replicas, leases
 
-        def once(ctx: LoadContext) -> tuple[list, list]:
+        def once(ctx: LoadContext, uid: str) -> tuple[list, list]:
             replicas, leases = self._read(f"the sources of {version}", listed)
             found = source_candidates(
                 replicas, leases, version=version, rank=ctx.rank, self_replica=self_name,
-                now=dt.datetime.now(dt.UTC), world_size=ctx.world_size,
+                now=dt.datetime.now(dt.UTC), world_size=ctx.world_size, version_uid=uid,
             )  # fmt: skip
             return found, replicas
 
         def listing(ctx: LoadContext) -> list:
-            found, replicas = once(ctx)
+            ctx.version_uid = uid = check(ctx)
+            found, replicas = once(ctx, uid)
             deadline = time.monotonic() + wait_s
+            waited_on = None
             while not found and time.monotonic() < deadline:
                 leader = first_loader(replicas, version=version, self_replica=self_name)
                 if leader == self_name or self._stopping.is_set():
                     break
                 note(f"waiting for {leader} to load {version}")
+                if progress is not None and leader != waited_on:  # once: progress reports reset stall detection
+                    progress(0, 0, f"peer/{leader}")  # a stall names the peer waited on
+                    waited_on = leader
                 time.sleep(0.5)
-                found, replicas = once(ctx)
+                found, replicas = once(ctx, uid)
             return found
 
         return listing
@@ -226,14 +242,14 @@ def load_rank(
     version = configured or ""
     strategies: dict[str, Any] = {
         "Peer": PeerStrategy(
-            peer=peer, candidates=sources.candidates(version, replica, settings.timeout_s, note),
+            peer=peer, candidates=sources.candidates(version, replica, settings.timeout_s, note, progress),
             settings=settings, progress=progress, credentials=credentials,
         ),
     }  # fmt: skip
     if store is not None:
         strategies["ObjectStorage"] = ObjectStorageStrategy(
-            fetch_version=sources.version, credentials=sources.credentials,
-            store=store, default_endpoint=s3_endpoint, progress=progress,
+            namespace=sources.namespace, fetch_version=sources.version, credentials=sources.credentials,
+            store=store, default_endpoint=s3_endpoint, progress=progress, timeout_s=settings.timeout_s,
         )  # fmt: skip
     local = LocalFileStrategy(seeds)
     return run_cold_start(

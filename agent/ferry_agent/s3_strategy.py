@@ -15,6 +15,12 @@ ModelExpress semantics (reference/modelexpress.md §5.5 to §5.7), in four phase
    place (streamed zstd, numpy XOR) checking the exact decoded size and adler32 after each, and write the result
    to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
 
+A stored artifact is used only for the exact versions it was written from (namespace, WeightVersion uid, storage
+URI, index digest: `checkpoint_store.VersionIdentity`); an index fetched from S3 must have the sha256 the operator
+recorded as `status.indexDigest` when it verified the version. Every S3 request is bounded by the transfer
+timeout (`spec.transfer.timeoutSeconds`: all tries of one request together), and the S3 object a load waits on
+is its progress `source`, so a hung endpoint fails the load in bounded time and a stall names what it waits on.
+
 Every failure is `StrategyFailed(mutated=False)`: the new pool is never handed out, so nothing the replica served
 changes, and the store goes back to its last activated version. An artifact found corrupt is discarded, so a
 retry downloads it again.
@@ -54,12 +60,16 @@ from ferry_agent.checkpoint_store import (
     ArtifactRef,
     CheckpointCacheCapacityError,
     CheckpointStore,
+    VersionIdentity,
     head_ref,
+    index_digest,
+    model_key,
 )
 from ferry_agent.peer_strategy import ProgressThrottle
 from ferry_agent.resident import ResidentWeights, TensorSpec, manifest_digest
 from ferry_agent.sharding import rank_specs
 from ferry_agent.strategy import LoadContext, StrategyFailed
+from ferry_agent.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +79,7 @@ PROGRESS_INTERVAL_S = 1.0
 CHECKSUMS_FILE = "checksums.json"  # materialized/<v>/: adler32 per tensor of version v
 CHAIN_FILE = "chain.json"  # materialized/<v>/: the replay chain it was built from
 SOURCE = "s3"
+S3_ATTEMPTS = 3  # tries of one S3 request (botocore standard retries), all within the transfer timeout
 
 Progress = Callable[[int, int, str], None]
 
@@ -112,10 +123,18 @@ class _Link:
     storage: Mapping[str, Any]
     bucket: str
     key: str  # of the index
+    namespace: str
+    uid: str
+    index_digest: str | None  # status.indexDigest, recorded by the operator when it verified the version
 
     @property
     def uri(self) -> str:
         return f"s3://{self.bucket}/{self.key}"
+
+    @property
+    def expected(self) -> VersionIdentity:
+        """What a stored copy of this version must have been written from."""
+        return VersionIdentity(self.namespace, self.uid, self.uri, self.index_digest)
 
     def shard_key(self, shard: str) -> str:
         prefix = self.key.rpartition("/")[0]
@@ -143,6 +162,7 @@ class _Checkpoint:
     shards: dict[str, _Shard]
     checksums: dict[str, str]  # tensor → adler32 of the version's bytes (deltas: of the changed tensors)
     path: Path | None
+    identity: tuple[VersionIdentity, ...]  # of the versions its bytes come from (a materialized one: its chain)
     client: Any = None
 
     def where(self, shard: str | None = None) -> str:
@@ -173,18 +193,21 @@ class _Plan:
 
 
 class _Progress:
-    """Thread-safe byte counter that forwards throttled (done, total, "s3") reports."""
+    """Thread-safe byte counter that forwards throttled (done, total, source) reports; `source` names the S3
+    objects being read, so that a stall report says what the load waits on."""
 
-    def __init__(self, callback: Progress | None, total: int) -> None:
+    def __init__(self, callback: Progress | None, total: int, source: str) -> None:
         self._throttle = ProgressThrottle(callback, PROGRESS_INTERVAL_S)
         self._lock = threading.Lock()
         self.total = total
         self.done = 0
+        self.source = source
+        self._throttle(0, total, source)
 
     def add(self, nbytes: int) -> None:
         with self._lock:
             self.done += nbytes
-            self._throttle(self.done, self.total, SOURCE)
+            self._throttle(self.done, self.total, self.source)
 
 
 class _Countdown:
@@ -203,14 +226,29 @@ class _Countdown:
             self._action()
 
 
+def request_timeouts(timeout_s: float) -> tuple[float, float]:
+    """(connect, read) timeouts of one try of an S3 request, so that all `S3_ATTEMPTS` tries of one request
+    fit in `timeout_s` (the transfer timeout): a hung endpoint fails a load in bounded time. The read timeout
+    is the longest silence on the socket (capped at 60 s), not the duration of a whole ranged GET."""
+    per_try = timeout_s / S3_ATTEMPTS
+    connect = min(5.0, per_try / 2)
+    return connect, min(60.0, per_try - connect)
+
+
 def bulk_s3_client(
-    endpoint: str | None, region: str | None, credentials: Mapping[str, str] | None, workers: int
+    endpoint: str | None,
+    region: str | None,
+    credentials: Mapping[str, str] | None,
+    workers: int,
+    timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
 ) -> Any:
-    """The verifier's client with bulk settings: `workers` ranged GETs of up to 16 MiB run at once, and a read
-    may take a while."""
+    """The verifier's client with bulk settings: `workers` ranged GETs of up to 16 MiB run at once, each
+    request bounded by `timeout_s` (see `request_timeouts`)."""
+    connect, read = request_timeouts(timeout_s)
     return s3_client(
-        endpoint, region, credentials, connect_timeout=5, read_timeout=60, max_pool_connections=max(10, workers)
-    )
+        endpoint, region, credentials, connect_timeout=connect, read_timeout=read, max_attempts=S3_ATTEMPTS,
+        max_pool_connections=max(10, workers),
+    )  # fmt: skip
 
 
 def _s3_error(exc: Exception, uri: str) -> _LoadError:
@@ -410,13 +448,16 @@ _clients: dict[tuple[Any, ...], Any] = {}
 _clients_lock = threading.Lock()
 
 
-def _cached_client(endpoint: str | None, region: str | None, creds: Mapping[str, str] | None, workers: int) -> Any:
+def _cached_client(
+    endpoint: str | None, region: str | None, creds: Mapping[str, str] | None, workers: int, timeout_s: float
+) -> Any:
     """Creating a boto3 client costs tens of milliseconds and the agent builds strategies per load, so clients
-    are shared process-wide, one per endpoint, region, identity and pool size (boto3 clients are thread-safe)."""
-    key = (endpoint, region, tuple(sorted((creds or {}).items())), workers)
+    are shared process-wide, one per endpoint, region, identity, pool size and timeout (boto3 clients are
+    thread-safe)."""
+    key = (endpoint, region, tuple(sorted((creds or {}).items())), workers, timeout_s)
     with _clients_lock:
         if key not in _clients:
-            _clients[key] = bulk_s3_client(endpoint, region, creds, workers)
+            _clients[key] = bulk_s3_client(endpoint, region, creds, workers, timeout_s)
         return _clients[key]
 
 
@@ -428,6 +469,7 @@ class ObjectStorageStrategy:
     def __init__(
         self,
         *,
+        namespace: str,
         fetch_version: Callable[[str], Mapping[str, Any] | None],
         credentials: Callable[[Mapping[str, Any]], Mapping[str, str] | None],
         store: CheckpointStore,
@@ -435,11 +477,15 @@ class ObjectStorageStrategy:
         download_workers: int = 8,
         progress: Progress | None = None,
         range_bytes: int = DEFAULT_RANGE_BYTES,
+        timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
     ) -> None:
-        """`fetch_version(name)`: the WeightVersion object (a dict) of that name in the replica's namespace, or
-        None. `credentials(storage)`: S3 credentials for a `spec.storage` dict, or None for the environment's."""
-        if download_workers < 1 or range_bytes < 1:
-            raise ValueError("download_workers and range_bytes must be positive")
+        """`fetch_version(name)`: the WeightVersion object (a dict) of that name in the replica's `namespace`, or
+        None. `credentials(storage)`: S3 credentials for a `spec.storage` dict, or None for the environment's.
+        `timeout_s` bounds each S3 request, all its tries together (the replica's `spec.transfer.timeoutSeconds`)."""
+        if download_workers < 1 or range_bytes < 1 or timeout_s <= 0:
+            raise ValueError("download_workers, range_bytes and timeout_s must be positive")
+        self._namespace = namespace
+        self._timeout_s = float(timeout_s)
         self._fetch_version = fetch_version
         self._credentials = credentials
         self._store = store
@@ -480,6 +526,7 @@ class ObjectStorageStrategy:
                 plan = self._plan(ctx, links, pool)
                 timings["validate"] = time.monotonic() - t0
                 resident, downloaded = self._execute(ctx, plan, pool, timings, activate=activate)
+        ctx.version_uid = links[-1].uid
         return self._result(ctx, plan, resident, downloaded, t0, timings)
 
     def attach(self, ctx: LoadContext, chain: Sequence[str]) -> None:
@@ -487,8 +534,12 @@ class ObjectStorageStrategy:
         with self._failures():
             self._require_prepared(ctx, tuple(chain))
 
+    def _key(self, ctx: LoadContext) -> str:
+        """The replica's model in the store: namespace-scoped, so two tenants' versions never share a path."""
+        return model_key(self._namespace, ctx.model)
+
     def _require_prepared(self, ctx: LoadContext, chain: tuple[str, ...]) -> None:
-        if self._store.prepared_head(ctx.model, chain) is None:
+        if self._store.prepared_head(self._key(ctx), chain) is None:
             raise _LoadError(
                 f"{ctx.version} (chain {' → '.join(chain)}) is neither prepared nor active in this node's checkpoint "
                 f"store {self._store.root}; every rank of a replica must share its node's store"
@@ -511,19 +562,20 @@ class ObjectStorageStrategy:
                 timings["validate"] = time.monotonic() - t0
                 # The prepared chain is protected in the store's state, so it is read outside the lock.
                 resident = self._build(ctx, plan, pool, timings)
+        ctx.version_uid = links[-1].uid
         return self._result(ctx, plan, resident, 0, t0, timings)
 
     def activate(self, ctx: LoadContext, chain: Sequence[str]) -> None:
         """Mark the prepared version active in the store (protecting its chain from eviction)."""
         with self._failures():
             try:
-                self._store.activate(ctx.model, ctx.version, chain)
+                self._store.activate(self._key(ctx), ctx.version, chain)
             except RuntimeError as exc:
                 raise _LoadError(str(exc)) from exc
 
     def release_prepared(self, ctx: LoadContext) -> None:
         """Undo `prepare(activate=False)` when the replica gives up: the store forgets the prepared version."""
-        self._store.release_prepared(ctx.model, ctx.version)
+        self._store.release_prepared(self._key(ctx), ctx.version)
 
     @contextlib.contextmanager
     def _failures(self) -> Iterator[None]:
@@ -595,10 +647,19 @@ class ObjectStorageStrategy:
             except ValueError as exc:
                 raise _LoadError(f"WeightVersion {name}{where} has no usable spec.storage.uri: {exc}") from exc
             try:
-                self._store.path(ArtifactRef(ctx.model, ArtifactKind.FULL, name))
+                self._store.path(ArtifactRef(self._key(ctx), ArtifactKind.FULL, name))
             except ValueError as exc:  # e.g. a version named *.tmp, which the store reserves for debris
                 raise _LoadError(f"WeightVersion {name}{where}: {exc}") from exc
-            links.append(_Link(name, view.format, view.base_version, storage, bucket, key))
+            metadata = body.get("metadata") or {}
+            if metadata.get("namespace", self._namespace) != self._namespace:
+                raise _LoadError(f"WeightVersion {name}{where} is of namespace {metadata['namespace']!r}")
+            digest = (body.get("status") or {}).get("indexDigest") or None
+            links.append(
+                _Link(
+                    name, view.format, view.base_version, storage, bucket, key,
+                    self._namespace, str(metadata.get("uid") or ""), digest,
+                )
+            )  # fmt: skip
         return links
 
     # ------------------------------------------------------------------ phase 2: validate (no mutation)
@@ -606,7 +667,7 @@ class ObjectStorageStrategy:
     def _plan(self, ctx: LoadContext, links: list[_Link], pool: ThreadPoolExecutor, *, remote: bool = True) -> _Plan:
         """What to read and apply. With `remote=False` everything must already be in the store (a rank loading
         what its local leader prepared)."""
-        model = ctx.model
+        model = self._key(ctx)
 
         def fetch(ref: ArtifactRef, link: _Link) -> _Checkpoint:
             if not remote:
@@ -617,7 +678,8 @@ class ObjectStorageStrategy:
         base: _Checkpoint | None = None
         start = 0
         for i in range(len(links) - 1, 0, -1):  # the newest materialized version of the chain
-            base = self._stored(ArtifactRef(model, ArtifactKind.MATERIALIZED, links[i].name), links[i])
+            ref = ArtifactRef(model, ArtifactKind.MATERIALIZED, links[i].name)
+            base = self._stored(ref, links[i], [link.expected for link in links[: i + 1]])
             if base is not None:
                 start = i
                 break
@@ -678,14 +740,19 @@ class ObjectStorageStrategy:
             raise _LoadError(f"index {where} is invalid: {exc}") from exc
         return index
 
-    def _stored(self, ref: ArtifactRef, link: _Link) -> _Checkpoint | None:
-        """A stored artifact, re-validated (headers only; tensor checksums are checked when read). A broken one
+    def _stored(
+        self, ref: ArtifactRef, link: _Link, expected: Sequence[VersionIdentity] | None = None
+    ) -> _Checkpoint | None:
+        """A stored artifact written from exactly the `expected` versions (by default `link`'s alone),
+        re-validated (headers only; tensor checksums are checked when read). One of another identity, or broken,
         is discarded and the caller falls back to S3."""
-        path = self._store.artifact(ref)
+        path = self._store.artifact(ref, [link.expected] if expected is None else expected)
         if path is None:
             return None
         try:
             raw = (path / ckpt.INDEX_NAME).read_bytes()
+            if ref.kind != ArtifactKind.MATERIALIZED and link.index_digest not in (None, index_digest(raw)):
+                raise ValueError(f"its index does not have the digest {link.index_digest} of {link.uri}")
             index = self._parse_index(raw, link, ref.kind == ArtifactKind.DELTA, str(path))
             shards: dict[str, _Shard] = {}
             for name in index.shards:
@@ -705,11 +772,13 @@ class ObjectStorageStrategy:
             log.warning("discarding stored %s, it is unreadable: %s", ref, exc)
             self._store.discard(ref)
             return None
-        return _Checkpoint(link, ref, raw, index, shards, checksums, path)
+        return _Checkpoint(link, ref, raw, index, shards, checksums, path, self._store.identity(ref))
 
     def _remote(self, ref: ArtifactRef, link: _Link, pool: ThreadPoolExecutor) -> _Checkpoint:
         """Fetch and validate a checkpoint's index and every shard header from S3 (HEAD + ranged GET each)."""
         client = self._client(link)
+        if self._progress is not None:
+            self._progress(0, 0, link.uri)  # what the load waits on, before the first request (stall diagnosis)
         try:
             response = client.get_object(Bucket=link.bucket, Key=link.key)
             if response["ContentLength"] > MAX_INDEX_BYTES:
@@ -718,11 +787,18 @@ class ObjectStorageStrategy:
             raw = response["Body"].read()
         except (ClientError, BotoCoreError) as exc:
             raise _s3_error(exc, link.uri) from exc
+        digest = index_digest(raw)
+        if link.index_digest is not None and digest != link.index_digest:
+            raise _LoadError(
+                f"index {link.uri} has sha256 {digest}, but WeightVersion {link.name} was verified with "
+                f"{link.index_digest} (status.indexDigest): the object changed after it was published"
+            )
         index = self._parse_index(raw, link, ref.kind == ArtifactKind.DELTA, link.uri)
         probed = _run(pool, [lambda s=s: self._probe(client, link, index, s) for s in index.shards])
         shards = {s.name: s for s in probed}
         checksums = {k: v for s in shards.values() for k, v in s.layout.checksums.items()}
-        return _Checkpoint(link, ref, raw, index, shards, checksums, None, client)
+        identity = (VersionIdentity(link.namespace, link.uid, link.uri, digest),)
+        return _Checkpoint(link, ref, raw, index, shards, checksums, None, identity, client)
 
     @staticmethod
     def _probe(client: Any, link: _Link, index: ckpt.CheckpointIndex, shard: str) -> _Shard:
@@ -756,7 +832,7 @@ class ObjectStorageStrategy:
             creds = self._credentials(link.storage)
         except Exception as exc:
             raise _LoadError(f"no S3 credentials for {link.uri}: {exc}") from exc
-        return _cached_client(endpoint, region, creds, self._workers)
+        return _cached_client(endpoint, region, creds, self._workers, self._timeout_s)
 
     # ------------------------------------------------------------------ phase 3: download, apply, place
 
@@ -782,11 +858,17 @@ class ObjectStorageStrategy:
         full tensor's adler32) as soon as its last range lands, so an artifact is only renamed into the store
         once all of it is verified."""
         t = time.monotonic()
-        progress = _Progress(self._progress, sum(s.layout.size for c in fetch for s in c.shards.values()))
+        progress = _Progress(
+            self._progress,
+            sum(s.layout.size for c in fetch for s in c.shards.values()),
+            ", ".join(c.link.uri.rpartition("/")[0] + "/" for c in fetch),  # the folders the shards are read from
+        )
         with contextlib.ExitStack() as stack:
             tasks: list[Callable[[], None]] = []
             for checkpoint in fetch:
-                tmp = stack.enter_context(self._store.write(checkpoint.ref, {"uri": checkpoint.link.uri}))
+                tmp = stack.enter_context(
+                    self._store.write(checkpoint.ref, {"uri": checkpoint.link.uri}, checkpoint.identity)
+                )
                 (tmp / ckpt.INDEX_NAME).write_bytes(checkpoint.index_raw)
                 for shard in checkpoint.shards.values():
                     path = tmp / shard.name
@@ -832,8 +914,9 @@ class ObjectStorageStrategy:
                 stack.callback(os.close, sources[shard])
             outputs: dict[str, tuple[int, _Countdown]] = {}
             if plan.deltas:
+                identity = base.identity + tuple(i for d in plan.deltas for i in d.identity)
                 tmp = stack.enter_context(
-                    self._store.write(plan.head, {"uri": plan.deltas[-1].link.uri, "chain": list(plan.chain)})
+                    self._store.write(plan.head, {"uri": plan.deltas[-1].link.uri, "chain": list(plan.chain)}, identity)
                 )
                 (tmp / ckpt.INDEX_NAME).write_bytes(base.index_raw)
                 (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=1, sort_keys=True))

@@ -85,6 +85,9 @@ class LoadContext:
     device: str = "cpu"
     world_size: int = 1  # ranks of the replica; each holds its share of the tensors (ferry_agent.sharding)
     expected_manifest_digest: str | None = None  # when known, every source must match it
+    # uid of the WeightVersion object a strategy checked and loaded `version` from; published as the replica's
+    # status.versionUid, so that peers copy only from replicas of the very same object (not an old one of the name)
+    version_uid: str | None = None
     attempts: list[Attempt] = field(default_factory=list)
 
     def record(self, source: str, outcome: Outcome, reason: str, message: str = "") -> Attempt:

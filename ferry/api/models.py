@@ -176,6 +176,12 @@ class WeightVersionStatus(_Model):
     totalBytes: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
     size: str | None = Field(default=None, max_length=32, description="totalBytes for humans, e.g. 1.5Gi.")
     tensorCount: int | None = Field(default=None, ge=0)
+    indexDigest: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 (hex) of the index object the operator verified; agents load only an index with this "
+        "digest and use a stored copy only if it was written from it.",
+    )
     readyTime: str | None = None
     holders: int | None = Field(default=None, ge=0)
     releaseBlockers: list[str] | None = Field(default=None, description="What keeps a deleted version alive.")
@@ -374,6 +380,12 @@ class WeightReplicaStatus(_Model):
         "condition), not a phase's.",
     )
     version: str | None = None
+    versionUid: str | None = Field(
+        default=None,
+        max_length=128,
+        description="uid of the WeightVersion object the served bytes came from; peers copy only from replicas "
+        "of the same uid, so a deleted and republished name never serves old bytes.",
+    )
     source: str | None = Field(default=None, description="peer/<replica> or s3.")
     bytesDone: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
     bytesTotal: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})

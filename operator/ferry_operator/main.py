@@ -176,8 +176,12 @@ def _verify_storage(namespace: str, spec: dict, name: str) -> StorageReport:
 
 async def _storage_report(namespace: str, name: str, uid: str, body: kopf.Body) -> StorageReport | None:
     recorded = storage_from_status(body.get("status") or {}, body["metadata"].get("generation"))
-    if recorded is not None and recorded.ok:
-        return recorded  # the objects are immutable: verified once is verified
+    if (
+        recorded is not None
+        and recorded.ok
+        and (recorded.index_digest or recorded.reason == StorageReason.NotApplicable)
+    ):
+        return recorded  # the objects are immutable: verified once is verified (and its index digest recorded)
     attempts, not_before = _verify_backoff.get(uid, (0, 0.0))
     if recorded is not None and time.monotonic() < not_before:
         return recorded  # backing off: keep showing the last outcome until the next attempt

@@ -75,6 +75,7 @@ def storage_from_status(status: Mapping[str, Any], generation: int | None) -> St
         transient=reason == StorageReason.EndpointUnreachable,
         total_bytes=status.get("totalBytes") if ok else None,
         tensor_count=status.get("tensorCount") if ok else None,
+        index_digest=status.get("indexDigest") if ok else None,
     )
 
 
@@ -152,6 +153,7 @@ def plan_version_status(
         status["totalBytes"] = storage.total_bytes
         status["tensorCount"] = storage.tensor_count
         status["size"] = human_bytes(storage.total_bytes) if storage.total_bytes is not None else None
+        status["indexDigest"] = storage.index_digest
     if ready:
         status["readyTime"] = current.get("readyTime") or now
 

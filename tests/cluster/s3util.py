@@ -13,12 +13,14 @@ import torch
 
 from ferry import checkpoint_format as ckpt
 from ferry.localcluster import S3Server
-from ferry_agent.checkpoint_store import ArtifactKind, CheckpointStore
+from ferry_agent.checkpoint_store import ArtifactKind, CheckpointStore, model_key
 from ferry_agent.s3_strategy import ObjectStorageStrategy, S3LoadResult
 from ferry_agent.strategy import LoadContext
 
 BUCKET = "ferry-s3-strategy"
 MODEL = "org/llama"
+NAMESPACE = "tenant-a"  # of the replica and of every WeightVersion it reads
+KEY = model_key(NAMESPACE, MODEL)  # the model in the checkpoint store
 SHARD_BYTES = 200 * 1024  # several shards per full checkpoint
 RANGE_BYTES = 48 * 1024  # several ranged GETs per shard
 FULL, DELTA, MAT = ArtifactKind.FULL, ArtifactKind.DELTA, ArtifactKind.MATERIALIZED
@@ -82,7 +84,11 @@ def wv(
         if endpoint:
             spec["storage"]["endpoint"] = endpoint
     status = "True" if ready else "False"
-    return {"metadata": {"name": name}, "spec": spec, "status": {"conditions": [{"type": "Ready", "status": status}]}}
+    return {
+        "metadata": {"name": name, "namespace": NAMESPACE, "uid": str(uuid.uuid4())},
+        "spec": spec,
+        "status": {"conditions": [{"type": "Ready", "status": status}]},
+    }
 
 
 class Registry:
@@ -113,6 +119,7 @@ class Registry:
     def strategy(self, store: CheckpointStore, **kwargs: Any) -> ObjectStorageStrategy:
         creds = {"AWS_ACCESS_KEY_ID": self.server.access_key, "AWS_SECRET_ACCESS_KEY": self.server.secret_key}
         return ObjectStorageStrategy(
+            namespace=NAMESPACE,
             fetch_version=self.versions.get,
             credentials=lambda storage: creds,
             store=store,

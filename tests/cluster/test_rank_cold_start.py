@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from rankutil import spawn
-from s3util import MODEL, Registry, Weights, delta, full, publish_chain3, shas
+from s3util import KEY, MODEL, Registry, Weights, delta, full, publish_chain3, shas
 
 from ferry import checkpoint_format as ckpt
 from ferry_agent.checkpoint_store import ArtifactKind, ArtifactRef, CheckpointStore
@@ -31,7 +31,7 @@ def _rank_load(registry: Registry, roots: list[Path], version: str, configured: 
         mine = configured[group.rank] if configured else version
         result = run_cold_start(group, ctx, configured=mine, source_order=["ObjectStorage"],
                                 strategies={"ObjectStorage": strategy})  # fmt: skip
-        state = store.state(MODEL)
+        state = store.state(KEY)
         return shas(result.resident.tensors), result.bytes_downloaded, result.reused, (state.version, state.chain)
 
     return run
@@ -76,7 +76,7 @@ def test_a_rank_that_cannot_see_the_leaders_store_fails_every_rank(
         assert message.startswith("S3 cold start of 'v2' failed in s3_all_prepared: rank 1: StrategyFailed:")
         assert "neither prepared nor active in this node's checkpoint store" in message
     leader = CheckpointStore(roots[0], quota_bytes=1 << 30)
-    state = leader.state(MODEL)
+    state = leader.state(KEY)
     assert (state.version, state.target) == (None, None)  # never activated, and the prepared mark released
 
 
@@ -89,7 +89,7 @@ def test_ranks_configured_with_different_versions_fail_before_any_download(
     for status, message, _cause in results:
         assert status == "fatal"
         assert "rank 0 pins 'v1' but rank 1 is configured with 'v9'" in message
-    assert not CheckpointStore(root, quota_bytes=1).model_dir(MODEL).exists()  # nothing fetched or written
+    assert not CheckpointStore(root, quota_bytes=1).model_dir(KEY).exists()  # nothing fetched or written
 
 
 def test_a_follower_finding_a_corrupt_tensor_discards_the_stored_copy(
@@ -106,7 +106,7 @@ def test_a_follower_finding_a_corrupt_tensor_discards_the_stored_copy(
 
     strategy.prepare(rank(0), activate=False)
     follower = max(strategy.load_prepared(rank(1)).resident.manifest, key=lambda spec: spec.nbytes).name
-    path = store.artifact(ArtifactRef(MODEL, ArtifactKind.FULL, "v1"))
+    path = store.artifact(ArtifactRef(KEY, ArtifactKind.FULL, "v1"))
     assert path is not None
     index = json.loads((path / ckpt.INDEX_NAME).read_text())
     name = index["weight_map"][follower]
@@ -120,4 +120,4 @@ def test_a_follower_finding_a_corrupt_tensor_discards_the_stored_copy(
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(StrategyFailed, match=rf"tensor '{re.escape(follower)}' fails its adler32 check"):
         strategy.load_prepared(rank(1))
-    assert store.artifact(ArtifactRef(MODEL, ArtifactKind.FULL, "v1")) is None  # fetched again on retry
+    assert store.artifact(ArtifactRef(KEY, ArtifactKind.FULL, "v1")) is None  # fetched again on retry

@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 from s3util import (
     DELTA,
+    KEY,
     MAT,
     MODEL,
+    NAMESPACE,
     Registry,
     Weights,
     ctx,
@@ -63,8 +65,9 @@ def test_replay_equals_independent_full_checkpoints(
     assert resident_shas(r3) == resident_shas(f3) == shas(w3)
     assert r3.resident.content_sha256() == f3.resident.content_sha256() and r3.resident.digest == f3.resident.digest
     assert r3.bytes_moved == sum(a.nbytes for a in w3.values()) and r3.bytes_downloaded > r3.bytes_moved
-    assert reports and reports[-1][0] == reports[-1][1] and reports[-1][2] == "s3"
-    assert replay_store.state(MODEL).version == "v3" and not debris(tmp_path)
+    assert reports and reports[-1][0] == reports[-1][1]
+    assert reports[0][2] == registry.uri("v1") and registry.uri("v3").rpartition("/")[0] in reports[-1][2]
+    assert replay_store.state(KEY).version == "v3" and not debris(tmp_path)
 
     # v2 replays from what the store already holds (full/v1 and deltas/v2 came with v3): nothing downloaded.
     r2 = replay.load(ctx("v2"))
@@ -118,10 +121,10 @@ def test_corrupted_delta_byte_is_caught_and_the_store_keeps_its_state(
     assert not exc.value.mutated
     assert registry.uri("v2", shard) in message and "'embed.weight'" in message and "adler32" in message
 
-    state = store.state(MODEL)
+    state = store.state(KEY)
     assert (state.status, state.version, state.chain) == (StoreStatus.READY, "v1", ("v1",))
-    assert store.artifact(ArtifactRef(MODEL, DELTA, "v2")) is None  # the bad delta is not kept
-    assert store.artifact(ArtifactRef(MODEL, MAT, "v2")) is None and not debris(store.root)
+    assert store.artifact(ArtifactRef(KEY, DELTA, "v2")) is None  # the bad delta is not kept
+    assert store.artifact(ArtifactRef(KEY, MAT, "v2")) is None and not debris(store.root)
     again = strategy.load(ctx("v1"))
     assert (again.reused, again.bytes_downloaded) == ("full/v1", 0) and resident_shas(again) == shas(w1)
 
@@ -146,7 +149,7 @@ def test_missing_shard_fails_before_anything_is_stored(
     assert not exc.value.mutated
     assert f"{registry.uri(version, shard)} does not exist" in str(exc.value)
     # The whole chain is validated first: not even the (intact) full checkpoint was downloaded.
-    assert store.artifacts() == [] and store.state(MODEL).version is None and not debris(store.root)
+    assert store.artifacts() == [] and store.state(KEY).version is None and not debris(store.root)
 
 
 CHILD = textwrap.dedent(
@@ -169,7 +172,7 @@ CHILD = textwrap.dedent(
 
     ckpt.apply_xor_delta_into = apply_then_die
     strategy = ObjectStorageStrategy(
-        fetch_version=json.loads(Path(versions).read_text()).get,
+        namespace="tenant-a", fetch_version=json.loads(Path(versions).read_text()).get,
         credentials=lambda storage: {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret},
         store=CheckpointStore(Path(root), 1 << 30), default_endpoint=endpoint, download_workers=1,
     )
@@ -194,7 +197,7 @@ def test_sigkill_mid_apply_then_recover(
     child = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stderr
 
-    model_dir = first.model_dir(MODEL)
+    model_dir = first.model_dir(KEY)
     partial = model_dir / "materialized" / "v3.tmp"
     assert any(p.suffix == ".safetensors" for p in partial.iterdir())
     assert json.loads((model_dir / "state.json").read_text())["status"] == "UPDATING"
@@ -203,14 +206,14 @@ def test_sigkill_mid_apply_then_recover(
     actions = restarted.recover()
     assert any("v3.tmp" in a for a in actions) and any("interrupted" in a for a in actions)
     assert not debris(root)
-    state = restarted.state(MODEL)
+    state = restarted.state(KEY)
     assert (state.status, state.version) == (StoreStatus.READY, "v1")
 
     # The deltas were committed before the crash, so the retry downloads nothing and replays correctly.
     result = registry.strategy(restarted).load(ctx("v3"))
     assert (result.reused, result.bytes_downloaded) == ("full/v1", 0)
     assert resident_shas(result) == shas(chain3[2])
-    assert restarted.state(MODEL).version == "v3"
+    assert restarted.state(KEY).version == "v3"
     restarted.close()
 
 
@@ -238,13 +241,13 @@ def test_quota_eviction_never_evicts_the_active_chain(
     for version in ("v2", "v3"):
         strategy.load(ctx(version))
     before = {a.ref for a in store.artifacts()}
-    assert ArtifactRef(MODEL, MAT, "v2") in before
+    assert ArtifactRef(KEY, MAT, "v2") in before
 
     result = strategy.load(ctx("v4"))
     assert resident_shas(result) == shas(w4) and result.reused == "materialized/v3"
     after = {a.ref for a in store.artifacts()}
-    assert before - after == {ArtifactRef(MODEL, MAT, "v2")}
-    assert chain_refs(MODEL, ("v1", "v2", "v3", "v4")) <= after and store.usage() <= quota
+    assert before - after == {ArtifactRef(KEY, MAT, "v2")}
+    assert chain_refs(KEY, ("v1", "v2", "v3", "v4")) <= after and store.usage() <= quota
 
     # Another model that cannot fit without evicting the active chain: refused up front, nothing evicted.
     # (It needs more than the free room plus materialized/v3, which is evictable now that v4 is active.)
@@ -252,9 +255,9 @@ def test_quota_eviction_never_evicts_the_active_chain(
     registry.versions["big"]["spec"]["modelName"] = "other"
     with pytest.raises(StrategyFailed, match="cannot fit") as exc:
         strategy.load(LoadContext(model="other", version="big", rank=0, target_id="r"))
-    assert not exc.value.mutated and f"{MODEL}:full/v1" in str(exc.value)
+    assert not exc.value.mutated and f"{KEY}:full/v1" in str(exc.value)
     assert {a.ref for a in store.artifacts()} == after
-    assert (store.state(MODEL).status, store.state(MODEL).version) == (StoreStatus.READY, "v4")
+    assert (store.state(KEY).status, store.state(KEY).version) == (StoreStatus.READY, "v4")
     assert resident_shas(strategy.load(ctx("v4"))) == shas(w4)
     store.close()
 
@@ -266,7 +269,9 @@ def offline(store: CheckpointStore, versions: Mapping[str, dict[str, Any]]) -> O
     def no_credentials(storage: Mapping[str, Any]) -> None:
         raise RuntimeError("offline test: reaching S3 means the chain was accepted")
 
-    return ObjectStorageStrategy(fetch_version=versions.get, credentials=no_credentials, store=store)
+    return ObjectStorageStrategy(
+        namespace=NAMESPACE, fetch_version=versions.get, credentials=no_credentials, store=store
+    )
 
 
 def linear(n: int) -> dict[str, dict[str, Any]]:
@@ -279,7 +284,7 @@ def fails(store: CheckpointStore, versions: Mapping[str, dict[str, Any]], versio
     with pytest.raises(StrategyFailed) as exc:
         offline(store, versions).load(ctx(version))
     assert not exc.value.mutated
-    assert store.artifacts() == [] and store.state(MODEL).version is None
+    assert store.artifacts() == [] and store.state(KEY).version is None
     return str(exc.value)
 
 

@@ -1,5 +1,6 @@
 """Node agents as real processes against the real apiserver: agent A seeds a version from a local safetensors
-file, agent B loads the same version from A over NIXL, and a third reader verifies B's bytes."""
+file, agent B loads the same version from A over NIXL, and a third reader verifies B's bytes. A peer copy needs the
+WeightVersion to exist and be Ready (the agent checks), so the operator verifies a PeerOnly one first."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from agentutil import agent_metrics, content_sha256, node, read_back, replica, start_agent, wait_phase
 from safetensors.torch import save_file
-from wvutil import get, wait_for
+from wvutil import apply, get, wait_for, wait_reason, wv_body
 
 from ferry_agent.registry import lease_name
 from ferry_agent.resident import ResidentWeights
@@ -17,7 +18,7 @@ from ferry_agent.resident import ResidentWeights
 pytestmark = pytest.mark.e2e
 
 
-def test_agent_b_loads_from_agent_a(cluster, namespace, tmp_path):
+def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
     gen = torch.Generator().manual_seed(3)
     weights = {f"layers.{i}.weight": torch.randn((128, 256), generator=gen) for i in range(6)}
     weights["norm.bias"] = torch.randn((256,), generator=gen).to(torch.bfloat16)
@@ -28,6 +29,8 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, tmp_path):
 
     for n in ("node-a", "node-b"):
         node(cluster, n)
+    apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"))
+    uid = wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")["metadata"]["uid"]
     agent_a = start_agent(cluster, tmp_path, "node-a", f"v1={seed_file}")
     agent_b = start_agent(cluster, tmp_path, "node-b")
     try:
@@ -42,7 +45,7 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, tmp_path):
         replica(cluster, namespace, "wr-b", "node-b", "v1")
         b = wait_phase(cluster, namespace, "wr-b", "Serving", agent_b)
         status = b["status"]
-        assert status["source"] == "peer/wr-a"
+        assert status["source"] == "peer/wr-a" and status["versionUid"] == uid
         assert status["bytesDone"] == status["bytesTotal"] == total
         assert status["ranks"][0]["manifestDigest"] == a["status"]["ranks"][0]["manifestDigest"]
         outcomes = [(x["source"], x["outcome"]) for x in status["attempts"]]

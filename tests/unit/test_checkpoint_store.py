@@ -27,7 +27,10 @@ from ferry_agent.checkpoint_store import (
     CheckpointCacheCapacityError,
     CheckpointStore,
     StoreStatus,
+    VersionIdentity,
     chain_refs,
+    index_digest,
+    model_key,
 )
 
 pytestmark = pytest.mark.unit
@@ -61,9 +64,9 @@ def activate(store: CheckpointStore, model: str, chain: tuple[str, ...]) -> None
 
 
 def test_write_is_atomic_and_fingerprinted(store: CheckpointStore) -> None:
-    ref = ArtifactRef("org/llama", FULL, "v1")
+    ref = ArtifactRef("ns/org/llama", FULL, "v1")
     final = store.path(ref)
-    assert final.parent.parent.name == "org%2Fllama"  # the model name is one path component
+    assert final.parent.parent.name == "org%2Fllama" and final.parent.parent.parent.name == "ns"  # one component each
     with store.write(ref, {"uri": "s3://b/v1/model.safetensors.index.json"}) as tmp:
         assert tmp.name == "v1.tmp" and not final.exists()
         (tmp / "a.safetensors").write_bytes(b"abc")
@@ -76,7 +79,7 @@ def test_write_is_atomic_and_fingerprinted(store: CheckpointStore) -> None:
 
 
 def test_writes_are_fsynced_before_they_are_renamed(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    put(store, "m", FULL, "v0")  # the folders exist; creating them is fsynced too, which is not checked here
+    put(store, "ns/m", FULL, "v0")  # the folders exist; creating them is fsynced too, which is not checked here
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -85,7 +88,7 @@ def test_writes_are_fsynced_before_they_are_renamed(store: CheckpointStore, monk
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", spy)
-    ref = ArtifactRef("m", FULL, "v1")
+    ref = ArtifactRef("ns/m", FULL, "v1")
     with store.write(ref, {}) as tmp:
         (tmp / "a.safetensors").write_bytes(b"abc")
     final = store.path(ref)
@@ -93,12 +96,12 @@ def test_writes_are_fsynced_before_they_are_renamed(store: CheckpointStore, monk
     assert synced[:3] == [str(tmp / "a.safetensors"), str(tmp / MARKER) + ".tmp", str(tmp)]
     assert synced[3:] == [str(final.parent)]  # then the rename itself is made durable
     synced.clear()
-    activate(store, "m", ("v1",))
-    assert str(store.model_dir("m") / STATE_FILE) + ".tmp" in synced and str(store.model_dir("m")) in synced
+    activate(store, "ns/m", ("v1",))
+    assert str(store.model_dir("ns/m") / STATE_FILE) + ".tmp" in synced and str(store.model_dir("ns/m")) in synced
 
 
 def test_failed_write_leaves_nothing(store: CheckpointStore) -> None:
-    ref = ArtifactRef("m", DELTA, "v2")
+    ref = ArtifactRef("ns/m", DELTA, "v2")
     with pytest.raises(RuntimeError, match="boom"), store.write(ref, {}) as tmp:
         (tmp / "part").write_bytes(b"half")
         raise RuntimeError("boom")
@@ -106,13 +109,26 @@ def test_failed_write_leaves_nothing(store: CheckpointStore) -> None:
 
 
 def test_artifact_whose_files_changed_is_discarded(store: CheckpointStore) -> None:
-    path = put(store, "m", FULL, "v1")
+    path = put(store, "ns/m", FULL, "v1")
     (path / "data.bin").write_bytes(b"short")
-    assert store.artifact(ArtifactRef("m", FULL, "v1")) is None
+    assert store.artifact(ArtifactRef("ns/m", FULL, "v1")) is None
     assert not path.exists() and not debris(store.root)
 
 
-@pytest.mark.parametrize(("model", "version"), [("..", "v1"), ("", "v1"), ("m", "v1.tmp"), ("m", "a/b"), ("m", "")])
+@pytest.mark.parametrize(
+    ("model", "version"),
+    [
+        ("ns/..", "v1"),
+        ("ns/", "v1"),
+        ("m", "v1"),
+        ("", "v1"),
+        ("NS/m", "v1"),
+        ("../m", "v1"),
+        ("ns/m", "v1.tmp"),
+        ("ns/m", "a/b"),
+        ("ns/m", ""),
+    ],
+)
 def test_names_that_cannot_be_stored(store: CheckpointStore, model: str, version: str) -> None:
     with pytest.raises(ValueError, match="cannot be stored"):
         store.path(ArtifactRef(model, FULL, version))
@@ -122,72 +138,72 @@ def test_names_that_cannot_be_stored(store: CheckpointStore, model: str, version
 
 
 def test_update_commit_and_rollback(store: CheckpointStore) -> None:
-    assert store.state("m").version is None
-    with store.update("m", "v1", ("v1",)) as update:
-        state = store.state("m")
+    assert store.state("ns/m").version is None
+    with store.update("ns/m", "v1", ("v1",)) as update:
+        state = store.state("ns/m")
         assert (state.status, state.version, state.target) == (StoreStatus.UPDATING, None, "v1")
-        put(store, "m", FULL, "v1")
+        put(store, "ns/m", FULL, "v1")
         update.commit()
-    assert (store.state("m").status, store.state("m").version) == (StoreStatus.READY, "v1")
+    assert (store.state("ns/m").status, store.state("ns/m").version) == (StoreStatus.READY, "v1")
 
-    with pytest.raises(RuntimeError, match="apply failed"), store.update("m", "v2", ("v1", "v2")):
-        assert store.state("m").status == StoreStatus.UPDATING
+    with pytest.raises(RuntimeError, match="apply failed"), store.update("ns/m", "v2", ("v1", "v2")):
+        assert store.state("ns/m").status == StoreStatus.UPDATING
         raise RuntimeError("apply failed")
-    state = store.state("m")
+    state = store.state("ns/m")
     assert (state.status, state.version, state.chain, state.target) == (StoreStatus.READY, "v1", ("v1",), None)
 
-    with store.update("m", "v2", ("v1", "v2")) as update, pytest.raises(RuntimeError, match="not in the store"):
+    with store.update("ns/m", "v2", ("v1", "v2")) as update, pytest.raises(RuntimeError, match="not in the store"):
         update.commit()  # materialized/v2 was never written
-    assert store.state("m").version == "v1"
+    assert store.state("ns/m").version == "v1"
 
 
 def test_prepare_then_activate_or_release(store: CheckpointStore) -> None:
     """What a multi-rank replica's leader does: prepare (not active, but protected), then activate once every
     rank has loaded, or release when the replica gives up."""
-    put(store, "m", FULL, "v1")
-    activate(store, "m", ("v1",))
-    put(store, "m", DELTA, "v2")
-    with store.update("m", "v2", ("v1", "v2")) as update:
-        put(store, "m", MAT, "v2")
+    put(store, "ns/m", FULL, "v1")
+    activate(store, "ns/m", ("v1",))
+    put(store, "ns/m", DELTA, "v2")
+    with store.update("ns/m", "v2", ("v1", "v2")) as update:
+        put(store, "ns/m", MAT, "v2")
         update.commit(activate=False)
-    state = store.state("m")
+    state = store.state("ns/m")
     assert (state.status, state.version, state.target, state.target_chain) == (
         StoreStatus.READY, "v1", "v2", ("v1", "v2"),
     )  # fmt: skip
-    assert ArtifactRef("m", MAT, "v2") in store.protected()  # prepared: not evictable while the ranks load it
-    assert store.prepared_head("m", ("v1", "v2")) == store.path(ArtifactRef("m", MAT, "v2"))
-    assert store.prepared_head("m", ("v1",)) is not None and store.prepared_head("m", ("v1", "v3")) is None
+    assert ArtifactRef("ns/m", MAT, "v2") in store.protected()  # prepared: not evictable while the ranks load it
+    assert store.prepared_head("ns/m", ("v1", "v2")) == store.path(ArtifactRef("ns/m", MAT, "v2"))
+    assert store.prepared_head("ns/m", ("v1",)) is not None and store.prepared_head("ns/m", ("v1", "v3")) is None
 
     with pytest.raises(RuntimeError, match="not the prepared version"):
-        store.activate("m", "v3", ("v1", "v3"))
-    store.activate("m", "v2", ("v1", "v2"))
-    state = store.state("m")
+        store.activate("ns/m", "v3", ("v1", "v3"))
+    store.activate("ns/m", "v2", ("v1", "v2"))
+    state = store.state("ns/m")
     assert (state.version, state.chain, state.target) == ("v2", ("v1", "v2"), None)
-    store.activate("m", "v2", ("v1", "v2"))  # already active: a no-op
+    store.activate("ns/m", "v2", ("v1", "v2"))  # already active: a no-op
 
-    with store.update("m", "v2", ("v1", "v2")) as update:  # prepared again while active
+    with store.update("ns/m", "v2", ("v1", "v2")) as update:  # prepared again while active
         update.commit(activate=False)
-    store.activate("m", "v2", ("v1", "v2"))
-    assert store.state("m").target is None  # the duplicate mark is dropped
+    store.activate("ns/m", "v2", ("v1", "v2"))
+    assert store.state("ns/m").target is None  # the duplicate mark is dropped
 
-    put(store, "m", DELTA, "v3")
-    put(store, "m", MAT, "v3")
-    with store.update("m", "v3", ("v1", "v2", "v3")) as update:
+    put(store, "ns/m", DELTA, "v3")
+    put(store, "ns/m", MAT, "v3")
+    with store.update("ns/m", "v3", ("v1", "v2", "v3")) as update:
         update.commit(activate=False)
-    store.release_prepared("m", "v3")
-    state = store.state("m")
+    store.release_prepared("ns/m", "v3")
+    state = store.state("ns/m")
     assert (state.version, state.target) == ("v2", None)
-    assert ArtifactRef("m", MAT, "v3") not in store.protected()
+    assert ArtifactRef("ns/m", MAT, "v3") not in store.protected()
 
 
 # ---------------------------------------------------------------- recovery
 
 
 def test_recover_removes_debris_and_undoes_an_interrupted_update(store: CheckpointStore) -> None:
-    put(store, "m", FULL, "v1")
-    activate(store, "m", ("v1",))
-    put(store, "m", DELTA, "v2")
-    model_dir = store.model_dir("m")
+    put(store, "ns/m", FULL, "v1")
+    activate(store, "ns/m", ("v1",))
+    put(store, "ns/m", DELTA, "v2")
+    model_dir = store.model_dir("ns/m")
     (model_dir / "materialized" / "v3.tmp").mkdir(parents=True)
     (model_dir / "materialized" / "v3.tmp" / "model-00001-of-00001.safetensors").write_bytes(b"partial")
     (model_dir / "deltas" / "v3.tmp").mkdir()
@@ -201,21 +217,21 @@ def test_recover_removes_debris_and_undoes_an_interrupted_update(store: Checkpoi
     actions = store.recover()
     assert any("interrupted" in a for a in actions) and any("v9" in a for a in actions)
     assert not debris(store.root) and not (model_dir / "full" / "v9").exists()
-    state = store.state("m")
+    state = store.state("ns/m")
     assert (state.status, state.version, state.chain, state.target) == (StoreStatus.READY, "v1", ("v1",), None)
-    assert store.artifact(ArtifactRef("m", DELTA, "v2")) is not None  # complete artifacts survive
+    assert store.artifact(ArtifactRef("ns/m", DELTA, "v2")) is not None  # complete artifacts survive
     assert store.recover() == []  # idempotent
 
 
 def test_recover_rebuilds_an_unreadable_or_dangling_state(store: CheckpointStore) -> None:
-    (store.model_dir("a")).mkdir()
-    (store.model_dir("a") / STATE_FILE).write_text('{"status": "READ')
-    put(store, "b", FULL, "v1")
-    activate(store, "b", ("v1",))
-    store.discard(ArtifactRef("b", FULL, "v1"))  # e.g. removed by hand
+    store.model_dir("ns/a").mkdir(parents=True)
+    (store.model_dir("ns/a") / STATE_FILE).write_text('{"status": "READ')
+    put(store, "ns/b", FULL, "v1")
+    activate(store, "ns/b", ("v1",))
+    store.discard(ArtifactRef("ns/b", FULL, "v1"))  # e.g. removed by hand
     actions = store.recover()
     assert any("unreadable" in a for a in actions) and any("no longer stored" in a for a in actions)
-    for model in ("a", "b"):
+    for model in ("ns/a", "ns/b"):
         assert (store.state(model).status, store.state(model).version) == (StoreStatus.READY, None)
 
 
@@ -226,8 +242,8 @@ CHILD = textwrap.dedent(
     from ferry_agent.checkpoint_store import ArtifactKind, ArtifactRef, CheckpointStore
 
     store = CheckpointStore(Path(sys.argv[1]), 1 << 30)
-    with store.update("m", "v2", ("v1", "v2")):
-        with store.write(ArtifactRef("m", ArtifactKind.MATERIALIZED, "v2"), {}) as tmp:
+    with store.update("ns/m", "v2", ("v1", "v2")):
+        with store.write(ArtifactRef("ns/m", ArtifactKind.MATERIALIZED, "v2"), {}) as tmp:
             with open(tmp / "model-00001-of-00001.safetensors", "wb") as f:
                 f.write(b"half of the shard")
                 f.flush()
@@ -238,25 +254,25 @@ CHILD = textwrap.dedent(
 
 
 def test_sigkill_mid_write_then_recover(store: CheckpointStore) -> None:
-    put(store, "m", FULL, "v1")
-    activate(store, "m", ("v1",))
-    put(store, "m", DELTA, "v2")
+    put(store, "ns/m", FULL, "v1")
+    activate(store, "ns/m", ("v1",))
+    put(store, "ns/m", DELTA, "v2")
     child = subprocess.run([sys.executable, "-c", CHILD, str(store.root)], capture_output=True, text=True, timeout=60)
     assert child.returncode == -signal.SIGKILL, child.stderr
-    tmp = store.model_dir("m") / "materialized" / "v2.tmp"
+    tmp = store.model_dir("ns/m") / "materialized" / "v2.tmp"
     assert (tmp / "model-00001-of-00001.safetensors").read_bytes() == b"half of the shard"
-    assert store.state("m").status == StoreStatus.UPDATING
+    assert store.state("ns/m").status == StoreStatus.UPDATING
 
     restarted = CheckpointStore(store.root, 1 << 30)  # the dead child's flock is gone with it
     try:
         assert restarted.recover()
         assert not debris(store.root)
-        state = restarted.state("m")
+        state = restarted.state("ns/m")
         assert (state.status, state.version) == (StoreStatus.READY, "v1")
-        with restarted.update("m", "v2", ("v1", "v2")) as update:  # the update can now run to completion
-            put(restarted, "m", MAT, "v2")
+        with restarted.update("ns/m", "v2", ("v1", "v2")) as update:  # the update can now run to completion
+            put(restarted, "ns/m", MAT, "v2")
             update.commit()
-        assert restarted.state("m").chain == ("v1", "v2")
+        assert restarted.state("ns/m").chain == ("v1", "v2")
     finally:
         restarted.close()
 
@@ -265,13 +281,13 @@ def test_sigkill_mid_write_then_recover(store: CheckpointStore) -> None:
 
 
 def test_chain_refs_protect_root_deltas_and_head_only() -> None:
-    assert chain_refs("m", ("v1", "v2", "v3")) == {
-        ArtifactRef("m", FULL, "v1"),
-        ArtifactRef("m", DELTA, "v2"),
-        ArtifactRef("m", DELTA, "v3"),
-        ArtifactRef("m", MAT, "v3"),
+    assert chain_refs("ns/m", ("v1", "v2", "v3")) == {
+        ArtifactRef("ns/m", FULL, "v1"),
+        ArtifactRef("ns/m", DELTA, "v2"),
+        ArtifactRef("ns/m", DELTA, "v3"),
+        ArtifactRef("ns/m", MAT, "v3"),
     }
-    assert chain_refs("m", ("v1",)) == {ArtifactRef("m", FULL, "v1")}
+    assert chain_refs("ns/m", ("v1",)) == {ArtifactRef("ns/m", FULL, "v1")}
 
 
 def test_eviction_order_never_touches_active_chains(tmp_path: Path) -> None:
@@ -280,28 +296,28 @@ def test_eviction_order_never_touches_active_chains(tmp_path: Path) -> None:
         sizes = 1000
         active = ("v1", "v2", "v3")
         for kind, version in [(FULL, "v1"), (DELTA, "v2"), (DELTA, "v3"), (MAT, "v3"), (MAT, "v2")]:
-            put(store, "m", kind, version, sizes)
-        activate(store, "m", active)
+            put(store, "ns/m", kind, version, sizes)
+        activate(store, "ns/m", active)
         for kind, version in [(FULL, "old"), (DELTA, "old2"), (MAT, "old2"), (MAT, "older")]:
-            put(store, "m", kind, version, sizes)
-        put(store, "n", FULL, "w1", sizes)  # another model's active chain
-        activate(store, "n", ("w1",))
-        put(store, "n", DELTA, "w2", sizes)  # pinned below by an update in progress
+            put(store, "ns/m", kind, version, sizes)
+        put(store, "ns/n", FULL, "w1", sizes)  # another model's active chain
+        activate(store, "ns/n", ("w1",))
+        put(store, "ns/n", DELTA, "w2", sizes)  # pinned below by an update in progress
         t = time.time() - 1000
         for i, artifact in enumerate(reversed(store.artifacts())):  # deterministic ages, newest listed first
             os.utime(artifact.path, (t + i, t + i))
 
-        protected = chain_refs("m", active) | {ArtifactRef("n", FULL, "w1"), ArtifactRef("n", DELTA, "w2")}
+        protected = chain_refs("ns/m", active) | {ArtifactRef("ns/n", FULL, "w1"), ArtifactRef("ns/n", DELTA, "w2")}
         evictable = [a for a in store.artifacts() if a.ref not in protected]
         order = sorted(evictable, key=lambda a: ([MAT, DELTA, FULL].index(a.ref.kind), a.mtime))
         assert [a.ref.kind for a in order] == [MAT, MAT, MAT, DELTA, FULL]
-        with store.update("n", "w2", ("w1", "w2")):
+        with store.update("ns/n", "w2", ("w1", "w2")):
             free = store.quota_bytes - store.usage()
             evicted = store.reserve(free + order[0].size + order[1].size + 1)  # three artifacts must go
             assert evicted == [a.ref for a in order[:3]]
             with pytest.raises(CheckpointCacheCapacityError, match="active chains") as exc:
                 store.reserve(store.quota_bytes)
-            assert "m:full/v1" in str(exc.value)
+            assert "ns/m:full/v1" in str(exc.value)
         remaining = {a.ref for a in store.artifacts()}
         assert protected <= remaining and {a.ref for a in order[3:]} <= remaining  # a failed reserve evicts nothing
         assert store.reserve(0) == []
@@ -368,3 +384,64 @@ def test_check_shard_rejects_inconsistent_shards() -> None:
     forged = len(body).to_bytes(8, "little") + body + unchecked[8 + length :]
     with pytest.raises(ckpt.InvalidShard, match="no valid adler32"):
         ckpt.check_shard(forged, len(forged), {"a"}, checksummed=True)
+
+
+# ---------------------------------------------------------------- identity
+
+
+def ident(uid: str, digest: str | None = "d1", namespace: str = "ns", uri: str = "s3://b/m/i.json") -> VersionIdentity:
+    return VersionIdentity(namespace, uid, uri, digest)
+
+
+def test_a_stored_copy_is_used_only_for_the_identity_it_was_written_from(store: CheckpointStore) -> None:
+    ref = ArtifactRef("ns/m", FULL, "v1")
+    with store.write(ref, {"uri": "s3://b/m/i.json"}, [ident("u1")]) as tmp:
+        (tmp / "data.bin").write_bytes(b"x")
+    assert store.identity(ref) == (ident("u1"),)
+    assert store.artifact(ref, [ident("u1")]) is not None
+    assert store.artifact(ref, [ident("u1", digest=None)]) is not None  # no recorded digest: not compared
+    # A republished name (new uid), another index, another URI or a chain of another length: ignored and dropped.
+    for other in ([ident("u2")], [ident("u1", digest="d2")], [ident("u1", uri="s3://b/x/i.json")], []):
+        probe = ArtifactRef("ns/m", DELTA, "probe")
+        with store.write(probe, {}, [ident("u1")]) as tmp:
+            (tmp / "data.bin").write_bytes(b"x")
+        assert store.artifact(probe, other) is None and not store.path(probe).exists()
+    legacy = put(store, "ns/m", FULL, "v2")  # a marker without identity (written before identities existed)
+    assert store.artifact(ArtifactRef("ns/m", FULL, "v2"), [ident("u1")]) is None and not legacy.exists()
+
+
+def test_namespaces_never_share_a_path(store: CheckpointStore) -> None:
+    a, b = ArtifactRef(model_key("tenant-a", "m"), FULL, "v1"), ArtifactRef(model_key("tenant-b", "m"), FULL, "v1")
+    assert store.path(a) != store.path(b) and store.path(a).parent.parent.parent.name == "tenant-a"
+    for ref, uid in ((a, "ua"), (b, "ub")):
+        with store.write(ref, {}, [ident(uid, namespace=ref.model.split("/")[0])]) as tmp:
+            (tmp / "data.bin").write_bytes(uid.encode())
+    assert (store.artifact(b, [ident("ub", namespace="tenant-b")]) / "data.bin").read_bytes() == b"ub"
+    assert store.artifact(b, [ident("ua", namespace="tenant-a")]) is None  # the other tenant's identity
+    assert (store.artifact(a, [ident("ua", namespace="tenant-a")]) / "data.bin").read_bytes() == b"ua"
+    assert {x.ref for x in store.artifacts()} == {a}
+
+
+def test_a_materialized_copy_matches_its_whole_chain(store: CheckpointStore) -> None:
+    ref = ArtifactRef("ns/m", MAT, "v2")
+    chain = [ident("u1"), ident("u2", uri="s3://b/m/v2.json")]
+    with store.write(ref, {}, chain) as tmp:
+        (tmp / "data.bin").write_bytes(b"x")
+    assert store.artifact(ref, chain) is not None
+    assert store.artifact(ref, [ident("u1-republished"), chain[1]]) is None  # its root changed: other bytes
+
+
+def test_recover_removes_model_folders_of_the_layout_without_namespaces(store: CheckpointStore) -> None:
+    put(store, "ns/full", FULL, "v1")  # a model named like a kind, in the namespaced layout: kept
+    activate(store, "ns/full", ("v1",))
+    legacy = store.root / "m"
+    (legacy / "full" / "v1").mkdir(parents=True)
+    (legacy / "full" / "v1" / MARKER).write_text("{}")
+    (legacy / STATE_FILE).write_text("{}")
+    actions = store.recover()
+    assert not legacy.exists() and any("without namespaces" in a for a in actions)
+    assert store.artifact(ArtifactRef("ns/full", FULL, "v1")) is not None and store.state("ns/full").version == "v1"
+
+
+def test_index_digest_is_sha256_hex() -> None:
+    assert index_digest(b"{}") == "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"

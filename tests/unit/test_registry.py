@@ -7,7 +7,7 @@ import datetime as dt
 import pytest
 
 from ferry.api.models import GROUP, LABEL_NODE, REPLICA_LEASE_PREFIX
-from ferry_agent.registry import lease_body, lease_is_live, lease_name, source_candidates
+from ferry_agent.registry import lease_body, lease_is_live, lease_name, peer_version_problem, source_candidates
 
 pytestmark = pytest.mark.unit
 
@@ -91,3 +91,27 @@ def test_lease_is_labelled_with_replica_and_node():
     meta = lease_body("m-node-a", "node-a-1234", ts(0), node="node-a")["metadata"]
     assert meta["name"] == lease_name("m-node-a") and meta["name"].startswith(REPLICA_LEASE_PREFIX)
     assert meta["labels"] == {f"{GROUP}/replica": "m-node-a", LABEL_NODE: "node-a"}
+
+
+def test_with_a_version_uid_only_replicas_of_that_very_weightversion():
+    """A deleted and republished name is another version: replicas of the old object are never sources."""
+    replicas = [wr("same"), wr("old"), wr("unknown")]
+    replicas[0]["status"]["versionUid"] = "uid-2"
+    replicas[1]["status"]["versionUid"] = "uid-1"
+    leases = live("same", "old", "unknown")
+    kwargs = {"version": "v1", "rank": 0, "self_replica": "me", "now": NOW}
+    assert names(source_candidates(replicas, leases, **kwargs, version_uid="uid-2")) == ["same"]
+    assert names(source_candidates(replicas, leases, **kwargs)) == ["same", "old", "unknown"]
+
+
+def test_peer_version_problem_needs_an_existing_ready_version_of_the_model():
+    def body(model="m", ready="True", deleting=False):
+        meta = {"name": "v1", "uid": "u", **({"deletionTimestamp": ts(1)} if deleting else {})}
+        conditions = [{"type": "Ready", "status": ready}]
+        return {"metadata": meta, "spec": {"modelName": model}, "status": {"conditions": conditions}}
+
+    assert peer_version_problem(body(), name="v1", model="m") is None
+    assert peer_version_problem(None, name="v1", model="m") == "WeightVersion v1 does not exist"
+    assert "not Ready" in peer_version_problem(body(ready="False"), name="v1", model="m")
+    assert "for model 'other'" in peer_version_problem(body(model="other"), name="v1", model="m")
+    assert "being deleted" in peer_version_problem(body(deleting=True), name="v1", model="m")

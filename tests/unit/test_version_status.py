@@ -112,3 +112,11 @@ def test_recorded_storage_outcome_is_read_back():
     failed = plan_version_status(body(), CHAIN_OK, missing, now=T0)
     back = storage_from_status(failed.status, 1)
     assert not back.ok and back.reason == StorageReason.ObjectMissing and not back.transient
+
+
+def test_index_digest_is_recorded_and_read_back():
+    digest = "ab" * 32
+    report = StorageReport(ok=True, reason=StorageReason.Verified, message="ok", total_bytes=1, index_digest=digest)
+    plan = plan_version_status(body(), CHAIN_OK, report, now=T0)
+    assert plan.status["indexDigest"] == digest
+    assert storage_from_status(plan.status, 1).index_digest == digest

@@ -1,0 +1,174 @@
+"""A replica that says Serving holds exactly the bytes of its WeightVersion: operator + agent processes + the real
+apiserver + SeaweedFS, each replica's bytes read back over NIXL by an independent reader.
+
+- Two namespaces each publish a WeightVersion `v1` of model `m` with different checkpoints; the second replica on
+  the same node (whose checkpoint store already holds the first tenant's `v1`) serves its own bytes.
+- `v1` deleted and republished (same name, same S3 key, new bytes): the replica serves the new bytes.
+- S3 frozen (SIGSTOP, sockets open) during a load: the load fails within the transfer timeout, PeerStalled names
+  the s3:// object it waits on, and the replica serves once S3 is back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from agentutil import content_sha256, node, read_back, start_agent
+from wvutil import apply, condition, get, publish_full, tensors, uri, wait_for, wait_reason, wv_body
+
+from ferry.api.models import API_VERSION
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def modelload(namespace: str, pool: str, **transfer) -> dict:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ModelLoad",
+        "metadata": {"name": "serve"},
+        "spec": {
+            "modelName": "m", "desiredVersion": "v1", "replicas": 1, "device": "cpu",
+            "nodeSelector": {"ferry.dev/pool": pool}, "transfer": {"timeoutSeconds": 30, **transfer},
+        },
+    }  # fmt: skip
+
+
+def sha(weights: dict[str, np.ndarray]) -> str:
+    return content_sha256({name: torch.from_numpy(array) for name, array in weights.items()})
+
+
+def replicas(cluster, namespace) -> list[dict]:
+    return json.loads(cluster.kubectl("get", "wr", "-n", namespace, "-o", "json").stdout)["items"]
+
+
+def serving(cluster, namespace, describe) -> dict:
+    """The ModelLoad's one replica, once it is Serving."""
+    return wait_for(
+        lambda: next((r for r in replicas(cluster, namespace) if (r.get("status") or {}).get("phase") == "Serving"),
+                     None),
+        90, f"a Serving replica in {namespace}", describe,
+    )  # fmt: skip
+
+
+def publish(cluster, s3, namespace: str, weights: dict[str, np.ndarray]) -> dict:
+    """`v1` of model `m` with these weights at s3://…/<namespace>/v1/, once the operator has verified it."""
+    publish_full(s3, namespace, "v1", weights)
+    apply(cluster, namespace, wv_body(namespace, "v1"))
+    return wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")
+
+
+def test_two_namespaces_with_the_same_version_name_serve_their_own_bytes(cluster, s3, namespace, operator, tmp_path):
+    other = f"t-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", other)
+    pool = namespace
+    node(cluster, f"{pool}-n", {"ferry.dev/pool": pool})
+    agent = start_agent(cluster, tmp_path, f"{pool}-n", s3=s3)
+    first, second = tensors(101), tensors(202)
+
+    def describe() -> str:
+        return json.dumps([r.get("status") for ns in (namespace, other) for r in replicas(cluster, ns)]) + (
+            agent.log_tail(20)
+        )
+
+    try:
+        wv_a = publish(cluster, s3, namespace, first)
+        wv_b = publish(cluster, s3, other, second)
+        apply(cluster, namespace, modelload(namespace, pool))
+        a = serving(cluster, namespace, describe)
+        assert a["status"]["source"] == "s3" and read_back(a["status"]["ranks"][0], a["metadata"]["name"]) == sha(first)
+
+        # The node's store holds the first tenant's `v1`; the second tenant's replica must not be served from it.
+        apply(cluster, other, modelload(other, pool))
+        b = serving(cluster, other, describe)
+        assert b["spec"]["nodeName"] == a["spec"]["nodeName"]
+        assert read_back(b["status"]["ranks"][0], b["metadata"]["name"]) == sha(second), "the other tenant's bytes"
+        assert b["status"].get("versionUid") == wv_b["metadata"]["uid"] != a["status"].get("versionUid")
+        # Same tensor names and shapes: the indexes are byte-identical, only namespace, uid and URI tell them apart.
+        assert wv_a["status"].get("indexDigest") == wv_b["status"].get("indexDigest") is not None
+        store = tmp_path / f"store-{pool}-n"
+        assert (store / namespace / "m" / "full" / "v1").is_dir() and (store / other / "m" / "full" / "v1").is_dir()
+    finally:
+        for ns in (namespace, other):
+            cluster.kubectl("delete", "ml", "serve", "-n", ns, "--wait=false", check=False)
+        agent.stop()
+        cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
+
+
+def test_a_deleted_and_republished_version_serves_its_new_bytes(cluster, s3, namespace, operator, tmp_path):
+    node(cluster, f"{namespace}-n", {"ferry.dev/pool": namespace})
+    agent = start_agent(cluster, tmp_path, f"{namespace}-n", s3=s3)
+    old, new = tensors(303), tensors(404)
+
+    def describe() -> str:
+        return json.dumps([r.get("status") for r in replicas(cluster, namespace)]) + agent.log_tail(20)
+
+    try:
+        first = publish(cluster, s3, namespace, old)
+        apply(cluster, namespace, modelload(namespace, namespace))
+        before = serving(cluster, namespace, describe)
+        assert read_back(before["status"]["ranks"][0], before["metadata"]["name"]) == sha(old)
+
+        cluster.kubectl("delete", "ml", "serve", "-n", namespace)
+        wait_for(lambda: not replicas(cluster, namespace), 60, "replicas collected", describe)
+        cluster.kubectl("delete", "wv", "v1", "-n", namespace, "--wait=false")
+        wait_for(lambda: get(cluster, namespace, "wv", "v1") is None, 60, "v1 released", describe)
+
+        # The same name and the same S3 key, new bytes.
+        second = publish(cluster, s3, namespace, new)
+        assert second["spec"]["storage"]["uri"] == first["spec"]["storage"]["uri"] == uri(namespace, "v1")
+        assert second["metadata"]["uid"] != first["metadata"]["uid"]
+        apply(cluster, namespace, modelload(namespace, namespace))
+        after = serving(cluster, namespace, describe)
+        assert after["spec"]["nodeName"] == before["spec"]["nodeName"]  # the node whose store held the old bytes
+        assert read_back(after["status"]["ranks"][0], after["metadata"]["name"]) == sha(new), "the old bytes"
+        assert after["status"].get("versionUid") == second["metadata"]["uid"]
+    finally:
+        cluster.kubectl("delete", "ml", "serve", "-n", namespace, "--wait=false", check=False)
+        agent.stop()
+
+
+def test_a_frozen_s3_fails_the_load_in_bounded_time_and_the_stall_names_it(cluster, s3, namespace, operator, tmp_path):
+    node(cluster, f"{namespace}-n", {"ferry.dev/pool": namespace})
+    agent = start_agent(cluster, tmp_path, f"{namespace}-n", s3=s3, retry_seconds=2)
+    weights = tensors(505)
+    frozen = False
+
+    def ml_status() -> dict:
+        return (get(cluster, namespace, "ml", "serve") or {}).get("status") or {}
+
+    def describe() -> str:
+        return json.dumps([ml_status()] + [r.get("status") for r in replicas(cluster, namespace)]) + agent.log_tail(20)
+
+    try:
+        publish(cluster, s3, namespace, weights)  # verified while S3 answers
+        os.kill(s3.process.proc.pid, signal.SIGSTOP)  # frozen: its sockets stay open, nothing answers
+        frozen = True
+        apply(cluster, namespace, modelload(namespace, namespace, timeoutSeconds=9, stallSeconds=2))
+
+        stalled = wait_for(
+            lambda: (c := condition({"status": ml_status()}, "PeerStalled")).get("status") == "True" and c,
+            60, "PeerStalled", describe,
+        )  # fmt: skip
+        assert uri(namespace, "v1") in stalled["message"], stalled["message"]
+        # All tries of one S3 request fit in the 9 s transfer timeout; botocore's defaults took minutes.
+        failed = wait_for(
+            lambda: next((r for r in replicas(cluster, namespace) if (r.get("status") or {}).get("phase") == "Failed"),
+                         None),
+            60, "the load failed", describe,
+        )  # fmt: skip
+        assert failed["status"]["reason"] == "LoadFailed" and uri(namespace, "v1") in failed["status"]["message"]
+
+        os.kill(s3.process.proc.pid, signal.SIGCONT)
+        frozen = False
+        done = serving(cluster, namespace, describe)  # the agent retries and loads once S3 answers again
+        assert read_back(done["status"]["ranks"][0], done["metadata"]["name"]) == sha(weights)
+    finally:
+        if frozen:
+            os.kill(s3.process.proc.pid, signal.SIGCONT)
+        cluster.kubectl("delete", "ml", "serve", "-n", namespace, "--wait=false", check=False)
+        agent.stop()
