@@ -76,6 +76,8 @@ def test_defaults_are_applied_by_the_apiserver(cluster, namespace):
         "maxSourceAttempts": 3,
         "selector": "rendezvousHash",
         "stallSeconds": 60,
+        "rpcRetries": 3,
+        "rpcBackoffSeconds": 0.5,
     }
 
 
