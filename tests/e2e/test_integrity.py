@@ -19,23 +19,13 @@ import numpy as np
 import pytest
 import torch
 from agentutil import content_sha256, node, read_back, start_agent
-from wvutil import apply, condition, get, publish_full, tensors, uri, wait_for, wait_reason, wv_body
-
-from ferry.api.models import API_VERSION
+from wvutil import apply, condition, get, ml_body, publish_full, tensors, uri, wait_for, wait_reason, wv_body
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def modelload(namespace: str, pool: str, **transfer) -> dict:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "ModelLoad",
-        "metadata": {"name": "serve"},
-        "spec": {
-            "modelName": "m", "desiredVersion": "v1", "replicas": 1, "device": "cpu",
-            "nodeSelector": {"ferry.dev/pool": pool}, "transfer": {"timeoutSeconds": 30, **transfer},
-        },
-    }  # fmt: skip
+    return ml_body(namespace, pool=pool, transfer={"timeoutSeconds": 30, **transfer})
 
 
 def sha(weights: dict[str, np.ndarray]) -> str:

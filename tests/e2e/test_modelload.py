@@ -11,27 +11,13 @@ import pytest
 import torch
 from agentutil import node, start_agent
 from safetensors.torch import save_file
-from wvutil import apply, condition, get, wait_for, wv_body
-
-from ferry.api.models import API_VERSION
+from wvutil import apply, condition, get, ml_body, ml_status, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e
 
 
 def modelload(namespace: str, replicas: int, version: str = "v1") -> dict:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "ModelLoad",
-        "metadata": {"name": "serve"},
-        "spec": {
-            "modelName": "m", "desiredVersion": version, "replicas": replicas, "device": "cpu",
-            "nodeSelector": {"ferry.dev/pool": namespace}, "transfer": {"timeoutSeconds": 30, "stallSeconds": 20},
-        },
-    }  # fmt: skip
-
-
-def ml_status(cluster, namespace):
-    return (get(cluster, namespace, "ml", "serve") or {}).get("status") or {}
+    return ml_body(namespace, version, replicas, transfer={"timeoutSeconds": 30, "stallSeconds": 20})
 
 
 def replicas(cluster, namespace) -> list[dict]:

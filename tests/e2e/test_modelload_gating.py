@@ -10,23 +10,13 @@ import pytest
 import torch
 from agentutil import node, start_agent
 from safetensors.torch import save_file
-from wvutil import apply, condition, get, wait_for, wv_body
-
-from ferry.api.models import API_VERSION
+from wvutil import apply, condition, get, ml_body, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e
 
 
 def modelload(namespace: str, version: str, model: str = "m", name: str = "serve") -> dict:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "ModelLoad",
-        "metadata": {"name": name},
-        "spec": {
-            "modelName": model, "desiredVersion": version, "replicas": 1, "device": "cpu",
-            "nodeSelector": {"ferry.dev/pool": namespace}, "transfer": {"timeoutSeconds": 5},
-        },
-    }  # fmt: skip
+    return ml_body(namespace, version, name=name, model=model, transfer={"timeoutSeconds": 5})
 
 
 def replicas(cluster, namespace) -> list[dict]:

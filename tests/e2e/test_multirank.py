@@ -19,9 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from agentutil import node, pull, replica, start_agent
-from wvutil import apply, publish_delta, publish_full, tensors, wait_for, wait_reason, wv_body
+from wvutil import apply, ml_body, publish_delta, publish_full, tensors, wait_for, wait_reason, wv_body
 
-from ferry.api.models import API_VERSION
 from ferry_agent.worker_auth import WORKER_AUDIENCE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -30,15 +29,7 @@ RANKS = 2
 
 
 def modelload(namespace: str, version: str) -> dict:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "ModelLoad",
-        "metadata": {"name": "tp"},
-        "spec": {
-            "modelName": "m", "desiredVersion": version, "replicas": 2, "ranksPerReplica": RANKS, "device": "cpu",
-            "nodeSelector": {"ferry.dev/pool": namespace}, "transfer": {"timeoutSeconds": 60},
-        },
-    }  # fmt: skip
+    return ml_body(namespace, version, 2, name="tp", ranksPerReplica=RANKS, transfer={"timeoutSeconds": 60})
 
 
 def serving(cluster, namespace: str, version: str) -> list[dict] | None:

@@ -18,10 +18,9 @@ import pytest
 import torch
 from agentutil import agent_metrics, content_sha256, node, pull, read_back, start_agent
 from safetensors.torch import save_file
-from wvutil import apply, condition, get, publish_full, put_files, tensors, wait_for, wv_body
+from wvutil import apply, condition, get, ml_body, ml_status, publish_full, put_files, tensors, wait_for, wv_body
 
 from ferry import checkpoint_format as cf
-from ferry.api.models import API_VERSION
 
 pytestmark = pytest.mark.e2e
 
@@ -31,20 +30,7 @@ LEASE_S = 6
 
 
 def modelload(namespace: str, replicas: int, version: str = "v1", **spec) -> dict:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "ModelLoad",
-        "metadata": {"name": "serve"},
-        "spec": {
-            "modelName": "m", "desiredVersion": version, "replicas": replicas, "device": "cpu",
-            "nodeSelector": {"ferry.dev/pool": namespace}, "transfer": {"timeoutSeconds": 30, "stallSeconds": 60},
-            **spec,
-        },
-    }  # fmt: skip
-
-
-def ml_status(cluster, namespace) -> dict:
-    return (get(cluster, namespace, "ml", "serve") or {}).get("status") or {}
+    return ml_body(namespace, version, replicas, transfer={"timeoutSeconds": 30, "stallSeconds": 60}, **spec)
 
 
 def replicas(cluster, namespace) -> dict[str, dict]:

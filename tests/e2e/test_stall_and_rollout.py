@@ -12,9 +12,8 @@ import pytest
 import torch
 from agentutil import content_sha256, node, read_back, start_agent
 from safetensors.torch import save_file
-from wvutil import condition, get, wait_for, wv_body
+from wvutil import condition, ml_body, ml_status, wait_for, wv_body
 
-from ferry.api.models import API_VERSION
 from ferry_agent.registry import source_candidates
 from ferry_agent.selector import make_selector
 from ferry_operator.modelloads import choose_nodes, replica_name
@@ -28,16 +27,8 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 
 
 def modelload(namespace: str, replicas: int, version: str, **transfer) -> dict:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "ModelLoad",
-        "metadata": {"name": "serve"},
-        "spec": {
-            "modelName": "m", "desiredVersion": version, "replicas": replicas, "device": "cpu",
-            "nodeSelector": {"ferry.dev/pool": namespace},
-            "transfer": {"timeoutSeconds": 20, "stallSeconds": 2, "selector": "rendezvousHash", **transfer},
-        },
-    }  # fmt: skip
+    transfer = {"timeoutSeconds": 20, "stallSeconds": 2, "selector": "rendezvousHash", **transfer}
+    return ml_body(namespace, version, replicas, transfer=transfer)
 
 
 def apply(cluster, namespace, body):
@@ -48,10 +39,6 @@ def peer_only(cluster, namespace, *versions):
     """The seeds hold PeerOnly versions: nothing in S3, served from memory once one node has them."""
     for version in versions:
         apply(cluster, namespace, wv_body(namespace, version, fmt="PeerOnly"))
-
-
-def ml_status(cluster, namespace) -> dict:
-    return (get(cluster, namespace, "ml", "serve") or {}).get("status") or {}
 
 
 def replicas(cluster, namespace) -> dict[str, dict]:

@@ -64,6 +64,34 @@ def wv_body(
     return {"apiVersion": API_VERSION, "kind": "WeightVersion", "metadata": {"name": name}, "spec": spec}
 
 
+def ml_body(
+    namespace: str,
+    version: str = "v1",
+    replicas: int = 1,
+    *,
+    name: str = "serve",
+    model: str = "m",
+    pool: str | None = None,
+    transfer: dict[str, Any] | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
+    """A CPU ModelLoad on the nodes labelled `ferry.dev/pool=<pool>` (default: the namespace's own pool)."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ModelLoad",
+        "metadata": {"name": name},
+        "spec": {
+            "modelName": model, "desiredVersion": version, "replicas": replicas, "device": "cpu",
+            "nodeSelector": {"ferry.dev/pool": pool or namespace}, "transfer": transfer or {"timeoutSeconds": 30},
+            **spec,
+        },
+    }  # fmt: skip
+
+
+def ml_status(cluster: LocalCluster, namespace: str, name: str = "serve") -> dict:
+    return (get(cluster, namespace, "ml", name) or {}).get("status") or {}
+
+
 def apply(cluster: LocalCluster, namespace: str, *bodies: dict) -> None:
     docs = {"apiVersion": "v1", "kind": "List", "items": list(bodies)}
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(docs))
