@@ -14,22 +14,15 @@ from ferry_agent.apiretry import bound_requests
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.node_agent import NodeAgent
 from ferry_agent.registry import DEFAULT_LEASE_SECONDS
-
-
-def _seed(text: str) -> tuple[str, Path]:
-    version, sep, path = text.partition("=")
-    if not sep or not version or not path:
-        raise argparse.ArgumentTypeError(f"expected VERSION=PATH, got {text!r}")
-    if not Path(path).is_file():
-        raise argparse.ArgumentTypeError(f"seed checkpoint {path} does not exist")
-    return version, Path(path)
+from ferry_agent.replica_load import seed_argument
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ferry-agent", description=__doc__)
     parser.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this node's name (env NODE_NAME)")
-    parser.add_argument("--seed", type=_seed, action="append", default=[], metavar="VERSION=PATH",
-                        help="a local safetensors file that holds VERSION")  # fmt: skip
+    parser.add_argument("--seed", type=seed_argument, action="append", default=[],
+                        metavar="NAMESPACE/MODEL/VERSION=PATH",
+                        help="a local safetensors file that holds that WeightVersion")  # fmt: skip
     parser.add_argument("--lease-seconds", type=int, default=DEFAULT_LEASE_SECONDS)
     parser.add_argument(
         "--poll-seconds",

@@ -43,6 +43,7 @@ from ferry_agent.registry import (
 from ferry_agent.replica_load import (
     PLURAL,
     ApiSources,
+    SeedKey,
     load_rank,
     rank_context,
     read_guard,
@@ -113,7 +114,7 @@ class NodeAgent:
         api: client.ApiClient,
         node: str,
         *,
-        seeds: Mapping[str, Path] | None = None,
+        seeds: Mapping[SeedKey, Path] | None = None,
         lease_seconds: int = DEFAULT_LEASE_SECONDS,
         poll_seconds: float = 1.0,
         retry_seconds: float = 5.0,
@@ -329,7 +330,7 @@ class NodeAgent:
             raise LoadFailed(str(exc), [a.to_status() for a in ctx.attempts]) from exc
         server, entry = serve_rank(
             result.resident, self._peer, rank=0, host=self._bind_address, spec=spec,
-            guard=read_guard(self._worker_auth, namespace, spec),
+            guard=read_guard(self._worker_auth, namespace, ctx),
         )  # fmt: skip
         handle = InProcessReplica(result.resident, server, self._peer)
         attempts = [a.to_status() for a in ctx.attempts]

@@ -20,7 +20,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ferry_agent.replica_load import SeedKey
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ class RankLaunch:
     checkpoint_dir: Path | None = None
     checkpoint_quota_gib: float = 500.0
     s3_endpoint: str | None = None
-    seeds: Mapping[str, Path] | None = None
+    seeds: Mapping[SeedKey, Path] | None = None
     timeout_s: float = 3600.0
     worker_token_file: Path | None = None  # None: the rank's default (FERRY_WORKER_TOKEN_FILE)
     worker_allowed_identities: tuple[str, ...] = ()
@@ -65,8 +68,8 @@ class RankLaunch:
             args += ["--checkpoint-dir", str(self.checkpoint_dir)]
         if self.s3_endpoint:
             args += ["--s3-endpoint", self.s3_endpoint]
-        for version, path in (self.seeds or {}).items():
-            args += ["--seed", f"{version}={path}" if version else str(path)]
+        for key, path in (self.seeds or {}).items():
+            args += ["--seed", f"{key}={path}"]
         if self.worker_token_file is not None:
             args += ["--worker-token-file", str(self.worker_token_file)]
         for identity in self.worker_allowed_identities:

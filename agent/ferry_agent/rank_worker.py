@@ -31,7 +31,15 @@ from ferry_agent.apiretry import bound_requests
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.ranks import TorchRankGroup
-from ferry_agent.replica_load import ApiSources, load_rank, rank_context, read_guard, serve_rank, source_label
+from ferry_agent.replica_load import (
+    ApiSources,
+    load_rank,
+    rank_context,
+    read_guard,
+    seed_argument,
+    serve_rank,
+    source_label,
+)
 from ferry_agent.strategy import StrategyRecoveryError
 
 log = logging.getLogger("ferry.rank")
@@ -52,11 +60,6 @@ class Reporter:
             self._out.flush()
 
 
-def _seed(text: str) -> tuple[str, Path]:
-    version, sep, path = text.rpartition("=")
-    return (version, Path(path)) if sep else ("", Path(text))
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ferry-rank", description=__doc__.splitlines()[0])
     p.add_argument("--namespace", required=True)
@@ -74,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", type=Path, help="the node's checkpoint store (shared by its ranks)")
     p.add_argument("--checkpoint-quota-gib", type=float, default=500.0)
     p.add_argument("--s3-endpoint")
-    p.add_argument("--seed", type=_seed, action="append", default=[], metavar="[VERSION=]PATH")
+    p.add_argument("--seed", type=seed_argument, action="append", default=[], metavar="NAMESPACE/MODEL/VERSION=PATH")
     p.add_argument("--timeout-seconds", type=float, default=3600.0, help="bound on every collective")
     p.add_argument("--parent-pid", type=int, help="the node agent's pid: this rank ends when the agent does")
     worker_auth.add_arguments(p)
@@ -143,7 +146,7 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
         group.close()
     server, entry = serve_rank(
         result.resident, peer, rank=args.rank, host=args.bind_address, spec=spec,
-        guard=read_guard(auth, args.namespace, spec),
+        guard=read_guard(auth, args.namespace, ctx),
     )  # fmt: skip
     report(
         "serving", rank=args.rank, version=ctx.version, source=source_label(result), bytes=result.bytes_moved,

@@ -6,6 +6,7 @@ of a multi-rank one, so both run exactly the same code: `load_rank` over a `Rank
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import logging
 import threading
@@ -36,7 +37,41 @@ from ferry_agent.worker_service import Credentials, WorkerServer, serve_resident
 
 log = logging.getLogger(__name__)
 PLURAL = "weightreplicas"
-ANY_VERSION = ""  # the seeds key of a checkpoint used only when no version is desired
+
+
+@dataclass(frozen=True)
+class SeedKey:
+    """Which WeightVersion a seed file holds: a version name alone is not an identity (every tenant may have a
+    `v1`), so a seed names its namespace and model too."""
+
+    namespace: str
+    model: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.model}/{self.version}"
+
+
+def parse_seed(text: str) -> tuple[SeedKey, Path]:
+    """`NAMESPACE/MODEL/VERSION=PATH` (a model name may itself contain `/`) → its key and file; ValueError says
+    what is wrong."""
+    key, sep, path = text.rpartition("=")
+    namespace, _, rest = key.partition("/")
+    model, _, version = rest.rpartition("/")
+    if not sep or not path or not namespace or not model or not version:
+        raise ValueError(f"expected NAMESPACE/MODEL/VERSION=PATH, got {text!r}")
+    return SeedKey(namespace, model, version), Path(path)
+
+
+def seed_argument(text: str) -> tuple[SeedKey, Path]:
+    """`parse_seed` for argparse: the file must exist."""
+    try:
+        key, path = parse_seed(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"seed checkpoint {path} does not exist")
+    return key, path
 
 
 @dataclass
@@ -48,25 +83,48 @@ class LocalLoad:
 
 class LocalFileStrategy:
     """Seeds a version from a safetensors file on this node (how the first replica of a PeerOnly version, or a
-    node with a pre-staged checkpoint, starts): this rank's share of its tensors. Available only when a file is
-    configured for the version (`ANY_VERSION`: the version-agnostic path)."""
+    node with a pre-staged checkpoint, starts): this rank's share of its tensors. Available only for the exact
+    namespace/model/version the file was configured for, and used only while that WeightVersion exists, is Ready
+    and (where the operator recorded them) has the file's tensor count and size."""
 
     name = "LocalFile"
 
-    def __init__(self, seeds: Mapping[str, Path]) -> None:
+    def __init__(
+        self, seeds: Mapping[SeedKey, Path], namespace: str, fetch_version: Callable[[str], dict | None]
+    ) -> None:
         self._seeds = seeds
+        self._namespace = namespace
+        self._fetch_version = fetch_version
+
+    def _key(self, ctx: LoadContext) -> SeedKey:
+        return SeedKey(self._namespace, ctx.model, ctx.version)
 
     def is_available(self, ctx: LoadContext) -> bool:
-        return ctx.version in self._seeds
+        return self._key(ctx) in self._seeds
 
     def load(self, ctx: LoadContext) -> LocalLoad:
         from safetensors.torch import load_file
 
-        path = self._seeds[ctx.version]
+        key = self._key(ctx)
+        body = self._fetch_version(ctx.version)
+        problem = peer_version_problem(body, name=ctx.version, model=ctx.model)
+        if problem is not None:
+            raise StrategyFailed(f"seed for {key} not used: {problem}", mutated=False)
+        assert body is not None
+        path = self._seeds[key]
         try:
             tensors = load_file(str(path), device=ctx.device)
         except (OSError, ValueError) as exc:
             raise StrategyFailed(f"cannot read {path}: {exc}", mutated=False) from exc
+        status = body.get("status") or {}
+        held = {"tensorCount": len(tensors), "totalBytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+        for field, value in held.items():
+            if status.get(field) is not None and status[field] != value:
+                raise StrategyFailed(
+                    f"seed {path} does not hold {key}: {field} {value}, the WeightVersion has {status[field]}",
+                    mutated=False,
+                )
+        ctx.version_uid = str(body["metadata"]["uid"])
         mine = rank_specs([spec_of(n, t) for n, t in sorted(tensors.items())], ctx.rank, ctx.world_size)
         resident = ResidentWeights({s.name: tensors[s.name] for s in mine})
         return LocalLoad(resident, resident.total_bytes)
@@ -178,11 +236,12 @@ class ApiSources:
         return credentials_from_secret_data(data)
 
 
-def read_guard(auth: WorkerAuth | None, namespace: str, spec: Mapping[str, Any]) -> ReadGuard | None:
-    """What a replica's worker service admits: readers whose node is assigned its namespace/model/version."""
+def read_guard(auth: WorkerAuth | None, namespace: str, ctx: LoadContext) -> ReadGuard | None:
+    """What a rank's worker service admits: readers whose node is assigned the namespace/model/version it loaded
+    (`ctx` after the load, never a spec read before it: the version it names may have moved on since)."""
     if auth is None:
         return None
-    return auth.guard(ServedVersion(namespace, spec["modelName"], spec["version"]))
+    return auth.guard(ServedVersion(namespace, ctx.model, ctx.version))
 
 
 def serve_rank(
@@ -230,7 +289,7 @@ def load_rank(
     peer: NixlPeer,
     store: CheckpointStore | None,
     s3_endpoint: str | None,
-    seeds: Mapping[str, Path],
+    seeds: Mapping[SeedKey, Path],
     progress: Progress,
     note: Callable[[str], None],
     credentials: Credentials | None = None,
@@ -251,10 +310,10 @@ def load_rank(
             namespace=sources.namespace, fetch_version=sources.version, credentials=sources.credentials,
             store=store, default_endpoint=s3_endpoint, progress=progress, timeout_s=settings.timeout_s,
         )  # fmt: skip
-    local = LocalFileStrategy(seeds)
+    local = LocalFileStrategy(seeds, sources.namespace, sources.version)
     return run_cold_start(
         group, ctx, configured=configured,
         source_order=spec.get("sourceOrder") or DEFAULT_SOURCE_ORDER,
-        strategies=strategies, exact=[local], version_agnostic=[local],
+        strategies=strategies, exact=[local],
         release=lambda r: peer.deregister(r.resident),
     )  # fmt: skip

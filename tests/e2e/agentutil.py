@@ -50,6 +50,11 @@ def replica(cluster, namespace: str, name: str, node_name: str, version: str, ra
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
 
 
+def seed_arg(namespace: str, version: str, path: Path, model: str = "m") -> str:
+    """An agent's `--seed`: the file holds that very WeightVersion (namespace, model and name)."""
+    return f"{namespace}/{model}/{version}={path}"
+
+
 def start_agent(
     cluster, tmp_path, node_name: str, *seeds: str, retry_seconds: float = 1.0, lease_seconds: int = 3, s3=None
 ) -> ManagedProcess:

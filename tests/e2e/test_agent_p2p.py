@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from agentutil import agent_metrics, content_sha256, node, read_back, replica, start_agent, wait_phase
+from agentutil import agent_metrics, content_sha256, node, read_back, replica, seed_arg, start_agent, wait_phase
 from safetensors.torch import save_file
 from wvutil import apply, get, wait_for, wait_reason, wv_body
 
@@ -31,7 +31,7 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
         node(cluster, n)
     apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"))
     uid = wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")["metadata"]["uid"]
-    agent_a = start_agent(cluster, tmp_path, "node-a", f"v1={seed_file}")
+    agent_a = start_agent(cluster, tmp_path, "node-a", seed_arg(namespace, "v1", seed_file))
     agent_b = start_agent(cluster, tmp_path, "node-b")
     try:
         replica(cluster, namespace, "wr-a", "node-a", "v1")

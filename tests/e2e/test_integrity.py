@@ -4,6 +4,7 @@ apiserver + SeaweedFS, each replica's bytes read back over NIXL by an independen
 - Two namespaces each publish a WeightVersion `v1` of model `m` with different checkpoints; the second replica on
   the same node (whose checkpoint store already holds the first tenant's `v1`) serves its own bytes.
 - `v1` deleted and republished (same name, same S3 key, new bytes): the replica serves the new bytes.
+- A node seed serves only the WeightVersion it names (namespace/model/version) and only if its tensors match.
 - S3 frozen (SIGSTOP, sockets open) during a load: the load fails within the transfer timeout, PeerStalled names
   the s3:// object it waits on, and the replica serves once S3 is back.
 """
@@ -18,7 +19,8 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from agentutil import content_sha256, node, read_back, start_agent
+from agentutil import content_sha256, node, read_back, seed_arg, start_agent
+from safetensors.torch import save_file
 from wvutil import apply, condition, get, ml_body, publish_full, tensors, uri, wait_for, wait_reason, wv_body
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -85,6 +87,61 @@ def test_two_namespaces_with_the_same_version_name_serve_their_own_bytes(cluster
     finally:
         for ns in (namespace, other):
             cluster.kubectl("delete", "ml", "serve", "-n", ns, "--wait=false", check=False)
+        agent.stop()
+        cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
+
+
+def test_a_seed_is_used_only_for_its_own_weightversion(cluster, s3, namespace, operator, tmp_path):
+    """A node seed names namespace/model/version: another tenant's `v1` is not seeded from it, and a seed whose
+    tensors are not the WeightVersion's (count or size the operator recorded) is refused."""
+    other = f"t-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", other)
+    pool = namespace
+    mine, wrong = tensors(505), tensors(606, n=2)
+    mine_file, wrong_file = tmp_path / "mine.safetensors", tmp_path / "wrong.safetensors"
+    save_file({k: torch.from_numpy(v) for k, v in mine.items()}, str(mine_file))
+    save_file({k: torch.from_numpy(v) for k, v in wrong.items()}, str(wrong_file))
+    node(cluster, f"{pool}-n", {"ferry.dev/pool": pool})
+    agent = start_agent(
+        cluster, tmp_path, f"{pool}-n", seed_arg(namespace, "v1", mine_file), seed_arg(other, "v2", wrong_file), s3=s3
+    )
+
+    def describe() -> str:
+        return json.dumps([r.get("status") for ns in (namespace, other) for r in replicas(cluster, ns)]) + (
+            agent.log_tail(20)
+        )
+
+    def phase_of(ns: str, ml: str, phase: str) -> dict:
+        return wait_for(
+            lambda: next((r for r in replicas(cluster, ns)
+                          if r["spec"]["modelLoad"] == ml and (r.get("status") or {}).get("phase") == phase), None),
+            90, f"{ml} {phase} in {ns}", describe,
+        )  # fmt: skip
+
+    try:
+        for ns in (namespace, other):
+            apply(cluster, ns, wv_body(ns, "v1", fmt="PeerOnly"))
+            wait_reason(cluster, ns, "v1", "Ready", "True", "Verified")
+            apply(cluster, ns, modelload(ns, pool))
+        a = phase_of(namespace, "serve", "Serving")
+        assert a["status"]["source"] == "local"
+        assert read_back(a["status"]["ranks"][0], a["metadata"]["name"]) == sha(mine)
+        # The other tenant's `v1` has no seed on this node (and is PeerOnly): nothing may serve it.
+        b = phase_of(other, "serve", "Failed")
+        local = [x for x in b["status"]["attempts"] if x["source"] == "LocalFile"]
+        assert local and all(x["outcome"] == "Skipped" for x in local), b["status"]
+
+        # `v2` in S3 has 4 tensors; the seed configured for it has 2. With S3 out of the source order the seed is
+        # all that is left, and it is refused for what it holds.
+        publish_full(s3, other, "v2", tensors(707))
+        apply(cluster, other, wv_body(other, "v2"))
+        assert wait_reason(cluster, other, "v2", "Ready", "True", "Verified")["status"]["tensorCount"] == 4
+        apply(cluster, other, ml_body(other, "v2", name="serve2", pool=pool, sourceOrder=["Peer"]))
+        c = phase_of(other, "serve2", "Failed")
+        assert "tensorCount 2, the WeightVersion has 4" in json.dumps(c["status"]), c["status"]
+    finally:
+        for ns, ml in ((namespace, "serve"), (other, "serve"), (other, "serve2")):
+            cluster.kubectl("delete", "ml", ml, "-n", ns, "--wait=false", check=False)
         agent.stop()
         cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
 

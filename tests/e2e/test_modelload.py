@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from agentutil import node, start_agent
+from agentutil import node, seed_arg, start_agent
 from safetensors.torch import save_file
 from wvutil import apply, condition, get, ml_body, ml_status, wait_for, wv_body
 
@@ -33,7 +33,8 @@ def test_modelload_lifecycle(cluster, namespace, operator, tmp_path):
     names = [f"{namespace}-n{i}" for i in range(3)]
     for n in names:
         node(cluster, n, {"ferry.dev/pool": namespace})
-    agents = {n: start_agent(cluster, tmp_path, n, *([f"v1={seed}"] if n == names[0] else [])) for n in names}
+    seeds = {names[0]: [seed_arg(namespace, "v1", seed)]}
+    agents = {n: start_agent(cluster, tmp_path, n, *seeds.get(n, [])) for n in names}
 
     def describe() -> str:
         return json.dumps(ml_status(cluster, namespace), indent=1) + "".join(a.log_tail(15) for a in agents.values())

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from agentutil import node, start_agent
+from agentutil import node, seed_arg, start_agent
 from safetensors.torch import save_file
 from wvutil import apply, condition, get, ml_body, wait_for, wv_body
 
@@ -35,12 +35,12 @@ def events(cluster, namespace, name="serve") -> list[dict]:
     return json.loads(out)["items"]
 
 
-def test_nothing_is_placed_until_the_version_is_ready_and_of_the_model(cluster, namespace, operator, tmp_path):
+def test_nothing_is_placed_until_the_version_is_ready_and_of_the_model(cluster, s3, namespace, operator, tmp_path):
     seed = tmp_path / "v1.safetensors"
     save_file({"w": torch.arange(64, dtype=torch.float32)}, str(seed))
     n = f"{namespace}-n0"
     node(cluster, n, {"ferry.dev/pool": namespace})
-    agent = start_agent(cluster, tmp_path, n, f"v1={seed}")
+    agent = start_agent(cluster, tmp_path, n, seed_arg(namespace, "v1", seed))
 
     def describe() -> str:
         return json.dumps((get(cluster, namespace, "ml", "serve") or {}).get("status"), indent=1) + agent.log_tail(20)
@@ -55,6 +55,17 @@ def test_nothing_is_placed_until_the_version_is_ready_and_of_the_model(cluster, 
         assert len(events(cluster, namespace)) == settled, events(cluster, namespace)
         assert settled <= 4, events(cluster, namespace)  # one per condition at most, not one per retry
 
+        # A version that exists but is not Ready (its checkpoint is not in S3): VersionNotReady, and again no
+        # replica and no new Event over several resyncs while the operator keeps retrying its verification.
+        apply(cluster, namespace, wv_body(namespace, "v0"), modelload(namespace, "v0", name="early"))
+        wait_for(lambda: ready(cluster, namespace, "early").get("reason") == "VersionNotReady", 30, "v0", describe)
+        assert condition(get(cluster, namespace, "wv", "v0"), "Ready").get("status") == "False"
+        assert "v0 is not Ready" in ready(cluster, namespace, "early")["message"]
+        pending = len(events(cluster, namespace, "early"))
+        time.sleep(8)
+        assert replicas(cluster, namespace) == [], describe()
+        assert len(events(cluster, namespace, "early")) == pending <= 4, events(cluster, namespace, "early")
+
         # Another model's version: ModelMismatch, still nothing created.
         apply(cluster, namespace, wv_body(namespace, "o1", model="other", fmt="PeerOnly"))
         wait_for(lambda: condition(get(cluster, namespace, "wv", "o1"), "Ready").get("status") == "True", 30, "o1")
@@ -68,6 +79,7 @@ def test_nothing_is_placed_until_the_version_is_ready_and_of_the_model(cluster, 
         wait_for(lambda: ready(cluster, namespace).get("reason") == "AllReplicasReady", 60, "Ready", describe)
         assert [r["spec"]["version"] for r in replicas(cluster, namespace)] == ["v1"]
         assert ready(cluster, namespace, "wrong")["reason"] == "ModelMismatch"
+        assert ready(cluster, namespace, "early")["reason"] == "VersionNotReady"
     finally:
         agent.stop()
 

@@ -13,9 +13,9 @@ import uuid
 import grpc
 import pytest
 import torch
-from agentutil import content_sha256, node, read_back, replica, start_agent, wait_phase
+from agentutil import content_sha256, node, read_back, replica, seed_arg, start_agent, wait_phase
 from safetensors.torch import save_file
-from wvutil import wait_for
+from wvutil import apply, wait_for, wait_reason, wv_body
 
 from ferry_agent.proto import worker_pb2, worker_pb2_grpc
 from ferry_agent.worker_auth import WORKER_AUDIENCE, TokenFile
@@ -45,14 +45,16 @@ def _raw_prepare(endpoint: str, identity: SourceIdentity, metadata) -> grpc.Stat
         return None
 
 
-def test_only_agents_of_assigned_nodes_read(cluster, namespace, tmp_path):
+def test_only_agents_of_assigned_nodes_read(cluster, namespace, operator, tmp_path):
     gen = torch.Generator().manual_seed(10)
     weights = {f"layers.{i}.weight": torch.randn((64, 128), generator=gen) for i in range(4)}
     seed = tmp_path / "v1.safetensors"
     save_file(weights, str(seed))
     for n in ("node-auth", "node-idle"):
         node(cluster, n)
-    agent = start_agent(cluster, tmp_path, "node-auth", f"v1={seed}")
+    apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"))  # a seed serves only a Ready version
+    wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")
+    agent = start_agent(cluster, tmp_path, "node-auth", seed_arg(namespace, "v1", seed))
     other_ns = f"t-{uuid.uuid4().hex[:8]}"
     cluster.kubectl("create", "namespace", other_ns)
     try:

@@ -8,6 +8,7 @@ and the ModelLoad converges to Ready; a replica whose agent is back is Live and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,9 +17,21 @@ import time
 import numpy as np
 import pytest
 import torch
-from agentutil import agent_metrics, content_sha256, node, pull, read_back, start_agent
+from agentutil import agent_metrics, content_sha256, node, pull, read_back, seed_arg, start_agent
 from safetensors.torch import save_file
-from wvutil import apply, condition, get, ml_body, ml_status, publish_full, put_files, tensors, wait_for, wv_body
+from wvutil import (
+    apply,
+    condition,
+    get,
+    ml_body,
+    ml_status,
+    publish_full,
+    put_files,
+    tensors,
+    wait_for,
+    wait_reason,
+    wv_body,
+)
 
 from ferry import checkpoint_format as cf
 
@@ -52,6 +65,20 @@ def weights(seed: int, n: int, shape: tuple[int, int]) -> dict[str, torch.Tensor
     return {f"layers.{i}.weight": torch.randn(shape, generator=gen) for i in range(n)}
 
 
+def phase_of(cluster, namespace, node_name) -> str | None:
+    return ((replicas(cluster, namespace).get(node_name) or {}).get("status") or {}).get("phase")
+
+
+@contextlib.contextmanager
+def frozen(s3):
+    """SeaweedFS stopped (SIGSTOP: its sockets stay open, nothing answers) for the block."""
+    os.kill(s3.process.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(s3.process.proc.pid, signal.SIGCONT)
+
+
 def ready(cluster, namespace, wanted: int) -> bool:
     status = ml_status(cluster, namespace)
     return status.get("phase") == "Ready" and status.get("ready") == f"{wanted}/{wanted}"
@@ -72,7 +99,7 @@ def test_agents_outlive_an_apiserver_outage(cluster, s3, namespace, operator, tm
         return json.dumps(ml_status(cluster, namespace), indent=1) + "".join(a.log_tail(20) for a in agents.values())
 
     def outage(during=None) -> None:
-        cluster.stop_apiserver()
+        cluster.stop_apiserver()  # a no-op when it is down already
         start = time.monotonic()
         try:
             if during:
@@ -107,17 +134,14 @@ def test_agents_outlive_an_apiserver_outage(cluster, s3, namespace, operator, tm
             assert after[n]["status"]["completedTime"] == before[n]["status"]["completedTime"], "reloaded"
             assert load_counters(agents[n]) == counters[n], "reloaded"
 
-        # In the middle of a load: scale up, and take the apiserver away as soon as the new replica is Loading.
-        cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"replicas":3}}')
+        # In the middle of a load: scale up with S3 frozen, so the new replica is Loading and has read nothing when
+        # the apiserver goes away; S3 comes back as the outage begins, and the load runs through it.
         (third,) = set(names) - set(serving)
-
-        def loading() -> str | None:
-            phase = ((replicas(cluster, namespace).get(third) or {}).get("status") or {}).get("phase")
-            return phase if phase in ("Loading", "Serving") else None
-
-        phase = wait_for(loading, 60, f"{third} loading", describe)
+        with frozen(s3):
+            cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"replicas":3}}')
+            wait_for(lambda: phase_of(cluster, namespace, third) == "Loading", 60, f"{third} Loading", describe)
+            cluster.stop_apiserver()
         outage()
-        print(f"the outage began with {third} {phase}")
         wait_for(lambda: ready(cluster, namespace, 3), 90, "3/3 ready after the outage", describe)
         final = replicas(cluster, namespace)
         for n in names:
@@ -148,19 +172,19 @@ def test_rank_processes_outlive_an_apiserver_outage(cluster, s3, namespace, oper
     def describe() -> str:
         return json.dumps(ml_status(cluster, namespace), indent=1) + agent.log_tail(40)
 
-    def phase() -> str | None:
-        return ((replicas(cluster, namespace).get(name) or {}).get("status") or {}).get("phase")
-
     try:
-        apply(cluster, namespace, wv_body(namespace, "v1"), modelload(namespace, 1, ranksPerReplica=2))
-        began = wait_for(lambda: phase() in ("Loading", "Serving") and phase(), 60, "loading", describe)
-        cluster.stop_apiserver()
+        apply(cluster, namespace, wv_body(namespace, "v1"))
+        wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")
+        # S3 frozen until the apiserver is gone: the ranks are still to read their spec and every byte.
+        with frozen(s3):
+            apply(cluster, namespace, modelload(namespace, 1, ranksPerReplica=2))
+            wait_for(lambda: phase_of(cluster, namespace, name) == "Loading", 60, "Loading", describe)
+            cluster.stop_apiserver()
         try:
             time.sleep(OUTAGE_S)
             assert agent.alive, describe()
         finally:
             cluster.start_apiserver()
-        print(f"the outage began with the replica {began}")
         wait_for(lambda: ready(cluster, namespace, 1), 120, "1/1 ready after the outage", describe)
         assert agent.alive and agent.proc.pid == pid
         loads = [line for line in load_counters(agent) if line.startswith("ferry_agent_loads_total{")]
@@ -187,7 +211,7 @@ def peer_only_setup(cluster, namespace, tmp_path, count: int):
     for n in names:
         node(cluster, n, {"ferry.dev/pool": namespace})
     agents = {
-        n: start_agent(cluster, tmp_path, n, *([f"v1={seed}"] if i == 0 else []), lease_seconds=LEASE_S)
+        n: start_agent(cluster, tmp_path, n, *([seed_arg(namespace, "v1", seed)] * (i == 0)), lease_seconds=LEASE_S)
         for i, n in enumerate(names)
     }
     apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"), modelload(namespace, count))

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 import torch
-from agentutil import content_sha256, node, read_back, start_agent
+from agentutil import content_sha256, node, read_back, seed_arg, start_agent
 from safetensors.torch import save_file
 from wvutil import condition, ml_body, ml_status, wait_for, wv_body
 
@@ -63,7 +63,7 @@ def test_wedged_source_is_reported_and_the_target_completes_elsewhere(cluster, n
     for n in names:
         node(cluster, n, {"ferry.dev/pool": namespace})
     # Long leases: a stopped agent still looks alive, exactly the case a stall must expose.
-    agents = {n: start_agent(cluster, tmp_path, n, f"v1={seed}", lease_seconds=60) for n in names}
+    agents = {n: start_agent(cluster, tmp_path, n, seed_arg(namespace, "v1", seed), lease_seconds=60) for n in names}
     stopped = None
 
     def describe() -> str:
@@ -121,7 +121,8 @@ def test_operator_restart_mid_rollout_converges(cluster, namespace, operator, tm
     names = [f"{namespace}-n{i}" for i in range(3)]
     for n in names:
         node(cluster, n, {"ferry.dev/pool": namespace})
-    agents = {n: start_agent(cluster, tmp_path, n, f"v1={files['v1']}", f"v2={files['v2']}") for n in names}
+    seeds = [seed_arg(namespace, v, files[v]) for v in ("v1", "v2")]
+    agents = {n: start_agent(cluster, tmp_path, n, *seeds) for n in names}
 
     def describe() -> str:
         return json.dumps(ml_status(cluster, namespace), indent=1) + operator.process.log_tail(20)

@@ -1,0 +1,94 @@
+"""Node seeds: keyed by namespace/model/version, used only for a Ready WeightVersion of the model whose recorded
+tensor count and size the file matches; and the read guard of a loaded rank names what it loaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ferry_agent.replica_load import LocalFileStrategy, SeedKey, parse_seed, read_guard
+from ferry_agent.strategy import LoadContext, StrategyFailed
+from ferry_agent.worker_auth import WorkerAuth
+
+pytestmark = pytest.mark.unit
+
+TENSORS = {"a": torch.arange(8, dtype=torch.float32), "b": torch.ones(4, dtype=torch.float16)}  # 32 + 8 bytes
+
+
+def version(model: str = "m", ready: str = "True", **status) -> dict:
+    return {
+        "metadata": {"name": "v1", "uid": "uid-1"},
+        "spec": {"modelName": model},
+        "status": {"conditions": [{"type": "Ready", "status": ready}], **status},
+    }
+
+
+@pytest.fixture
+def seed(tmp_path: Path) -> Path:
+    path = tmp_path / "v1.safetensors"
+    save_file(TENSORS, str(path))
+    return path
+
+
+def strategy(seed: Path, body: dict | None, namespace: str = "team-a") -> LocalFileStrategy:
+    return LocalFileStrategy({SeedKey("team-a", "org/m", "v1"): seed}, namespace, lambda name: body)
+
+
+def ctx(model: str = "org/m") -> LoadContext:
+    return LoadContext(model=model, version="v1", rank=0, target_id="wr")
+
+
+def test_parse_seed_takes_namespace_model_with_slashes_and_version() -> None:
+    assert parse_seed("team-a/org/m/v1=/x/y.safetensors") == (
+        SeedKey("team-a", "org/m", "v1"),
+        Path("/x/y.safetensors"),
+    )
+    for bad in ("v1=/x", "team-a/v1=/x", "team-a/m/v1", "team-a/m/=/x", "/m/v1=/x"):
+        with pytest.raises(ValueError, match="NAMESPACE/MODEL/VERSION=PATH"):
+            parse_seed(bad)
+
+
+def test_a_seed_serves_only_its_namespace_and_model(seed: Path) -> None:
+    assert strategy(seed, version("org/m")).is_available(ctx())
+    assert not strategy(seed, version("org/m"), namespace="team-b").is_available(ctx())
+    assert not strategy(seed, version("other")).is_available(ctx("other"))
+
+
+def test_a_matching_seed_loads_and_names_the_version_object(seed: Path) -> None:
+    c = ctx()
+    loaded = strategy(seed, version("org/m", tensorCount=2, totalBytes=40)).load(c)
+    assert sorted(loaded.resident.tensors) == ["a", "b"] and loaded.bytes_moved == 40
+    assert c.version_uid == "uid-1"
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (None, "does not exist"),
+        (version("org/m", ready="False"), "is not Ready"),
+        (version("org/x"), "is for model"),
+        (version("org/m", tensorCount=3), "tensorCount 2, the WeightVersion has 3"),
+        (version("org/m", totalBytes=41), "totalBytes 40, the WeightVersion has 41"),
+    ],
+)
+def test_a_seed_is_refused_for_a_version_it_does_not_hold(seed: Path, body: dict | None, why: str) -> None:
+    c = ctx()
+    with pytest.raises(StrategyFailed, match=why) as failed:
+        strategy(seed, body).load(c)
+    assert not failed.value.mutated and c.version_uid is None
+
+
+def test_the_read_guard_serves_the_version_the_rank_loaded() -> None:
+    auth = WorkerAuth(
+        reviewer=None, assignments=None, allowed_identities=["system:serviceaccount:ferry-system:ferry-agent"]
+    )  # type: ignore[arg-type]
+    c = ctx()
+    c.version = "v9"  # what the ranks agreed on and loaded, whatever the spec says by now
+    guard = read_guard(auth, "team-a", c)
+    assert guard is not None and (guard.served.namespace, guard.served.model, guard.served.version) == (
+        "team-a", "org/m", "v9",
+    )  # fmt: skip
+    assert read_guard(None, "team-a", c) is None
