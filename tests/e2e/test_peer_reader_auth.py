@@ -1,14 +1,18 @@
 """The worker service admits only agents whose node is assigned the served version (issue 10 item 5), checked
 against the real apiserver with real pod-bound tokens (TokenRequest / TokenReview) and a real agent serving
-over NIXL: no token, a wrong-audience token, a token of another identity and a valid token of a node that is not
-assigned the version are all refused, with no NIXL metadata; the node's own reader still reads every byte. Only the
-reader that took a lease releases it: another assigned agent's release is refused and the lease stays counted."""
+over NIXL: no token, a wrong-audience token, garbage, an expired or not yet valid token (without a TokenReview, all
+of these), a token of another identity and a valid token of a node that is not assigned the version are all refused,
+with no NIXL metadata; the node's own reader still reads every byte. Only the reader that took a lease releases it:
+another assigned agent's release is refused and the lease stays counted."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import grpc
@@ -28,6 +32,24 @@ def _refusal(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
     with pytest.raises(grpc.RpcError) as info:
         call()
     return info.value.code()
+
+
+def _rewritten(token: str, **claims: int) -> str:
+    """`token` with some of its claims replaced (its signature no longer matches)."""
+    header, payload, signature = token.split(".")
+    decoded = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    encoded = base64.urlsafe_b64encode(json.dumps({**decoded, **claims}).encode()).rstrip(b"=").decode()
+    return f"{header}.{encoded}.{signature}"
+
+
+def _token_reviews(cluster) -> int:  # type: ignore[no-untyped-def]
+    """TokenReviews the apiserver has answered so far (its request counter)."""
+    lines = cluster.kubectl("get", "--raw", "/metrics").stdout.splitlines()
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in lines
+        if line.startswith("apiserver_request_total{") and 'resource="tokenreviews"' in line
+    )
 
 
 def test_only_agents_of_assigned_nodes_read(cluster, namespace, tmp_path):
@@ -52,18 +74,30 @@ def test_only_agents_of_assigned_nodes_read(cluster, namespace, tmp_path):
         def token(name: str, node_name: str, audience: str = WORKER_AUDIENCE, sa: str = "ferry-agent") -> TokenFile:
             return TokenFile(cluster.pod_token(node_name, audience, tmp_path / name, service_account=sa))
 
-        refused = {
+        real = token("real", "node-auth")()
+        # Refused by the agent's local checks, before any TokenReview: these first.
+        local = {
             "no token": (None, grpc.StatusCode.UNAUTHENTICATED),
             "wrong audience": (token("aud", "node-auth", audience="ferry.dev/other"), grpc.StatusCode.UNAUTHENTICATED),
             "not a token": (lambda: "not-a-jwt", grpc.StatusCode.UNAUTHENTICATED),
+            # TokenRequest issues nothing that expires in under 10 minutes: a real token's claims, rewritten.
+            "expired": (lambda: _rewritten(real, exp=int(time.time()) - 3600), grpc.StatusCode.UNAUTHENTICATED),
+            "not valid yet": (lambda: _rewritten(real, nbf=int(time.time()) + 3600), grpc.StatusCode.UNAUTHENTICATED),
+        }
+        refused = {
+            **local,
             "not the agent": (token("sa", "node-auth", sa="intruder"), grpc.StatusCode.PERMISSION_DENIED),
             "node not assigned": (token("idle", "node-idle"), grpc.StatusCode.PERMISSION_DENIED),
         }
+        reviews = _token_reviews(cluster)
         for what, (creds, code) in refused.items():
             bare = bare_calls(endpoint, identity.agent_name, creds() if creds else None)
             assert bare["manifest"] == bare["prepare"] == code, (what, bare)
             assert _refusal(lambda c=creds: get_tensor_manifest(endpoint, identity, credentials=c)) == code, what
             assert _refusal(lambda c=creds: prepare_tensor_read(endpoint, identity, credentials=c)) == code, what
+            if what in local:
+                assert _token_reviews(cluster) == reviews, f"{what}: the agent asked the apiserver"
+        assert _token_reviews(cluster) > reviews, "the counter sees the agent's reviews"
         assert "granted to" not in agent.log_tail(400), "no lease was ever granted"
 
         # The reader of the serving node (whose replica is assigned v1) reads every byte.
