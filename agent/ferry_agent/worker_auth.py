@@ -3,8 +3,10 @@
 A reader sends a projected service-account token (audience `ferry.dev/worker`, bound to its Pod) as
 `authorization: Bearer <token>` on every call. The server
 
-1. verifies the token with a TokenReview for that audience (cached by token hash: 60 s on success, 2 s on
-   failure), and refuses anything not authenticated with `UNAUTHENTICATED`;
+1. checks the token locally (a JWT, not expired or not yet valid, for the reviewed audience: only so that garbage
+   costs no API call), then verifies it with a TokenReview for that audience (cached by token hash: 60 s on success,
+   2 s on failure, never past the token's `exp`, at most `MAX_CACHED_REVIEWS` of each), and refuses anything not
+   authenticated with `UNAUTHENTICATED`;
 2. requires the reviewed user to be an allowed agent identity and to carry the node-name extra that pod-bound
    tokens have (`authentication.kubernetes.io/node-name`), else `PERMISSION_DENIED`;
 3. for a manifest or a lease (both hand out NIXL metadata), requires a WeightReplica with `spec.nodeName` == the
@@ -14,8 +16,8 @@ A reader sends a projected service-account token (audience `ferry.dev/worker`, b
 4. releases a lease only for the principal that holds it.
 
 An API error while checking is `UNAVAILABLE` (transient: the reader retries, then tries another source), except
-during an apiserver outage: a token accepted and a view in sync within the last `OUTAGE_GRACE_S` keep answering,
-so agents keep serving each other what they hold while the API is down.
+during an apiserver outage: a token accepted and a view in sync within the last `OUTAGE_GRACE_S` keep answering
+(the token only until its `exp`), so agents keep serving each other what they hold while the API is down.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ import binascii
 import hashlib
 import json
 import logging
+import math
 import os
+import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +51,13 @@ FAILURE_TTL_S = 2.0
 # How long an accepted review and a last-synced assignment view still answer while the API cannot be reached: the
 # readers the API last allowed keep reading through an outage; nobody new gets in, and it ends when the API returns.
 OUTAGE_GRACE_S = 600.0
+# Skew allowed between this node's clock and the apiserver's for a token's `exp` and `nbf` before a token is refused
+# without a review (the apiserver allows itself a minute); the cache never answers past `exp` itself.
+CLOCK_LEEWAY_S = 30.0
+# Reviews kept per outcome (accepted, refused): a flood of tokens cannot grow memory, and a flood of refused ones
+# cannot push out the readers accepted before an outage.
+MAX_CACHED_REVIEWS = 4096
+_SWEEP_S = 1.0  # how often the cache drops its expired entries (a pass over at most 2 * MAX_CACHED_REVIEWS)
 PLURAL = "weightreplicas"
 log = logging.getLogger(__name__)
 _BEARER = "bearer "
@@ -113,6 +125,10 @@ class Review:
 
 
 class Reviewer(Protocol):
+    @property
+    def audience(self) -> str:
+        """The audience tokens are reviewed for."""
+
     def review(self, token: str) -> Review:
         """Raises on API errors (not cached, answered UNAVAILABLE)."""
 
@@ -123,6 +139,10 @@ class TokenReviewer:
     def __init__(self, api: client.ApiClient, audience: str = WORKER_AUDIENCE) -> None:
         self._auth = client.AuthenticationV1Api(api)
         self._audience = audience
+
+    @property
+    def audience(self) -> str:
+        return self._audience
 
     def review(self, token: str) -> Review:
         body = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[self._audience]))
@@ -135,9 +155,64 @@ class TokenReviewer:
         return Review(True, username=user.username or "", extra=user.extra or {})
 
 
+class TokenRejected(ValueError):
+    """A token refused by the local checks, before any TokenReview."""
+
+
+_B64URL = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _b64url_json(part: str) -> Any:
+    if not _B64URL.fullmatch(part):
+        raise ValueError("not base64url")
+    return json.loads(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4)))
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def precheck_token(token: str, audience: str, now: float, leeway_s: float = CLOCK_LEEWAY_S) -> float:
+    """The token's `exp` if it can be a live token for `audience` at wall-clock time `now`, else `TokenRejected`
+    saying why. Unverified (no signature check: TokenReview decides), it only spares the API a review of a token that
+    is not a JWT, has expired or is not valid yet, or is for another audience."""
+    parts = token.split(".")
+    if len(parts) != 3 or not parts[2] or not _B64URL.fullmatch(parts[2]):
+        raise TokenRejected("not a JWT (three base64url parts)")
+    try:
+        header, claims = _b64url_json(parts[0]), _b64url_json(parts[1])
+    except (ValueError, binascii.Error) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise TokenRejected("not a JWT (header and payload must be base64url JSON)") from exc
+    if not isinstance(header, dict) or not isinstance(claims, dict):
+        raise TokenRejected("not a JWT (header and payload must be JSON objects)")
+    exp, nbf = claims.get("exp"), claims.get("nbf")
+    if not _finite(exp):
+        raise TokenRejected("the token has no valid `exp` claim (pod-bound tokens always expire)")
+    if now >= exp + leeway_s:
+        raise TokenRejected(f"the token expired {now - exp:.0f}s ago")
+    if nbf is not None and not _finite(nbf):
+        raise TokenRejected("the token has an invalid `nbf` claim")
+    if nbf is not None and now + leeway_s < nbf:
+        raise TokenRejected(f"the token is not valid for another {nbf - now:.0f}s (`nbf`)")
+    aud = claims.get("aud")
+    if audience not in ([aud] if isinstance(aud, str) else aud if isinstance(aud, list) else []):
+        raise TokenRejected(f"the token is not for audience {audience}")
+    return float(exp)
+
+
+@dataclass(frozen=True)
+class _Cached:
+    at: float  # when the API said so (monotonic)
+    exp: float  # the token's `exp` (wall clock)
+    review: Review
+
+
 class CachedReviewer:
-    """Reviews keyed by the token's sha256: a success for `ok_ttl_s`, a refusal for `fail_ttl_s`. While the API
-    cannot be reached, a success is still answered for `outage_grace_s` after it was last confirmed."""
+    """Tokens checked locally first (`precheck_token`, for the reviewer's audience: a refusal costs no API call and
+    takes no cache entry), then reviews keyed by the token's sha256: a success for `ok_ttl_s`, a refusal for
+    `fail_ttl_s`. While the API cannot be reached, a success is still answered for `outage_grace_s` after it was last
+    confirmed. Nothing is answered from the cache once the token's `exp` has passed. Successes and refusals are each
+    kept for at most `max_entries` tokens (the least recently used success, the oldest refusal dropped first)."""
 
     def __init__(
         self,
@@ -146,40 +221,74 @@ class CachedReviewer:
         ok_ttl_s: float = SUCCESS_TTL_S,
         fail_ttl_s: float = FAILURE_TTL_S,
         outage_grace_s: float = OUTAGE_GRACE_S,
+        max_entries: int = MAX_CACHED_REVIEWS,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be positive, got {max_entries}")
         self._reviewer = reviewer
         self._ok_ttl_s = ok_ttl_s
         self._fail_ttl_s = fail_ttl_s
         self._outage_grace_s = outage_grace_s
+        self._max_entries = max_entries
         self._clock = clock
+        self._wall_clock = wall_clock
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[float, Review]] = {}  # key -> (reviewed at, review)
+        self._accepted: OrderedDict[str, _Cached] = OrderedDict()  # least recently used first
+        self._refused: OrderedDict[str, _Cached] = OrderedDict()  # oldest first
+        self._next_sweep = clock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._accepted) + len(self._refused)
 
     def review(self, token: str) -> Review:
+        try:
+            exp = precheck_token(token, self._reviewer.audience, self._wall_clock())
+        except TokenRejected as exc:
+            return Review(False, error=str(exc))
         key = hashlib.sha256(token.encode()).hexdigest()
         now = self._clock()
         with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None and now - hit[0] < self._ttl(hit[1]):
-                return hit[1]
-            for old in [k for k, (at, r) in self._cache.items() if now - at >= max(self._ttl(r), self._grace(r))]:
-                del self._cache[old]
+            self._sweep(now)
+            refused = self._refused.get(key)
+            if refused is not None and now - refused.at < self._fail_ttl_s:
+                return refused.review
+            accepted = self._accepted.get(key)
+            if accepted is not None:
+                self._accepted.move_to_end(key)
+                if now - accepted.at < self._ok_ttl_s and self._wall_clock() < exp:
+                    return accepted.review
         try:
             result = self._reviewer.review(token)  # outside the lock: one slow review must not stall every reader
         except Exception:
-            if hit is not None and hit[1].authenticated and now - hit[0] < self._outage_grace_s:
-                return hit[1]
+            if accepted is not None and now - accepted.at < self._outage_grace_s and self._wall_clock() < exp:
+                return accepted.review
             raise
+        entry = _Cached(self._clock(), exp, result)
         with self._lock:
-            self._cache[key] = (self._clock(), result)
+            # A refusal also ends the outage grace of an earlier success (the token was revoked).
+            self._accepted.pop(key, None)
+            self._refused.pop(key, None)
+            kept = self._accepted if result.authenticated else self._refused
+            kept[key] = entry
+            if len(kept) > self._max_entries:
+                kept.popitem(last=False)
         return result
 
-    def _ttl(self, review: Review) -> float:
-        return self._ok_ttl_s if review.authenticated else self._fail_ttl_s
-
-    def _grace(self, review: Review) -> float:
-        return self._outage_grace_s if review.authenticated else 0.0
+    def _sweep(self, now: float) -> None:
+        """Drop what can no longer answer: past its TTL (a success: past the outage grace too) or its `exp`."""
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + _SWEEP_S
+        wall = self._wall_clock()
+        for kept, life in (
+            (self._accepted, max(self._ok_ttl_s, self._outage_grace_s)),
+            (self._refused, self._fail_ttl_s),
+        ):
+            for key in [k for k, e in kept.items() if now - e.at >= life or wall >= e.exp]:
+                del kept[key]
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """`worker_auth` against the real apiserver: TokenReview of real pod-bound tokens (audience, node-name extra,
-revocation with the Pod) and the watched WeightReplica assignments."""
+revocation with the Pod), the local pre-checks and expiry cap of the review cache on real tokens, and the watched
+WeightReplica assignments."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
@@ -10,7 +12,15 @@ import uuid
 import pytest
 
 from ferry.api.models import API_VERSION, LABEL_NODE, WORKER_AUDIENCE
-from ferry_agent.worker_auth import NODE_NAME_EXTRA, ServedVersion, TokenReviewer, WatchedAssignments
+from ferry_agent.worker_auth import (
+    CLOCK_LEEWAY_S,
+    NODE_NAME_EXTRA,
+    CachedReviewer,
+    Review,
+    ServedVersion,
+    TokenReviewer,
+    WatchedAssignments,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -37,6 +47,60 @@ def test_token_review_of_pod_bound_tokens(cluster, kube, tmp_path) -> None:
     # token cache, ~10 s, lets go).
     cluster.kubectl("delete", "pod", f"ferry-agent-{node}", "-n", "ferry-system", "--grace-period=0", "--force")
     _eventually(lambda: not reviewer.review(good).authenticated, "the token to die with its pod", timeout=30)
+
+
+class CountingReviewer:
+    """The real TokenReview, counted; `down` plays an apiserver outage."""
+
+    def __init__(self, kube) -> None:  # type: ignore[no-untyped-def]
+        self._inner = TokenReviewer(kube)
+        self.audience = self._inner.audience
+        self.calls = 0
+        self.down = False
+
+    def review(self, token: str) -> Review:
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("apiserver unreachable")
+        return self._inner.review(token)
+
+
+def _claims(token: str) -> dict:
+    payload = token.split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+
+
+def test_real_tokens_are_prechecked_and_never_accepted_past_their_exp(cluster, kube, tmp_path) -> None:
+    """TokenRequest issues nothing shorter than 10 minutes, so the wall clock of the cache moves instead: to before a
+    real token's `nbf` and past its `exp`."""
+    node = f"n-{uuid.uuid4().hex[:6]}"
+    good = cluster.pod_token(node, WORKER_AUDIENCE, tmp_path / "good").read_text()
+    other = cluster.pod_token(node, "ferry.dev/other", tmp_path / "other").read_text()
+    claims = _claims(good)
+    reviewer = CountingReviewer(kube)
+    wall = [time.time()]
+    cached = CachedReviewer(reviewer, wall_clock=lambda: wall[0])
+
+    # Refused without a TokenReview: another audience's real token, garbage, a real token not valid yet.
+    for refused, why in [(other, "not for audience ferry.dev/worker"), ("not-a-jwt", "not a JWT")]:
+        result = cached.review(refused)
+        assert not result.authenticated and why in result.error
+    wall[0] = claims["nbf"] - CLOCK_LEEWAY_S - 1
+    assert "not valid for another" in cached.review(good).error
+    assert reviewer.calls == 0
+
+    wall[0] = time.time()
+    assert cached.review(good).authenticated and reviewer.calls == 1
+    reviewer.down = True  # an outage: the acceptance answers from the cache...
+    assert cached.review(good).authenticated and reviewer.calls == 1
+    wall[0] = claims["exp"]  # ...but not once the token has expired, well inside the TTL and the outage grace
+    with pytest.raises(ConnectionError):
+        cached.review(good)
+    reviewer.down = False
+    wall[0] = claims["exp"] + CLOCK_LEEWAY_S  # and past the leeway nobody is asked
+    calls = reviewer.calls
+    result = cached.review(good)
+    assert not result.authenticated and "expired" in result.error and reviewer.calls == calls
 
 
 def test_watched_assignments_follow_the_replicas(cluster, kube, namespace) -> None:

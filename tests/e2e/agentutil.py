@@ -8,11 +8,13 @@ import os
 import sys
 from pathlib import Path
 
+import grpc
 import torch
 from wvutil import get, wait_for
 
 from ferry.api.models import API_VERSION
 from ferry.localcluster import ManagedProcess
+from ferry_agent.proto import worker_pb2, worker_pb2_grpc
 from ferry_agent.registry import LABEL_MODEL, LABEL_NODE, LABEL_VERSION
 from ferry_agent.worker_auth import WORKER_AUDIENCE, TokenFile
 
@@ -131,6 +133,33 @@ def pull(rank_entry: dict, replica_name: str, token: Path | None = None) -> dict
         return tensors
     finally:
         reader.shutdown()
+
+
+def bare_calls(endpoint: str, agent_name: str, token: str | None) -> dict[str, grpc.StatusCode | None]:
+    """Each worker RPC, bare (nothing of a response, no lease or NIXL metadata, can hide in a client helper), with
+    `token` as the bearer (none when None): per RPC the refusal's code, or None when it answered. A granted lease is
+    released at once; "release" names a lease nobody holds (an admitted caller gets NOT_FOUND)."""
+    metadata = (("authorization", f"Bearer {token}"),) if token is not None else None
+    source = worker_pb2.SourceIdentity(agent_name=agent_name)
+    codes: dict[str, grpc.StatusCode | None] = {}
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        calls = {
+            "manifest": (stub.GetTensorManifest, worker_pb2.GetTensorManifestRequest(source=source)),
+            "prepare": (stub.PrepareTensorRead, worker_pb2.PrepareTensorReadRequest(source=source, reader="probe")),
+            "release": (stub.ReleaseTensorRead, worker_pb2.ReleaseTensorReadRequest(source=source, lease_id="none")),
+        }
+        for name, (rpc, request) in calls.items():
+            try:
+                response = rpc(request, timeout=10, metadata=metadata)
+            except grpc.RpcError as exc:
+                codes[name] = exc.code()
+                continue
+            codes[name] = None
+            if name == "prepare":
+                release = worker_pb2.ReleaseTensorReadRequest(source=source, lease_id=response.lease_id)
+                stub.ReleaseTensorRead(release, timeout=10, metadata=metadata)
+    return codes
 
 
 def agent_metrics(agent: ManagedProcess) -> str:

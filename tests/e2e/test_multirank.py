@@ -2,8 +2,10 @@
 
 A ModelLoad of two replicas with two ranks each: the first replica's ranks cold-start from S3 (the local leader
 replays the chain into the node's store, then each rank loads its share), the second replica's ranks copy rank
-by rank from the first. Then a delta rolls out, a rank process dies and its replica reloads, and two rank
-processes configured with different desired versions both fail, naming both.
+by rank from the first. Every rank process's worker service refuses a reader without a valid token (none, garbage,
+a real token's claims under a forged signature) on every RPC, and admits an assigned one. Then a delta rolls out, a
+rank process dies and its replica reloads, and two rank processes configured with different desired versions both
+fail, naming both.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import os
 import subprocess
 import sys
 
+import grpc
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from agentutil import node, pull, replica, start_agent
+from agentutil import bare_calls, node, pull, replica, serving_node_token, start_agent
 from wvutil import apply, ml_body, publish_delta, publish_full, tensors, wait_for, wait_reason, wv_body
 
 from ferry_agent.worker_auth import WORKER_AUDIENCE
@@ -81,6 +84,15 @@ def test_two_rank_replicas_from_s3_then_peers_then_a_delta(cluster, s3, namespac
         for wr in (first, second):
             assert wr["status"]["bytesDone"] == sum(a.nbytes for a in v1.values())
             assert f"on {RANKS} ranks" in wr["status"]["message"]
+            for entry in wr["status"]["ranks"]:
+                endpoint, name = entry["grpcEndpoint"], entry["agentName"]
+                real = serving_node_token(name).read_text()
+                forged = real.rsplit(".", 1)[0] + ".c2ln"  # a real token's claims, not its signature
+                for what, bearer in {"no token": None, "garbage": "not-a-jwt", "forged": forged}.items():
+                    codes = bare_calls(endpoint, name, bearer)
+                    assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, (what, entry, codes)
+                admitted = bare_calls(endpoint, name, real)  # the node's reader: its replica is assigned v1
+                assert admitted == {"manifest": None, "prepare": None, "release": grpc.StatusCode.NOT_FOUND}, entry
             check_holds(wr, v1)
         agent_log = "".join(a.log_path.read_text(errors="replace") for a in agents.values())
         assert "started 2 rank processes" in agent_log and "desired version v1 agreed" in agent_log

@@ -1,25 +1,39 @@
 """The worker service admits only agents whose node is assigned the served version (issue 10 item 5), checked
 against the real apiserver with real pod-bound tokens (TokenRequest / TokenReview) and a real agent serving
-over NIXL: no token, a wrong-audience token, a token of another identity and a valid token of a node that is not
-assigned the version are all refused, with no NIXL metadata; the node's own reader still reads every byte."""
+over NIXL: no token, a wrong-audience token, garbage, an expired or not yet valid token (without a TokenReview, all
+of these), a token of another identity and a valid token of a node that is not assigned the version are all refused,
+with no NIXL metadata; the node's own reader still reads every byte. Only the reader that took a lease releases it:
+another assigned agent's release is refused and the lease stays counted."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import grpc
 import pytest
 import torch
-from agentutil import content_sha256, node, read_back, replica, seed_arg, start_agent, wait_phase
+from agentutil import (
+    NODE_TOKENS,
+    bare_calls,
+    content_sha256,
+    node,
+    read_back,
+    replica,
+    seed_arg,
+    start_agent,
+    wait_phase,
+)
 from safetensors.torch import save_file
-from wvutil import apply, wait_for, wait_reason, wv_body
+from wvutil import apply, get, wait_for, wait_reason, wv_body
 
-from ferry_agent.proto import worker_pb2, worker_pb2_grpc
 from ferry_agent.worker_auth import WORKER_AUDIENCE, TokenFile
-from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest, prepare_tensor_read
+from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest, prepare_tensor_read, release_tensor_read
 
 pytestmark = pytest.mark.e2e
 
@@ -30,19 +44,22 @@ def _refusal(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
     return info.value.code()
 
 
-def _raw_prepare(endpoint: str, identity: SourceIdentity, metadata) -> grpc.StatusCode | None:  # type: ignore[no-untyped-def]
-    """The bare RPC, so that nothing of a response (no lease, no NIXL metadata) can hide in a client helper: the
-    refusal's code, or None for a grant (released at once)."""
-    with grpc.insecure_channel(endpoint) as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        request = worker_pb2.PrepareTensorReadRequest(source=identity.to_proto(), reader="intruder")
-        try:
-            response = stub.PrepareTensorRead(request, timeout=10, metadata=metadata)
-        except grpc.RpcError as exc:
-            return exc.code()
-        release = worker_pb2.ReleaseTensorReadRequest(source=identity.to_proto(), lease_id=response.lease_id)
-        stub.ReleaseTensorRead(release, timeout=10, metadata=metadata)
-        return None
+def _rewritten(token: str, **claims: int) -> str:
+    """`token` with some of its claims replaced (its signature no longer matches)."""
+    header, payload, signature = token.split(".")
+    decoded = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    encoded = base64.urlsafe_b64encode(json.dumps({**decoded, **claims}).encode()).rstrip(b"=").decode()
+    return f"{header}.{encoded}.{signature}"
+
+
+def _token_reviews(cluster) -> int:  # type: ignore[no-untyped-def]
+    """TokenReviews the apiserver has answered so far (its request counter)."""
+    lines = cluster.kubectl("get", "--raw", "/metrics").stdout.splitlines()
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in lines
+        if line.startswith("apiserver_request_total{") and 'resource="tokenreviews"' in line
+    )
 
 
 def test_only_agents_of_assigned_nodes_read(cluster, namespace, operator, tmp_path):
@@ -69,18 +86,30 @@ def test_only_agents_of_assigned_nodes_read(cluster, namespace, operator, tmp_pa
         def token(name: str, node_name: str, audience: str = WORKER_AUDIENCE, sa: str = "ferry-agent") -> TokenFile:
             return TokenFile(cluster.pod_token(node_name, audience, tmp_path / name, service_account=sa))
 
-        refused = {
+        real = token("real", "node-auth")()
+        # Refused by the agent's local checks, before any TokenReview: these first.
+        local = {
             "no token": (None, grpc.StatusCode.UNAUTHENTICATED),
             "wrong audience": (token("aud", "node-auth", audience="ferry.dev/other"), grpc.StatusCode.UNAUTHENTICATED),
             "not a token": (lambda: "not-a-jwt", grpc.StatusCode.UNAUTHENTICATED),
+            # TokenRequest issues nothing that expires in under 10 minutes: a real token's claims, rewritten.
+            "expired": (lambda: _rewritten(real, exp=int(time.time()) - 3600), grpc.StatusCode.UNAUTHENTICATED),
+            "not valid yet": (lambda: _rewritten(real, nbf=int(time.time()) + 3600), grpc.StatusCode.UNAUTHENTICATED),
+        }
+        refused = {
+            **local,
             "not the agent": (token("sa", "node-auth", sa="intruder"), grpc.StatusCode.PERMISSION_DENIED),
             "node not assigned": (token("idle", "node-idle"), grpc.StatusCode.PERMISSION_DENIED),
         }
+        reviews = _token_reviews(cluster)
         for what, (creds, code) in refused.items():
-            metadata = (("authorization", f"Bearer {creds()}"),) if creds else None
-            assert _raw_prepare(endpoint, identity, metadata) == code, what
+            bare = bare_calls(endpoint, identity.agent_name, creds() if creds else None)
+            assert bare["manifest"] == bare["prepare"] == code, (what, bare)
             assert _refusal(lambda c=creds: get_tensor_manifest(endpoint, identity, credentials=c)) == code, what
             assert _refusal(lambda c=creds: prepare_tensor_read(endpoint, identity, credentials=c)) == code, what
+            if what in local:
+                assert _token_reviews(cluster) == reviews, f"{what}: the agent asked the apiserver"
+        assert _token_reviews(cluster) > reviews, "the counter sees the agent's reviews"
         assert "granted to" not in agent.log_tail(400), "no lease was ever granted"
 
         # The reader of the serving node (whose replica is assigned v1) reads every byte.
@@ -89,11 +118,30 @@ def test_only_agents_of_assigned_nodes_read(cluster, namespace, operator, tmp_pa
         # longer.
         replica(cluster, namespace, "wr-idle-v1", "node-idle", "v1")
         assert read_back(entry, "wr-auth", tmp_path / "idle") == content_sha256(weights)
-        cluster.kubectl("delete", "wr", "wr-idle-v1", "-n", namespace)
         idle = TokenFile(tmp_path / "idle")
+
+        # Both nodes are assigned now; the lease node-auth's reader takes is still its own to release.
+        own = TokenFile(NODE_TOKENS["node-auth"])
+
+        def counted(n: int) -> bool:
+            return (get(cluster, namespace, "wr", "wr-auth")["status"].get("activeLeases") or 0) == n
+
+        lease = prepare_tensor_read(endpoint, identity, credentials=own)
+        wait_for(lambda: counted(1), 20, "the source to count the lease")
+        for other in (idle, None):
+            assert _refusal(lambda c=other: release_tensor_read(endpoint, identity, lease.lease_id, credentials=c)) == (
+                grpc.StatusCode.PERMISSION_DENIED if other else grpc.StatusCode.UNAUTHENTICATED
+            )
+        # Still held: with a second lease of its own the source counts two (after a release it would count one).
+        second = prepare_tensor_read(endpoint, identity, credentials=own)
+        wait_for(lambda: counted(2), 20, "the source to count both leases")
+        lease.close()  # the holder's own release succeeds (raises otherwise)
+        second.close()
+        wait_for(lambda: counted(0), 20, "the source to count no lease")
+
+        cluster.kubectl("delete", "wr", "wr-idle-v1", "-n", namespace)
         wait_for(
-            lambda: _raw_prepare(endpoint, identity, (("authorization", f"Bearer {idle()}"),))
-            == grpc.StatusCode.PERMISSION_DENIED,
+            lambda: bare_calls(endpoint, identity.agent_name, idle())["prepare"] == grpc.StatusCode.PERMISSION_DENIED,
             10, "node-idle refused again",
         )  # fmt: skip
     finally:

@@ -18,7 +18,10 @@ from test_leases import IDENTITY, FakeClock, code_of, manifest_proto
 from ferry_agent.peer_strategy import TransferSettings
 from ferry_agent.proto import worker_pb2
 from ferry_agent.worker_auth import (
+    CLOCK_LEEWAY_S,
     NODE_NAME_EXTRA,
+    WORKER_AUDIENCE,
+    AccessDenied,
     CachedReviewer,
     Review,
     ServedVersion,
@@ -44,10 +47,25 @@ AGENT = "system:serviceaccount:ferry-system:ferry-agent"
 SERVED = ServedVersion("ns", "m", "v1")
 
 
-class FakeReviewer:
-    """Tokens are `user@node`, `user` (no node extra) or `bad` (not authenticated); `down` raises."""
+WALL = 1_800_000_000.0  # the fake wall clock's start (token `exp` and `nbf` are wall-clock times)
 
-    def __init__(self) -> None:
+
+def jwt(sub: str, *, aud: object = WORKER_AUDIENCE, exp: object = WALL + 3600, **claims: object) -> str:
+    """An unsigned JWT-shaped token with these claims (`aud`/`exp` left out when None)."""
+
+    def part(obj: object) -> str:
+        return base64.urlsafe_b64encode(json.dumps(obj).encode()).rstrip(b"=").decode()
+
+    body = {"sub": sub, **({"aud": aud} if aud is not None else {}), **({"exp": exp} if exp is not None else {})}
+    return f"{part({'alg': 'RS256'})}.{part({**body, **claims})}.c2ln"
+
+
+class FakeReviewer:
+    """Tokens are `user@node`, `user` (no node extra) or `bad` (not authenticated), bare or as the `sub` of a `jwt`;
+    `down` raises."""
+
+    def __init__(self, audience: str = WORKER_AUDIENCE) -> None:
+        self.audience = audience
         self.calls = 0
         self.down = False
 
@@ -55,10 +73,18 @@ class FakeReviewer:
         self.calls += 1
         if self.down:
             raise ConnectionError("apiserver unreachable")
-        if token == "bad":
+        subject = token_subject(token) if token.count(".") == 2 else token
+        if subject == "bad":
             return Review(False, error="invalid bearer token")
-        user, _, node = token.partition("@")
+        user, _, node = subject.partition("@")
         return Review(True, username=user, extra={NODE_NAME_EXTRA: [node]} if node else {})
+
+
+def caching(reviewer: FakeReviewer, **kwargs: float) -> tuple[CachedReviewer, FakeClock, FakeClock]:
+    """A `CachedReviewer` on fake clocks: (cache, monotonic clock, wall clock at `WALL`)."""
+    clock, wall = FakeClock(), FakeClock()
+    wall.now = WALL
+    return CachedReviewer(reviewer, clock=clock, wall_clock=wall, **kwargs), clock, wall
 
 
 class FakeAssignments:
@@ -153,11 +179,11 @@ def test_only_the_holder_releases_a_lease(server: WorkerServer, assignments: Fak
 
 def test_api_errors_are_unavailable_and_not_cached(assignments: FakeAssignments) -> None:
     reviewer = FakeReviewer()
-    auth = WorkerAuth(CachedReviewer(reviewer), assignments, [AGENT])
+    auth = WorkerAuth(caching(reviewer)[0], assignments, [AGENT])
     srv = WorkerServer(manifest_proto(), guard=auth.guard(SERVED))
     srv.start()
     try:
-        good = token(f"{AGENT}@node-a")
+        good = token(jwt(f"{AGENT}@node-a"))
         reviewer.down = True
         assert code_of(lambda: prepare_tensor_read(srv.endpoint, IDENTITY, credentials=good)) == (
             grpc.StatusCode.UNAVAILABLE
@@ -169,37 +195,186 @@ def test_api_errors_are_unavailable_and_not_cached(assignments: FakeAssignments)
 
 
 def test_review_cache_keeps_successes_60s_and_refusals_2s() -> None:
-    reviewer, clock = FakeReviewer(), FakeClock()
-    cached = CachedReviewer(reviewer, clock=clock)
+    reviewer = FakeReviewer()
+    cached, clock, _ = caching(reviewer)
+    good, bad = jwt(f"{AGENT}@node-a"), jwt("bad")
     for _ in range(3):
-        assert cached.review(f"{AGENT}@node-a").authenticated
-        assert not cached.review("bad").authenticated
+        assert cached.review(good).authenticated
+        assert not cached.review(bad).authenticated
     assert reviewer.calls == 2
     clock.now += 2.1  # the refusal expired, the success did not
-    cached.review(f"{AGENT}@node-a")
-    cached.review("bad")
+    cached.review(good)
+    cached.review(bad)
     assert reviewer.calls == 3
     clock.now += 58
-    cached.review(f"{AGENT}@node-a")
+    cached.review(good)
     assert reviewer.calls == 4
 
 
 def test_an_accepted_token_keeps_reading_through_an_outage_for_the_grace_only() -> None:
-    reviewer, clock = FakeReviewer(), FakeClock()
-    cached = CachedReviewer(reviewer, outage_grace_s=600, clock=clock)
-    assert cached.review(f"{AGENT}@node-a").authenticated
-    assert not cached.review("bad").authenticated
+    reviewer = FakeReviewer()
+    cached, clock, wall = caching(reviewer, outage_grace_s=600)
+    good = jwt(f"{AGENT}@node-a")
+    assert cached.review(good).authenticated
+    assert not cached.review(jwt("bad")).authenticated
     reviewer.down = True
     clock.now += 300  # past the 60 s cache, inside the grace
-    assert cached.review(f"{AGENT}@node-a").authenticated
+    wall.now += 300
+    assert cached.review(good).authenticated
     for never_accepted in ("bad", f"{AGENT}@node-b"):  # nobody the API did not accept gets in
         with pytest.raises(ConnectionError):
-            cached.review(never_accepted)
+            cached.review(jwt(never_accepted))
     clock.now += 301
+    wall.now += 301
     with pytest.raises(ConnectionError):
-        cached.review(f"{AGENT}@node-a")
+        cached.review(good)
     reviewer.down = False
-    assert cached.review(f"{AGENT}@node-a").authenticated
+    assert cached.review(good).authenticated
+
+
+def test_no_acceptance_is_answered_from_the_cache_past_the_tokens_exp() -> None:
+    reviewer = FakeReviewer()
+    cached, clock, wall = caching(reviewer, outage_grace_s=600)
+    short = jwt(f"{AGENT}@node-a", exp=WALL + 30)
+    assert cached.review(short).authenticated and reviewer.calls == 1
+    clock.now += 10
+    wall.now += 10
+    assert cached.review(short).authenticated and reviewer.calls == 1  # cached
+    clock.now += 25  # inside the 60 s TTL, but past `exp` (inside the leeway): the API decides again
+    wall.now += 25
+    cached.review(short)
+    assert reviewer.calls == 2
+
+    # The outage grace ends at `exp` too: a token accepted a moment ago is not accepted after it expired.
+    lasting = jwt(f"{AGENT}@node-a", exp=wall.now + 300)
+    assert cached.review(lasting).authenticated
+    reviewer.down = True
+    clock.now += 200
+    wall.now += 200
+    assert cached.review(lasting).authenticated  # inside the grace and before `exp`
+    clock.now += 101  # still inside the 600 s grace, 1 s past `exp`
+    wall.now += 101
+    with pytest.raises(ConnectionError):
+        cached.review(lasting)
+    wall.now += CLOCK_LEEWAY_S  # and past the leeway the token is refused without asking anybody
+    calls = reviewer.calls
+    refused = cached.review(lasting)
+    assert not refused.authenticated and "expired" in refused.error and reviewer.calls == calls
+
+
+def _part(raw: str) -> str:
+    return base64.urlsafe_b64encode(raw.encode()).rstrip(b"=").decode()
+
+
+@pytest.mark.parametrize(
+    ("bad_token", "why"),
+    [
+        ("not-a-jwt", "not a JWT"),
+        ("a.b", "not a JWT"),
+        (jwt(AGENT) + ".more", "not a JWT"),
+        (jwt(AGENT).rsplit(".", 1)[0] + ".", "not a JWT"),  # no signature
+        (jwt(AGENT)[:-1] + "+", "not a JWT"),  # not base64url
+        ("e30." + _part('{"exp": 1') + ".c2ln", "not a JWT"),  # payload not JSON
+        (_part("[]") + "." + jwt(AGENT).split(".", 1)[1], "JSON objects"),  # header not an object
+        ("e30." + _part('"sub"') + ".c2ln", "JSON objects"),
+        ("e30.\xff.c2ln", "not a JWT"),
+        (jwt(AGENT, exp=None), "no valid `exp`"),
+        (jwt(AGENT, exp="4102444800"), "no valid `exp`"),
+        (jwt(AGENT, exp=True), "no valid `exp`"),
+        ("e30." + _part('{"exp": NaN, "aud": "ferry.dev/worker"}') + ".c2ln", "no valid `exp`"),
+        (jwt(AGENT, exp=WALL - CLOCK_LEEWAY_S), "expired 30s ago"),
+        (jwt(AGENT, exp=WALL - 86400), "expired"),
+        (jwt(AGENT, nbf=WALL + CLOCK_LEEWAY_S + 1), "not valid for another"),
+        (jwt(AGENT, nbf="soon"), "invalid `nbf`"),
+        (jwt(AGENT, aud=None), "not for audience ferry.dev/worker"),
+        (jwt(AGENT, aud="ferry.dev/other"), "not for audience ferry.dev/worker"),
+        (jwt(AGENT, aud=["ferry.dev/other", "api"]), "not for audience ferry.dev/worker"),
+        (jwt(AGENT, aud={"ferry.dev/worker": 1}), "not for audience ferry.dev/worker"),
+    ],
+)
+def test_tokens_that_cannot_be_live_for_the_audience_are_refused_without_a_review(bad_token: str, why: str) -> None:
+    reviewer = FakeReviewer()
+    cached, _, _ = caching(reviewer)
+    result = cached.review(bad_token)
+    assert not result.authenticated and why in result.error
+    assert reviewer.calls == 0 and len(cached) == 0  # no API call, no cache entry
+    # Through WorkerAuth: UNAUTHENTICATED, saying why.
+    with pytest.raises(AccessDenied) as info:
+        WorkerAuth(cached, FakeAssignments(set()), [AGENT]).authenticate((("authorization", f"Bearer {bad_token}"),))
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED and why in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "live",
+    [
+        jwt(AGENT),
+        jwt(AGENT, aud=["api", WORKER_AUDIENCE]),
+        jwt(AGENT, exp=WALL - CLOCK_LEEWAY_S + 1),  # a clock slightly ahead of the apiserver's
+        jwt(AGENT, nbf=WALL + CLOCK_LEEWAY_S),  # or slightly behind
+        jwt(AGENT, nbf=WALL - 60, iat=WALL - 60),
+    ],
+)
+def test_tokens_that_can_be_live_go_to_the_review(live: str) -> None:
+    reviewer = FakeReviewer()
+    cached, _, _ = caching(reviewer)
+    assert cached.review(live).authenticated and reviewer.calls == 1
+
+
+def test_the_audience_checked_locally_is_the_reviewers() -> None:
+    reviewer = FakeReviewer(audience=f"{WORKER_AUDIENCE}/node-a")
+    cached, _, _ = caching(reviewer)
+    result = cached.review(jwt(f"{AGENT}@node-b"))  # for the shared audience: not what this server reviews for
+    assert not result.authenticated and f"not for audience {WORKER_AUDIENCE}/node-a" in result.error
+    assert reviewer.calls == 0
+    assert cached.review(jwt(f"{AGENT}@node-b", aud=[f"{WORKER_AUDIENCE}/node-a"])).authenticated
+    assert reviewer.calls == 1
+
+
+def test_the_review_cache_is_bounded_and_refusals_do_not_push_out_acceptances() -> None:
+    reviewer = FakeReviewer()
+    cached, clock, _ = caching(reviewer, max_entries=8)
+    readers = [jwt(f"{AGENT}@node-{i}") for i in range(4)]
+    for reader in readers:
+        assert cached.review(reader).authenticated
+    for i in range(1000):  # a flood of well-formed tokens the API refuses
+        assert not cached.review(jwt("bad", jti=str(i))).authenticated
+    assert len(cached) == 4 + 8
+    reviewer.down = True  # the readers accepted before the outage are all still there
+    clock.now += 120
+    assert all(cached.review(reader).authenticated for reader in readers)
+    reviewer.down = False
+
+    for i in range(1000):  # a flood of tokens the API accepts: the least recently used go first
+        cached.review(jwt(f"{AGENT}@flood-{i}"))
+        if i % 4 == 0:
+            cached.review(readers[0])
+    assert len(cached) == 8  # (the refusals expired meanwhile)
+    reviewer.down = True
+    assert cached.review(readers[0]).authenticated
+    with pytest.raises(ConnectionError):
+        cached.review(readers[1])
+    reviewer.down = False
+
+
+def test_expired_reviews_are_purged() -> None:
+    reviewer = FakeReviewer()
+    cached, clock, wall = caching(reviewer, outage_grace_s=600)
+    for i in range(10):
+        cached.review(jwt("bad", jti=str(i)))
+        cached.review(jwt(f"{AGENT}@node-{i}", exp=WALL + 120, jti=str(i)))
+        cached.review(jwt(f"{AGENT}@node-{i}", exp=WALL + 3600, jti=str(i)))
+    assert len(cached) == 30
+    clock.now += 2.5  # past the refusals' TTL
+    cached.review(jwt(f"{AGENT}@node-0"))
+    assert len(cached) == 21
+    wall.now += 121  # past the short tokens' `exp`
+    clock.now += 1
+    cached.review(jwt(f"{AGENT}@node-0"))
+    assert len(cached) == 11
+    clock.now += 601  # past TTL and outage grace
+    wall.now += 601
+    cached.review(jwt(f"{AGENT}@node-0"))
+    assert len(cached) == 1
 
 
 def test_assignments_answer_from_the_last_view_while_the_api_is_down_for_the_grace_only() -> None:
