@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--serve", metavar="NAMESPACE/MODEL/VERSION", help="authenticate readers for this version")
     parser.add_argument("--worker-allowed-identity", action="append", default=[], metavar="USERNAME")
+    parser.add_argument("--node", help="with --serve: the node whose worker audience readers' tokens must have")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
 
@@ -107,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         from ferry.kube import kube_client
         from ferry_agent.worker_auth import ServedVersion, WorkerAuth
 
+        if not args.node:
+            parser.error("--serve needs --node")
         namespace, model, version = args.serve.split("/")
-        auth = WorkerAuth.from_api(kube_client(), args.worker_allowed_identity)
+        auth = WorkerAuth.from_api(kube_client(), args.worker_allowed_identity, args.node)
         guard = auth.guard(ServedVersion(namespace, model, version))
     weights = seeded_weights(args.seed, args.tensors, args.tensor_bytes, args.device)
     peer = NixlPeer(args.agent_name)

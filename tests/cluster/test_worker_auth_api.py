@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from ferry.api.models import API_VERSION, LABEL_NODE, WORKER_AUDIENCE
+from ferry.api.models import API_VERSION, LABEL_NODE, worker_audience
 from ferry_agent.worker_auth import NODE_NAME_EXTRA, ServedVersion, TokenReviewer, WatchedAssignments
 
 pytestmark = pytest.mark.cluster
@@ -23,15 +23,16 @@ def _eventually(predicate, what: str, timeout: float = 10.0) -> None:  # type: i
 
 
 def test_token_review_of_pod_bound_tokens(cluster, kube, tmp_path) -> None:
-    reviewer = TokenReviewer(kube)
+    reviewer = TokenReviewer(kube, worker_audience("source-node"))
     node = f"n-{uuid.uuid4().hex[:6]}"
-    good = cluster.pod_token(node, WORKER_AUDIENCE, tmp_path / "good").read_text()
+    good = cluster.pod_token(node, worker_audience("source-node"), tmp_path / "good").read_text()
     review = reviewer.review(good)
     assert review.authenticated and review.username == "system:serviceaccount:ferry-system:ferry-agent"
     assert review.extra[NODE_NAME_EXTRA] == [node]
 
-    other = cluster.pod_token(node, "ferry.dev/other", tmp_path / "other").read_text()
-    assert not reviewer.review(other).authenticated
+    for name, audience in (("other", "ferry.dev/other"), ("another-source", worker_audience("another-node"))):
+        token = cluster.pod_token(node, audience, tmp_path / name).read_text()
+        assert not reviewer.review(token).authenticated, audience
 
     # A bound token dies with its Pod: deleting the agent Pod revokes what it could read (once the apiserver's own
     # token cache, ~10 s, lets go).

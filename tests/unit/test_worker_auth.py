@@ -3,12 +3,9 @@ assignments, on a real in-process gRPC server; and the bounded retry of lease RP
 
 from __future__ import annotations
 
-import base64
-import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import grpc
 import pytest
@@ -22,12 +19,9 @@ from ferry_agent.worker_auth import (
     CachedReviewer,
     Review,
     ServedVersion,
-    TokenFile,
-    TokenMissing,
     WatchedAssignments,
     WorkerAuth,
     _NamespaceView,
-    token_subject,
 )
 from ferry_agent.worker_service import (
     RetryPolicy,
@@ -223,27 +217,6 @@ def test_assignments_answer_from_the_last_view_while_the_api_is_down_for_the_gra
     clock.now += 301
     with pytest.raises(ConnectionError):
         view.assigned("node-a", SERVED)
-
-
-def test_token_file_is_read_on_every_call(tmp_path: Path) -> None:
-    path = tmp_path / "token"
-    creds = TokenFile(path)
-    with pytest.raises(TokenMissing, match="cannot be read"):
-        creds()
-    path.write_text("first\n")
-    assert creds() == "first"
-    path.write_text("rotated")
-    assert creds() == "rotated"
-    path.write_text("")
-    with pytest.raises(TokenMissing, match="empty"):
-        creds()
-
-
-def test_token_subject_is_the_default_identity() -> None:
-    claims = base64.urlsafe_b64encode(json.dumps({"sub": AGENT}).encode()).rstrip(b"=").decode()
-    assert token_subject(f"e30.{claims}.sig") == AGENT
-    with pytest.raises(ValueError):
-        token_subject("not-a-jwt")
 
 
 def test_an_allowed_identity_is_required(assignments: FakeAssignments) -> None:
