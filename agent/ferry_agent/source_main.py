@@ -4,8 +4,9 @@ and serves the Worker service on 127.0.0.1.
     python -m ferry_agent.source_main --agent-name src-a [--tensors 8 --tensor-bytes 524288 --seed 0]
 
 Unauthenticated by default: anyone who reaches the port may read. That is only for tests and benchmarks of the
-transfer path; the node agent never serves that way. With `--serve NAMESPACE/MODEL/VERSION` it checks readers
-exactly as an agent does (`worker_auth`, against the API of $KUBECONFIG).
+transfer path; the node agent never serves that way. With `--serve NAMESPACE/MODEL/VERSION --node NODE` it checks
+readers exactly as an agent on NODE does (`worker_auth`, against the API of $KUBECONFIG: tokens for audience
+ferry.dev/worker/NODE).
 
 It prints one `FERRY-SOURCE {json}` line when ready (port, identity, manifest digest, content sha256)
 and then answers line commands on stdin with `FERRY-REPLY {json}`: `leases`, `drain SECONDS`, `resume`,

@@ -105,10 +105,18 @@ def serving_node(agent_name: str) -> str:
 
 def reader_tokens(cluster: LocalCluster, node_name: str) -> ReaderTokens:
     """The worker tokens a reader on `node_name` mints, as its agent does: TokenRequests against the real
-    apiserver for the agent's ServiceAccount, bound to that node's agent Pod, one audience per source node."""
-    me = cluster.agent_pod(node_name)
-    identity = PodIdentity(me["podNamespace"], me["serviceAccount"], me["podName"], me["podUid"])
-    return ReaderTokens(_admin_api(str(cluster.kubeconfig)), identity)
+    apiserver for the agent's ServiceAccount, bound to that node's agent Pod, one audience per source node. One
+    per node and cluster, kept like an agent keeps its own: a reader that read before an apiserver outage still
+    holds its tokens during it."""
+    key = (str(cluster.kubeconfig), node_name)
+    if key not in _READERS:
+        me = cluster.agent_pod(node_name)
+        identity = PodIdentity(me["podNamespace"], me["serviceAccount"], me["podName"], me["podUid"])
+        _READERS[key] = ReaderTokens(_admin_api(str(cluster.kubeconfig)), identity)
+    return _READERS[key]
+
+
+_READERS: dict[tuple[str, str], ReaderTokens] = {}
 
 
 @functools.cache
