@@ -19,7 +19,7 @@ import torch
 from _common import write_results
 from safetensors.torch import save_file
 
-from ferry.api.models import API_VERSION, WORKER_AUDIENCE
+from ferry.api.models import API_VERSION
 from ferry.localcluster import LocalCluster, ManagedProcess, local_stack, start_operator, wait_until
 
 MODEL = "bench"
@@ -49,9 +49,8 @@ def start_agents(cluster: LocalCluster, s3, root: Path, n: int, tag: str) -> lis
         cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
         store = root / "stores" / node
         shutil.rmtree(store, ignore_errors=True)
-        token = cluster.pod_token(node, WORKER_AUDIENCE, root / "tokens" / node)
         argv = [sys.executable, "-m", "ferry_agent", "--node", node, "--checkpoint-dir", str(store),
-                "--poll-seconds", "0.2", "--retry-seconds", "1", "--worker-token-file", str(token)]  # fmt: skip
+                "--poll-seconds", "0.2", "--retry-seconds", "1", *cluster.agent_identity_args(node)]  # fmt: skip
         env = {**os.environ, **cluster.env(), **s3.env(), "UCX_NET_DEVICES": "lo"}
         agents.append(ManagedProcess(node, argv, root / "logs" / f"{node}.log", env=env).start())
     time.sleep(3)  # agents import torch/NIXL before they poll

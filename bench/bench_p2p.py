@@ -37,7 +37,7 @@ try:
 except ImportError:  # run as a script: bench/ is on sys.path, the repository root may not be
     from _common import summary
 
-from ferry.api.models import API_VERSION, WORKER_AUDIENCE
+from ferry.api.models import API_VERSION, worker_audience
 from ferry.localcluster import local_stack
 from ferry_agent.candidate import SourceCandidate
 from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
@@ -45,7 +45,6 @@ from ferry_agent.registry import LABEL_NODE
 from ferry_agent.resident import ResidentWeights, TensorSpec
 from ferry_agent.source_main import READY_MARKER
 from ferry_agent.strategy import LoadContext
-from ferry_agent.worker_auth import TokenFile, token_subject
 from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest
 
 MIB = 1 << 20
@@ -60,22 +59,26 @@ def parse_size(text: str) -> int:
 class Auth:
     """The reader's token and what the source is told to check (None: an open source)."""
 
-    token: Path
+    token: Path  # for the source's audience, worker_audience(SOURCE_NODE)
     identity: str
     kubeconfig: Path
 
 
+SOURCE_NODE = "bench-source-node"  # the node the source's worker service says it runs on
+
+
 def authenticated(cluster: Any, workdir: Path) -> Auth:
-    """A Node with a WeightReplica of bench/v, and a worker token bound to a Pod on it (what a reader holds)."""
+    """A Node with a WeightReplica of bench/v, and a worker token for the source bound to a Pod on it (what a
+    reader there mints)."""
     node = "bench-node"
-    token = cluster.pod_token(node, WORKER_AUDIENCE, workdir / "worker-token")
+    token = cluster.pod_token(node, worker_audience(SOURCE_NODE), workdir / "worker-token")
     body = {
         "apiVersion": API_VERSION, "kind": "WeightReplica",
         "metadata": {"name": "bench-target", "namespace": "default", "labels": {LABEL_NODE: node}},
         "spec": {"modelLoad": "bench", "modelName": "bench", "version": "v", "nodeName": node, "device": "cpu"},
     }  # fmt: skip
     cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
-    return Auth(token, token_subject(token.read_text()), cluster.kubeconfig)
+    return Auth(token, "system:serviceaccount:ferry-system:ferry-agent", cluster.kubeconfig)  # pod_token's
 
 
 def start_source(
@@ -85,7 +88,7 @@ def start_source(
            "--tensor-bytes", str(tensor_bytes)]  # fmt: skip
     env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
     if auth is not None:
-        cmd += ["--serve", "default/bench/v", "--worker-allowed-identity", auth.identity]
+        cmd += ["--serve", "default/bench/v", "--node", SOURCE_NODE, "--worker-allowed-identity", auth.identity]
         env["KUBECONFIG"] = str(auth.kubeconfig)
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
@@ -108,7 +111,7 @@ def timed(fn: Callable[[], Any], reps: int) -> list[float]:
 def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int, auth: Auth | None) -> dict[str, Any]:
     tensors = max(1, size // tensor_bytes)
     proc, info = start_source(f"bench-src-{uuid.uuid4().hex[:6]}", tensors, tensor_bytes, auth)
-    credentials = TokenFile(auth.token) if auth is not None else None
+    credentials = (lambda: auth.token.read_text()) if auth is not None else None
     try:
         identity = SourceIdentity(info["agent_name"], info["instance_id"])
         manifest = get_tensor_manifest(info["endpoint"], identity, timeout_s=30, credentials=credentials)
@@ -123,11 +126,11 @@ def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int, auth: Auth | 
         cand = SourceCandidate(
             replica="bench-source", rank=0, agent_name=info["agent_name"], grpc_endpoint=info["endpoint"],
             manifest_digest=info["manifest_digest"], tensor_count=info["tensor_count"],
-            instance_id=info["instance_id"],
+            instance_id=info["instance_id"], node=SOURCE_NODE,
         )  # fmt: skip
         strategy = PeerStrategy(
             peer=peer, candidates=lambda _: [cand], settings=TransferSettings(timeout_s=120), allocate=reuse,
-            credentials=credentials,
+            credentials=(lambda node: auth.token.read_text()) if auth is not None else None,
         )  # fmt: skip
         ctx = LoadContext(model="bench", version="v", rank=0, target_id="bench-target")
         peer_s = timed(lambda: strategy.load(ctx), reps)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ferry.api.models import API_VERSION, LABEL_MODELLOAD, WORKER_AUDIENCE
+from ferry.api.models import API_VERSION, LABEL_MODELLOAD
 from ferry.localcluster import LocalCluster, ManagedProcess, S3Server, local_stack, start_operator
 
 MODEL = "llama-tiny"
@@ -74,9 +74,9 @@ def start_agents(cluster: LocalCluster, s3: S3Server, workdir: Path) -> list[Man
     for node in NODES:
         body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": {"ferry.dev/gpu": "true"}}}
         cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
-        token = cluster.pod_token(node, WORKER_AUDIENCE, workdir / f"worker-token-{node}")  # the chart projects it
+        # The Pod the chart would run it as: the agent mints its worker tokens bound to it.
         argv = [sys.executable, "-m", "ferry_agent", "--node", node, "--checkpoint-dir", str(workdir / node),
-                "--poll-seconds", "2", "--retry-seconds", "1", "--worker-token-file", str(token)]  # fmt: skip
+                "--poll-seconds", "2", "--retry-seconds", "1", *cluster.agent_identity_args(node)]  # fmt: skip
         env = {**os.environ, **cluster.env(), **s3.env(), "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
         agents.append(ManagedProcess(f"agent-{node}", argv, workdir / f"agent-{node}.log", env=env).start())
     return agents

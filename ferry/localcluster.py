@@ -521,8 +521,29 @@ class LocalCluster:
         duration_s: int = 3600,
     ) -> Path:
         """A real pod-bound service-account token, as the kubelet projects one into a Pod on `node`: a TokenRequest
-        bound to a Pod object with `spec.nodeName` (no kubelet runs it; it only has to exist, and its Node too, so
-        that the token carries `authentication.kubernetes.io/node-name`). Written to `path` (0600)."""
+        bound to the Pod of `agent_pod`. Written to `path` (0600)."""
+        pod = self.agent_pod(node, namespace=namespace, service_account=service_account, pod=pod)["podName"]
+        token = self.kubectl(
+            "create", "token", service_account, "-n", namespace, f"--audience={audience}",
+            "--bound-object-kind=Pod", f"--bound-object-name={pod}", f"--duration={duration_s}s",
+        ).stdout.strip()  # fmt: skip
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(token)
+        path.chmod(0o600)
+        return path
+
+    def agent_pod(
+        self,
+        node: str,
+        *,
+        namespace: str = "ferry-system",
+        service_account: str = "ferry-agent",
+        pod: str | None = None,
+    ) -> dict[str, str]:
+        """The Pod an agent on `node` runs as (`<service_account>-<node>` by default), created if missing with its
+        Namespace, ServiceAccount and Node: a Pod object with `spec.nodeName` that no kubelet runs; it only has to
+        exist for tokens bound to it to carry `authentication.kubernetes.io/node-name`. Returns the identity the
+        chart gives the agent through the downward API: podNamespace, serviceAccount, podName, podUid."""
         pod = pod or f"{service_account}-{node}"
         objects = [
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
@@ -541,14 +562,15 @@ class LocalCluster:
         if self.kubectl("get", "node", node, check=False).returncode != 0:
             objects.insert(0, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
         self.kubectl("apply", "-f", "-", input="\n".join(json.dumps(o) for o in objects))
-        token = self.kubectl(
-            "create", "token", service_account, "-n", namespace, f"--audience={audience}",
-            "--bound-object-kind=Pod", f"--bound-object-name={pod}", f"--duration={duration_s}s",
-        ).stdout.strip()  # fmt: skip
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(token)
-        path.chmod(0o600)
-        return path
+        uid = self.kubectl("get", "pod", pod, "-n", namespace, "-o", "jsonpath={.metadata.uid}").stdout.strip()
+        return {"podNamespace": namespace, "serviceAccount": service_account, "podName": pod, "podUid": uid}
+
+    def agent_identity_args(self, node: str, **kw: str) -> list[str]:
+        """`python -m ferry_agent` flags for the Pod of `agent_pod(node)`: the agent mints its worker tokens, bound
+        to that Pod, from this apiserver (with the admin kubeconfig of `env()`)."""
+        me = self.agent_pod(node, **kw)
+        return ["--pod-namespace", me["podNamespace"], "--service-account", me["serviceAccount"],
+                "--pod-name", me["podName"], "--pod-uid", me["podUid"]]  # fmt: skip
 
     def install_crds(self, crd_dir: Path = CRD_DIR, timeout: float = 60) -> None:
         files = sorted(crd_dir.glob("*.yaml"))

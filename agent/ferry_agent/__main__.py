@@ -8,6 +8,7 @@ import os
 import signal
 from pathlib import Path
 
+from ferry.api.models import worker_audience
 from ferry.kube import kube_client
 from ferry_agent import metrics, worker_auth
 from ferry_agent.apiretry import bound_requests
@@ -66,12 +67,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # each retry's warning; ours say it once
     api = bound_requests(kube_client())
     try:
-        worker_token, auth = worker_auth.from_arguments(args, api)
-    except worker_auth.TokenMissing as exc:  # no worker token: exit now, with the reason
+        worker_tokens, auth = worker_auth.from_arguments(args, api, args.node)
+    except ValueError as exc:  # no identity to mint worker tokens for: exit now, with the reason
         raise SystemExit(f"ferry-agent: {exc}") from exc
+    me = worker_tokens.identity
     logging.getLogger("ferry.agent").info(
-        "worker readers: pod-bound tokens of %s; own token %s", ", ".join(sorted(auth.allowed_identities)),
-        args.worker_token_file,
+        "worker readers: pod-bound tokens of %s for audience %s; own tokens: %s bound to Pod %s",
+        ", ".join(sorted(auth.allowed_identities)), worker_audience(args.node), me.username, me.pod_name,
     )  # fmt: skip
     if args.metrics_port >= 0:
         port = metrics.serve(args.bind_address, args.metrics_port)
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         s3_endpoint=args.s3_endpoint,
         rank_timeout_s=args.rank_timeout_seconds,
         worker_auth=auth,
-        worker_token=worker_token,
+        worker_tokens=worker_tokens,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())

@@ -20,6 +20,7 @@ class SourceCandidate:
     manifest_digest: str = ""  # "": unknown
     active_leases: int | None = None  # None: unknown (the loadAware selector assumes a middling load)
     instance_id: str = ""  # optional process id checked by the source on every call
+    node: str = ""  # the source's node (`spec.nodeName`): the reader's token for it has that node's audience
 
     @property
     def label(self) -> str:

@@ -51,7 +51,7 @@ from ferry_agent.replica_load import (
     source_label,
 )
 from ferry_agent.resident import ResidentWeights
-from ferry_agent.worker_auth import TokenFile, WorkerAuth
+from ferry_agent.worker_auth import ReaderTokens, WorkerAuth
 from ferry_agent.worker_service import WorkerServer
 
 log = logging.getLogger("ferry.agent")
@@ -124,9 +124,9 @@ class NodeAgent:
         peer_factory: Callable[[str], NixlPeer] = NixlPeer,
         rank_timeout_s: float = 3600.0,
         worker_auth: WorkerAuth | None = None,
-        worker_token: TokenFile | None = None,
+        worker_tokens: ReaderTokens | None = None,
     ) -> None:
-        """`worker_auth` checks the readers of what this agent serves and `worker_token` is its own credential
+        """`worker_auth` checks the readers of what this agent serves and `worker_tokens` are its own credentials
         as a reader (`python -m ferry_agent` always sets both; None leaves the worker services open)."""
         self.node = node
         self.agent_name = f"{node}-{uuid.uuid4().hex[:8]}"
@@ -148,7 +148,7 @@ class NodeAgent:
         # replays the whole chain, so it is long; a rank that dies is noticed at once by its exit, not by this.
         self._rank_timeout_s = rank_timeout_s
         self._worker_auth = worker_auth
-        self._worker_token = worker_token
+        self._worker_tokens = worker_tokens
         self._renewing: dict[tuple[str, str], Renewal] = {}  # replicas whose Lease this agent renews
         self._status = StatusOutbox(self._write_status)
         self._stopping = threading.Event()
@@ -324,7 +324,7 @@ class NodeAgent:
             result = load_rank(
                 group, ctx, sources=ApiSources(self._api, namespace, self._stopping), spec=spec,
                 configured=spec["version"], peer=self._peer, store=self._store, s3_endpoint=self._s3_endpoint,
-                seeds=self._seeds, progress=progress, note=note, credentials=self._worker_token,
+                seeds=self._seeds, progress=progress, note=note, credentials=self._worker_tokens,
             )  # fmt: skip
         except Exception as exc:
             raise LoadFailed(str(exc), [a.to_status() for a in ctx.attempts]) from exc
@@ -346,7 +346,7 @@ class NodeAgent:
             checkpoint_dir=self._store.root if self._store else None,
             checkpoint_quota_gib=self._store.quota_bytes / 2**30 if self._store else 500.0,
             s3_endpoint=self._s3_endpoint, seeds=self._seeds, timeout_s=self._rank_timeout_s,
-            worker_token_file=self._worker_token.path if self._worker_token else None,
+            node=self.node, reader=self._worker_tokens.identity if self._worker_tokens else None,
             worker_allowed_identities=tuple(sorted(self._worker_auth.allowed_identities)) if self._worker_auth else (),
         )  # fmt: skip
         ranks = RankProcesses(launch, progress=progress, note=note, wake=self._wake.set)

@@ -10,6 +10,7 @@ every path; nothing relies on process exit, and nothing is removed for a peer th
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -25,11 +26,12 @@ from ferry_agent.nixl_transfer import ManifestMismatchError, RemoteTensor
 from ferry_agent.resident import ResidentWeights, TensorSpec
 from ferry_agent.selector import Selector, make_selector
 from ferry_agent.strategy import LoadContext, Outcome, SourceTransferError, StrategyFailed
+from ferry_agent.worker_auth import TokenUnavailable
 from ferry_agent.worker_service import (
     DEFAULT_RPC_TIMEOUT_S,
     DEFAULT_TRANSFER_TIMEOUT_S,
-    Credentials,
     RetryPolicy,
+    SourceCredentials,
     SourceIdentity,
     SourceManifest,
     prepare_tensor_read,
@@ -130,13 +132,14 @@ class TransferPeer(Protocol):
 
 
 class GrpcSourceClient:
-    """Leases over gRPC; `credentials` is the reader's worker token (None only against an open test source)."""
+    """Leases over gRPC; `credentials(node)` is the reader's worker token for a source on that node (None only
+    against an open test source)."""
 
     def __init__(
         self,
         release_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
         *,
-        credentials: Credentials | None = None,
+        credentials: SourceCredentials | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
         self._release_timeout_s = release_timeout_s
@@ -150,7 +153,7 @@ class GrpcSourceClient:
             reader=reader,
             timeout_s=timeout_s,
             release_timeout_s=self._release_timeout_s,
-            credentials=self._credentials,
+            credentials=None if self._credentials is None else functools.partial(self._credentials, candidate.node),
             retry=self._retry,
         )
 
@@ -206,6 +209,8 @@ def _reason(exc: BaseException) -> str:
         }.get(code, "SourceRpcFailed")
     if isinstance(exc, ManifestMismatchError):
         return "ManifestMismatch"
+    if isinstance(exc, TokenUnavailable):
+        return "WorkerTokenUnavailable"
     if isinstance(exc, SourceTransferError):
         return "TransferTimeout" if isinstance(exc.__cause__, TimeoutError) else "TransferFailed"
     if isinstance(exc, TimeoutError):
@@ -231,7 +236,7 @@ class PeerStrategy:
         selector: Selector | None = None,
         enabled: bool = True,
         clock: Callable[[], float] = time.monotonic,
-        credentials: Credentials | None = None,
+        credentials: SourceCredentials | None = None,
     ) -> None:
         self.settings = settings or TransferSettings()
         self._peer = peer

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ferry_agent.replica_load import SeedKey
 
+from ferry_agent.worker_auth import PodIdentity
+
 log = logging.getLogger(__name__)
 
 FAILED_RANKS_GRACE_S = 30.0  # after one rank fails, how long the others get to report the agreed failure
@@ -53,7 +55,8 @@ class RankLaunch:
     s3_endpoint: str | None = None
     seeds: Mapping[SeedKey, Path] | None = None
     timeout_s: float = 3600.0
-    worker_token_file: Path | None = None  # None: the rank's default (FERRY_WORKER_TOKEN_FILE)
+    node: str = ""  # the agent's node: the ranks' worker services accept tokens for its audience
+    reader: PodIdentity | None = None  # whom the ranks mint their worker tokens as; None: their env's
     worker_allowed_identities: tuple[str, ...] = ()
 
     def argv(self, rank: int, store: str) -> list[str]:
@@ -70,8 +73,12 @@ class RankLaunch:
             args += ["--s3-endpoint", self.s3_endpoint]
         for key, path in (self.seeds or {}).items():
             args += ["--seed", f"{key}={path}"]
-        if self.worker_token_file is not None:
-            args += ["--worker-token-file", str(self.worker_token_file)]
+        if self.node:
+            args += ["--node", self.node]
+        if self.reader is not None:
+            me = self.reader
+            args += ["--pod-namespace", me.namespace, "--service-account", me.service_account,
+                     "--pod-name", me.pod_name, "--pod-uid", me.pod_uid]  # fmt: skip
         for identity in self.worker_allowed_identities:
             args += ["--worker-allowed-identity", identity]
         return args

@@ -80,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed_argument, action="append", default=[], metavar="NAMESPACE/MODEL/VERSION=PATH")
     p.add_argument("--timeout-seconds", type=float, default=3600.0, help="bound on every collective")
     p.add_argument("--parent-pid", type=int, help="the node agent's pid: this rank ends when the agent does")
+    p.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this rank's node (env NODE_NAME)")
     worker_auth.add_arguments(p)
     return p
 
@@ -112,8 +113,13 @@ def _watch_leases(server: Any, report: Reporter, stop: threading.Event) -> None:
 def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
     if args.world_size < 1 or not 0 <= args.rank < args.world_size:
         raise SystemExit(f"rank {args.rank} is outside a world of {args.world_size}")
+    if not args.node:
+        raise SystemExit("--node (or NODE_NAME) is required")
     api = bound_requests(kube_client())
-    token, auth = worker_auth.from_arguments(args, api)
+    try:
+        tokens, auth = worker_auth.from_arguments(args, api, args.node)
+    except ValueError as exc:
+        raise SystemExit(f"ferry-rank: {exc}") from exc
     sources = ApiSources(api, args.namespace)
     spec = sources.replica(args.replica)["spec"]
     store = None
@@ -134,7 +140,7 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
         result = load_rank(
             group, ctx, sources=sources, spec=spec, configured=args.desired_version or None,
             peer=peer, store=store, s3_endpoint=args.s3_endpoint, seeds=dict(args.seed), progress=progress,
-            note=lambda text: report("note", message=text), credentials=token,
+            note=lambda text: report("note", message=text), credentials=tokens,
         )  # fmt: skip
     except Exception as exc:
         fatal = isinstance(exc, StrategyRecoveryError)

@@ -61,6 +61,7 @@ def source_candidates(
                         tensor_count=entry.get("tensorCount", 0),
                         manifest_digest=entry.get("manifestDigest", ""),
                         active_leases=status.get("activeLeases"),
+                        node=(wr.get("spec") or {}).get("nodeName") or "",
                     )
                 )
     return found

@@ -33,7 +33,7 @@ from ferry_agent.s3_strategy import ObjectStorageStrategy
 from ferry_agent.sharding import rank_specs
 from ferry_agent.strategy import LoadContext, StrategyFailed
 from ferry_agent.worker_auth import ReadGuard, ServedVersion, WorkerAuth
-from ferry_agent.worker_service import Credentials, WorkerServer, serve_resident
+from ferry_agent.worker_service import SourceCredentials, WorkerServer, serve_resident
 
 log = logging.getLogger(__name__)
 PLURAL = "weightreplicas"
@@ -292,7 +292,7 @@ def load_rank(
     seeds: Mapping[SeedKey, Path],
     progress: Progress,
     note: Callable[[str], None],
-    credentials: Credentials | None = None,
+    credentials: SourceCredentials | None = None,
 ) -> Any:
     """Load this rank (`ctx` from `rank_context`) of a replica, agreeing on everything with the other ranks, and
     return the chain's result."""

@@ -4,8 +4,9 @@ and serves the Worker service on 127.0.0.1.
     python -m ferry_agent.source_main --agent-name src-a [--tensors 8 --tensor-bytes 524288 --seed 0]
 
 Unauthenticated by default: anyone who reaches the port may read. That is only for tests and benchmarks of the
-transfer path; the node agent never serves that way. With `--serve NAMESPACE/MODEL/VERSION` it checks readers
-exactly as an agent does (`worker_auth`, against the API of $KUBECONFIG).
+transfer path; the node agent never serves that way. With `--serve NAMESPACE/MODEL/VERSION --node NODE` it checks
+readers exactly as an agent on NODE does (`worker_auth`, against the API of $KUBECONFIG: tokens for audience
+ferry.dev/worker/NODE).
 
 It prints one `FERRY-SOURCE {json}` line when ready (port, identity, manifest digest, content sha256)
 and then answers line commands on stdin with `FERRY-REPLY {json}`: `leases`, `drain SECONDS`, `resume`,
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--serve", metavar="NAMESPACE/MODEL/VERSION", help="authenticate readers for this version")
     parser.add_argument("--worker-allowed-identity", action="append", default=[], metavar="USERNAME")
+    parser.add_argument("--node", help="with --serve: the node whose worker audience readers' tokens must have")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
 
@@ -107,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         from ferry.kube import kube_client
         from ferry_agent.worker_auth import ServedVersion, WorkerAuth
 
+        if not args.node:
+            parser.error("--serve needs --node")
         namespace, model, version = args.serve.split("/")
-        auth = WorkerAuth.from_api(kube_client(), args.worker_allowed_identity)
+        auth = WorkerAuth.from_api(kube_client(), args.worker_allowed_identity, args.node)
         guard = auth.guard(ServedVersion(namespace, model, version))
     weights = seeded_weights(args.seed, args.tensors, args.tensor_bytes, args.device)
     peer = NixlPeer(args.agent_name)

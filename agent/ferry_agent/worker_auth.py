@@ -1,7 +1,8 @@
 """Who may read weights from a worker service: authenticated agents, for versions their own node is assigned.
 
-A reader sends a projected service-account token (audience `ferry.dev/worker`, bound to its Pod) as
-`authorization: Bearer <token>` on every call. The server
+A reader sends the source on node N a token of its ServiceAccount, bound to its own Pod and with audience
+`ferry.dev/worker/N` (`ReaderTokens`: a TokenRequest per source node), as `authorization: Bearer <token>` on every
+call; a source that receives one cannot replay it to another. The server on node N
 
 1. checks the token locally (a JWT, not expired or not yet valid, for the reviewed audience: only so that garbage
    costs no API call), then verifies it with a TokenReview for that audience (cached by token hash: 60 s on success,
@@ -36,18 +37,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 from kubernetes import client, watch
 
-from ferry.api.models import GROUP, LABEL_NODE, VERSION, WORKER_AUDIENCE
+from ferry.api.models import GROUP, LABEL_NODE, VERSION, worker_audience
 
-DEFAULT_TOKEN_FILE = Path("/var/run/secrets/ferry.dev/worker/token")
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 SUCCESS_TTL_S = 60.0
 FAILURE_TTL_S = 2.0
+TOKEN_EXPIRATION_S = 600  # a reader's worker token: the shortest lifetime a TokenRequest allows
+EXPIRY_MARGIN_S = 30.0  # a cached token this close to expiring is not sent any more
 # How long an accepted review and a last-synced assignment view still answer while the API cannot be reached: the
 # readers the API last allowed keep reading through an outage; nobody new gets in, and it ends when the API returns.
 OUTAGE_GRACE_S = 600.0
@@ -74,41 +75,92 @@ class AccessDenied(Exception):
 # ---------------------------------------------------------------------------------------------- reader side
 
 
-class TokenFile:
-    """The reader's credential: a projected token the kubelet rotates, so it is read again on every call."""
+@dataclass(frozen=True)
+class PodIdentity:
+    """Who the reader is: its ServiceAccount and the Pod its tokens are bound to (the chart's downward-API env)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
+    namespace: str
+    service_account: str
+    pod_name: str
+    pod_uid: str
 
-    def __call__(self) -> str:
+    @property
+    def username(self) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.service_account}"
+
+
+class TokenUnavailable(RuntimeError):
+    """No worker token for a source: the TokenRequest failed and no unexpired one is cached."""
+
+
+class ReaderTokens:
+    """The reader's credentials, one per source node: a token of its own ServiceAccount bound to its own Pod (so it
+    carries the reader's node) with audience `worker_audience(node)`, so the source it is sent to cannot replay it to
+    another. Minted with a TokenRequest and reused until `renew_fraction` of its lifetime has passed; when renewing
+    fails (the API is down), the cached token is still sent until `EXPIRY_MARGIN_S` before it expires."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        identity: PodIdentity,
+        *,
+        expiration_s: int = TOKEN_EXPIRATION_S,
+        renew_fraction: float = 0.5,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._core = client.CoreV1Api(api)
+        self.identity = identity
+        self._expiration_s = expiration_s
+        self._renew_fraction = renew_fraction
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._tokens: dict[str, tuple[str, float, float]] = {}  # audience -> (token, renew at, expires at)
+
+    def __call__(self, node: str) -> str:
+        """The token for the worker services of `node` (raises `TokenUnavailable`)."""
         try:
-            token = self.path.read_text().strip()
-        except OSError as exc:
-            raise TokenMissing(f"worker token {self.path} cannot be read: {exc.strerror or exc}") from exc
-        if not token:
-            raise TokenMissing(f"worker token {self.path} is empty")
+            audience = worker_audience(node)
+        except ValueError as exc:
+            raise TokenUnavailable(str(exc)) from exc
+        now = self._clock()
+        with self._lock:
+            cached = self._tokens.get(audience)
+        if cached is not None and now < cached[1]:
+            return cached[0]
+        try:
+            token, expires_at = self._mint(audience)
+        except Exception as exc:
+            if cached is not None and now < cached[2] - EXPIRY_MARGIN_S:
+                log.warning("renewing the worker token for %s failed (%s); the current one is still valid", node, exc)
+                return cached[0]
+            raise TokenUnavailable(f"cannot get a worker token for {audience}: {_api_error(exc)}") from exc
+        renew_at = now + (expires_at - now) * self._renew_fraction
+        with self._lock:
+            self._tokens[audience] = (token, renew_at, expires_at)
         return token
 
+    def _mint(self, audience: str) -> tuple[str, float]:
+        me = self.identity
+        ref = client.V1BoundObjectReference(api_version="v1", kind="Pod", name=me.pod_name, uid=me.pod_uid)
+        spec = client.V1TokenRequestSpec(
+            audiences=[audience], bound_object_ref=ref, expiration_seconds=self._expiration_s
+        )
+        status = self._core.create_namespaced_service_account_token(
+            me.service_account, me.namespace, client.AuthenticationV1TokenRequest(spec=spec)
+        ).status
+        if not status or not status.token or status.expiration_timestamp is None:
+            raise RuntimeError("the TokenRequest returned no token")
+        return status.token, status.expiration_timestamp.timestamp()
 
-class TokenMissing(RuntimeError):
-    """The agent's worker token is not there (no projected volume?)."""
+
+def _api_error(exc: Exception) -> str:
+    if isinstance(exc, client.ApiException):
+        return f"{exc.status} {exc.reason}: {(exc.body or '')[:300]}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
-
-
-def token_subject(token: str) -> str:
-    """The `sub` claim of a JWT, unverified: only to default the allowed identity to the agent's own."""
-    try:
-        payload = token.split(".")[1]
-        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-        subject = claims["sub"]
-    except (IndexError, KeyError, ValueError, TypeError, binascii.Error) as exc:
-        raise ValueError("the worker token is not a JWT with a `sub` claim") from exc
-    if not isinstance(subject, str) or not subject:
-        raise ValueError("the worker token has an empty `sub` claim")
-    return subject
 
 
 # ---------------------------------------------------------------------------------------------- server side
@@ -134,9 +186,9 @@ class Reviewer(Protocol):
 
 
 class TokenReviewer:
-    """A TokenReview against the Kubernetes API for the worker audience."""
+    """A TokenReview against the Kubernetes API for one audience: the worker audience of the source's node."""
 
-    def __init__(self, api: client.ApiClient, audience: str = WORKER_AUDIENCE) -> None:
+    def __init__(self, api: client.ApiClient, audience: str) -> None:
         self._auth = client.AuthenticationV1Api(api)
         self._audience = audience
 
@@ -447,15 +499,16 @@ class WorkerAuth:
             raise ValueError("at least one allowed worker identity is required")
 
     @classmethod
-    def from_api(cls, api: client.ApiClient, allowed_identities: Iterable[str]) -> WorkerAuth:
-        return cls(CachedReviewer(TokenReviewer(api)), WatchedAssignments(api), allowed_identities)
+    def from_api(cls, api: client.ApiClient, allowed_identities: Iterable[str], node: str) -> WorkerAuth:
+        """The checks of the worker services on `node`: they accept only tokens for `worker_audience(node)`."""
+        return cls(
+            CachedReviewer(TokenReviewer(api, worker_audience(node))), WatchedAssignments(api), allowed_identities
+        )
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Principal:
         token = _bearer(metadata)
         if token is None:
-            raise AccessDenied(
-                grpc.StatusCode.UNAUTHENTICATED, "a bearer token (audience ferry.dev/worker) is required"
-            )
+            raise AccessDenied(grpc.StatusCode.UNAUTHENTICATED, "a bearer token (a worker token) is required")
         try:
             result = self._reviewer.review(token)
         except Exception as exc:
@@ -510,33 +563,35 @@ class ReadGuard:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The worker-auth flags of the agent and of its rank processes."""
-    parser.add_argument(
-        "--worker-token-file",
-        type=Path,
-        default=Path(os.environ.get("FERRY_WORKER_TOKEN_FILE") or DEFAULT_TOKEN_FILE),
-        help="projected service-account token (audience ferry.dev/worker) sent to peers on every worker call; "
-        f"read again each call (env FERRY_WORKER_TOKEN_FILE, default {DEFAULT_TOKEN_FILE})",
-    )
+    """The worker-auth flags of the agent and of its rank processes: who the reader is (the chart sets the env from
+    the downward API) and whom the server admits."""
+    for flag, env, what in (
+        ("--pod-namespace", "POD_NAMESPACE", "the namespace of this agent's Pod and ServiceAccount"),
+        ("--service-account", "SERVICE_ACCOUNT", "this agent's ServiceAccount"),
+        ("--pod-name", "POD_NAME", "this agent's Pod, which its worker tokens are bound to"),
+        ("--pod-uid", "POD_UID", "that Pod's uid"),
+    ):
+        parser.add_argument(flag, default=os.environ.get(env) or None, help=f"{what} (env {env})")
     parser.add_argument(
         "--worker-allowed-identity",
         action="append",
         default=[],
         metavar="USERNAME",
         help="a user (as TokenReview reports it) whose pod-bound tokens may read from this agent; repeatable "
-        "(default: the `sub` of this agent's own worker token, i.e. its service account)",
+        "(default: this agent's own ServiceAccount)",
     )
 
 
-def from_arguments(args: argparse.Namespace, api: client.ApiClient) -> tuple[TokenFile, WorkerAuth]:
-    """The reader's credential and the server's checks; `TokenMissing` says what to mount when there is no token."""
-    token = TokenFile(args.worker_token_file)
-    try:
-        current = token()
-        identities = args.worker_allowed_identity or [token_subject(current)]
-    except (TokenMissing, ValueError) as exc:
-        raise TokenMissing(
-            f"{exc}; mount a projected service-account token with audience {WORKER_AUDIENCE} there "
-            "(the chart does) or pass --worker-token-file"
-        ) from exc
-    return token, WorkerAuth.from_api(api, identities)
+def from_arguments(args: argparse.Namespace, api: client.ApiClient, node: str) -> tuple[ReaderTokens, WorkerAuth]:
+    """The reader's credentials and the checks of the worker services on `node`; `ValueError` names what is
+    missing."""
+    missing = [f"--{n.replace('_', '-')}" for n in ("pod_namespace", "service_account", "pod_name", "pod_uid")
+               if not getattr(args, n)]  # fmt: skip
+    if missing:
+        raise ValueError(
+            f"{', '.join(missing)} missing: worker tokens are minted for this agent's ServiceAccount, bound to its "
+            "Pod (the chart sets POD_NAMESPACE, SERVICE_ACCOUNT, POD_NAME and POD_UID)"
+        )
+    identity = PodIdentity(args.pod_namespace, args.service_account, args.pod_name, args.pod_uid)
+    auth = WorkerAuth.from_api(api, args.worker_allowed_identity or [identity.username], node)
+    return ReaderTokens(api, identity), auth

@@ -360,6 +360,7 @@ def _stub(endpoint: str) -> Iterator[worker_pb2_grpc.WorkerStub]:
 
 Connect = Callable[[str], AbstractContextManager[Any]]  # endpoint -> a Worker stub for one call
 Credentials = Callable[[], str]  # the reader's bearer token, read again for every call (it rotates)
+SourceCredentials = Callable[[str], str]  # a source's node -> the reader's bearer token for that source alone
 TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 

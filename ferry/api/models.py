@@ -437,10 +437,18 @@ RESOURCES: list[type[_Model]] = [WeightVersion, ModelLoad, WeightReplica]
 LABEL_MODEL = f"{GROUP}/model"
 LABEL_VERSION = f"{GROUP}/version"
 LABEL_NODE = f"{GROUP}/node"
-# The audience of the projected service-account token an agent presents to other agents' worker services.
-WORKER_AUDIENCE = f"{GROUP}/worker"
+# Readers present to the worker service of the source on node N a token with audience `ferry.dev/worker/N`, so a
+# source cannot replay a token it received to another source.
+WORKER_AUDIENCE_PREFIX = f"{GROUP}/worker/"
 LABEL_MODELLOAD = f"{GROUP}/modelload"
 REPLICA_LEASE_PREFIX = "ferry-wr-"
+
+
+def worker_audience(node: str) -> str:
+    """The audience of the worker tokens that the worker services of `node` accept."""
+    if not node:
+        raise ValueError("a worker token audience needs the source's node name")
+    return f"{WORKER_AUDIENCE_PREFIX}{node}"
 
 
 def replica_lease_name(replica: str) -> str:

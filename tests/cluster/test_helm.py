@@ -143,8 +143,8 @@ def test_chart_refuses_kubernetes_older_than_1_30(helm_env):
 def test_rendered_objects(helm_env):
     docs = by_kind(render(helm_env))
     assert {k: len(v) for k, v in docs.items()} == {
-        "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2, "Service": 1, "Deployment": 1, "DaemonSet": 1,
-        "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
+        "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2, "Role": 1, "RoleBinding": 1, "Service": 1,
+        "Deployment": 1, "DaemonSet": 1, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
     }  # fmt: skip
     for obj in (o for objs in docs.values() for o in objs):
         labels = obj["metadata"]["labels"]
@@ -177,15 +177,25 @@ def test_rendered_objects(helm_env):
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["checkpoint-store"]["hostPath"]["path"] == "/var/lib/ferry/checkpoints"
     assert "rdma-devices" not in volumes, "RDMA devices must be opt-in"
-    # The worker token: Pod-bound, for Ferry's worker service only, where FERRY_WORKER_TOKEN_FILE says.
-    (source,) = volumes["worker-token"]["projected"]["sources"]
-    assert source == {
-        "serviceAccountToken": {"audience": "ferry.dev/worker", "expirationSeconds": 3600, "path": "token"}
-    }
-    mount = next(m for m in agent["volumeMounts"] if m["name"] == "worker-token")
-    assert mount == {"name": "worker-token", "mountPath": "/var/run/secrets/ferry.dev/worker", "readOnly": True}
-    env = {e["name"]: e.get("value") for e in agent["env"]}
-    assert env["FERRY_WORKER_TOKEN_FILE"] == "/var/run/secrets/ferry.dev/worker/token"
+    # Worker tokens: minted per source (TokenRequest) for the Pod the downward API names; no shared token volume.
+    fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in agent["env"] if "valueFrom" in e}
+    assert {k: fields[k] for k in ("POD_NAMESPACE", "SERVICE_ACCOUNT", "POD_NAME", "POD_UID")} == {
+        "POD_NAMESPACE": "metadata.namespace", "SERVICE_ACCOUNT": "spec.serviceAccountName",
+        "POD_NAME": "metadata.name", "POD_UID": "metadata.uid",
+    }  # fmt: skip
+    assert set(volumes) == {"checkpoint-store"}
+    (role,) = docs["Role"]
+    assert role["metadata"]["namespace"] == "ferry-system" and role["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["serviceaccounts/token"],
+            "resourceNames": ["ferry-agent"],
+            "verbs": ["create"],
+        }
+    ]
+    (binding,) = docs["RoleBinding"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ferry-agent", "namespace": "ferry-system"}]
 
     # RDMA on: /dev/infiniband is mounted and IPC_LOCK added; UCX settings reach the env.
     rdma = by_kind(
@@ -211,7 +221,8 @@ def test_cluster_scoped_names_include_the_release(helm_env):
 
 def test_tenant_namespaces_get_role_bindings_and_nothing_reads_secrets_cluster_wide(helm_env):
     docs = by_kind(render(helm_env, "--set", "tenantNamespaces={team-a,team-b}", "--set", "agent.secretNames={s3}"))
-    bindings = {(b["metadata"]["namespace"], b["metadata"]["name"]): b for b in docs["RoleBinding"]}
+    bindings = {(b["metadata"]["namespace"], b["metadata"]["name"]): b for b in docs["RoleBinding"]
+                if b["roleRef"]["kind"] == "ClusterRole"}  # fmt: skip
     assert set(bindings) == {(ns, f"ferry-{c}") for ns in ("team-a", "team-b") for c in ("agent", "operator")}
     for (_, name), binding in bindings.items():
         assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
@@ -226,8 +237,8 @@ def test_tenant_namespaces_get_role_bindings_and_nothing_reads_secrets_cluster_w
     assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": ["s3"]} in roles[
         "ferry-agent-tenant"
     ]
-    # No tenant namespaces: no RoleBindings at all.
-    assert "RoleBinding" not in by_kind(render(helm_env))
+    # No tenant namespaces: no RoleBinding but the agent's own for minting worker tokens in the release namespace.
+    assert [b["roleRef"]["kind"] for b in by_kind(render(helm_env))["RoleBinding"]] == ["Role"]
 
 
 def test_admission_policy_names_the_agent_and_the_api_constants(helm_env):
@@ -241,8 +252,10 @@ def test_admission_policy_names_the_agent_and_the_api_constants(helm_env):
     text = json.dumps(policy["spec"]["validations"])
     # The Lease name prefix and node label the agent writes (ferry/api/models.py).
     assert f"startsWith('{models.REPLICA_LEASE_PREFIX}')" in text and f"'{models.LABEL_NODE}'" in text
+    # The audience prefix of worker tokens (ferry/api/models.py).
+    assert f"startsWith('{models.WORKER_AUDIENCE_PREFIX}')" in text
     resources = {r for rule in policy["spec"]["matchConstraints"]["resourceRules"] for r in rule["resources"]}
-    assert resources == {"weightreplicas", "weightreplicas/status", "leases"}
+    assert resources == {"weightreplicas", "weightreplicas/status", "leases", "serviceaccounts/token"}
 
 
 # ---------------------------------------------------------------- the real apiserver

@@ -10,6 +10,9 @@ TokenRequest bound to such a Pod gives what the kubelet would mount, a token who
 - Secrets: agent and operator read them in tenant namespaces only, never in another namespace or kube-system.
 - Leases: only in tenant namespaces, only named like a replica's Lease and labelled with the agent's node.
 - A namespace enabled later with the chart README's two RoleBindings gets the same rights.
+- Worker tokens: an agent mints tokens for its own ServiceAccount, bound to its own Pod, for ferry.dev/worker/<node>
+  audiences only; not bound to another agent's Pod (that would pose as the other node), not an API token, not for
+  another ServiceAccount.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from ferry_agent.registry import lease_body, lease_name
 
 pytestmark = pytest.mark.cluster
 
-APPLIED_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "RoleBinding", "ValidatingAdmissionPolicy",
-                 "ValidatingAdmissionPolicyBinding"}  # fmt: skip
+APPLIED_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+                 "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}  # fmt: skip
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 SECRET = "s3-creds"
 ATTACKER = "203.0.113.66:50051"
@@ -50,7 +53,8 @@ class Setup:
     release: str
     agent_sa: str
     clients: dict[str, client.ApiClient]  # agent-a, agent-b, agent-unbound, operator: one bearer token each
-    tokens: dict[str, str]  # those, and agent-a-worker, agent-b-worker: audience ferry.dev/worker
+    tokens: dict[str, str]  # those, and agent-a-worker, agent-b-worker: audience worker_audience(node_a)
+    pods: dict[str, dict]  # agent-a, agent-b: the agents' Pods
 
     def custom(self, who: str) -> client.CustomObjectsApi:
         return client.CustomObjectsApi(self.clients[who])
@@ -142,7 +146,7 @@ def setup(cluster: LocalCluster, kube: client.ApiClient, helm_env) -> Iterator[S
             data = {"AWS_ACCESS_KEY_ID": base64.b64encode(ns.encode()).decode()}
             core.create_namespaced_secret(ns, {"metadata": {"name": SECRET}, "data": data})
 
-        tokens = {}
+        tokens, pods = {}, {}
         for label, node in (("agent-a", node_a), ("agent-b", node_b)):
             core.create_node({"metadata": {"name": node}})
             pod = {
@@ -150,16 +154,17 @@ def setup(cluster: LocalCluster, kube: client.ApiClient, helm_env) -> Iterator[S
                 "spec": {"serviceAccountName": agent_sa, "nodeName": node,
                          "containers": [{"name": "agent", "image": "ferry:0.1.0"}]},
             }  # fmt: skip
-            pod = kube.sanitize_for_serialization(core.create_namespaced_pod(release_ns, pod))
+            pods[label] = pod = kube.sanitize_for_serialization(core.create_namespaced_pod(release_ns, pod))
             tokens[label] = pod_bound_token(kube, release_ns, agent_sa, pod)
-            tokens[f"{label}-worker"] = pod_bound_token(kube, release_ns, agent_sa, pod, ["ferry.dev/worker"])
+            audience = models.worker_audience(node_a)  # what a reader mints for a source on node a
+            tokens[f"{label}-worker"] = pod_bound_token(kube, release_ns, agent_sa, pod, [audience])
         # A token of the agent's ServiceAccount not bound to any Pod (`kubectl create token`): no node name.
         plain = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[]))
         for label, sa in (("agent-unbound", agent_sa), ("operator", operator_sa)):
             tokens[label] = core.create_namespaced_service_account_token(sa, release_ns, plain).status.token
         clients = {label: bearer_client(cluster, token) for label, token in tokens.items() if "worker" not in label}
 
-        s = Setup(cluster, release_ns, tenant, other, node_a, node_b, release, agent_sa, clients, tokens)
+        s = Setup(cluster, release_ns, tenant, other, node_a, node_b, release, agent_sa, clients, tokens, pods)
         # RBAC and the policy take effect once the apiserver's informers see them: wait for an allowed read and for
         # the first denial of a write that RBAC alone allows (a probe replica of the other node).
         wait_until(lambda: s.core("agent-a").read_namespaced_secret(SECRET, tenant) is not None, 30, "RBAC")
@@ -278,17 +283,67 @@ def test_agent_holds_only_its_own_nodes_leases(setup):
     assert by_rbac(forbidden(lambda: leases_a.delete_namespaced_lease("kube-controller-manager", "kube-system")))
 
 
+def review(setup: Setup, who: str, token: str, audience: str) -> client.V1TokenReviewStatus:
+    spec = client.V1TokenReviewSpec(token=token, audiences=[audience])
+    return client.AuthenticationV1Api(setup.clients[who]).create_token_review(client.V1TokenReview(spec=spec)).status
+
+
 def test_agent_may_review_worker_tokens(setup):
-    """The worker service's check of a reader: a TokenReview for the Ferry audience returns the reader's node."""
-    spec = client.V1TokenReviewSpec(token=setup.tokens["agent-b-worker"], audiences=["ferry.dev/worker"])
-    review = client.AuthenticationV1Api(setup.clients["agent-a"]).create_token_review(client.V1TokenReview(spec=spec))
-    assert review.status.authenticated, review.status.error
-    assert review.status.user.username == f"system:serviceaccount:{setup.release_ns}:{setup.agent_sa}"
-    assert review.status.user.extra[NODE_NAME_EXTRA] == [setup.node_b]
-    # The API token is not a worker token.
-    spec = client.V1TokenReviewSpec(token=setup.tokens["agent-b"], audiences=["ferry.dev/worker"])
-    review = client.AuthenticationV1Api(setup.clients["agent-a"]).create_token_review(client.V1TokenReview(spec=spec))
-    assert not review.status.authenticated
+    """The worker service's check of a reader: a TokenReview for its own node's audience returns the reader's node."""
+    status = review(setup, "agent-a", setup.tokens["agent-b-worker"], models.worker_audience(setup.node_a))
+    assert status.authenticated, status.error
+    assert status.user.username == f"system:serviceaccount:{setup.release_ns}:{setup.agent_sa}"
+    assert status.user.extra[NODE_NAME_EXTRA] == [setup.node_b]
+    # A token for node a's source is not one for node b's, and the API token is not a worker token.
+    assert not review(
+        setup, "agent-b", setup.tokens["agent-b-worker"], models.worker_audience(setup.node_b)
+    ).authenticated
+    assert not review(setup, "agent-a", setup.tokens["agent-b"], models.worker_audience(setup.node_a)).authenticated
+
+
+def test_agent_mints_worker_tokens_only_bound_to_its_own_pod(setup, kube):
+    """What a reader does before it calls a source (`worker_auth.ReaderTokens`), with the agent's own API token."""
+    ns, agent_sa = setup.release_ns, setup.agent_sa
+
+    def mint(pod: dict | None, audiences: list[str], *, who: str = "agent-a", sa: str = agent_sa, where: str = ns,
+             uid: str | None = None) -> str:  # fmt: skip
+        ref = None
+        if pod is not None:
+            ref = client.V1BoundObjectReference(kind="Pod", api_version="v1", name=pod["metadata"]["name"],
+                                                uid=uid or pod["metadata"]["uid"])  # fmt: skip
+        spec = client.V1TokenRequestSpec(audiences=audiences, bound_object_ref=ref, expiration_seconds=600)
+        body = client.AuthenticationV1TokenRequest(spec=spec)
+        return setup.core(who).create_namespaced_service_account_token(sa, where, body).status.token
+
+    pod_a, pod_b = setup.pods["agent-a"], setup.pods["agent-b"]
+    worker_x = models.worker_audience("x")
+    # Own Pod, a source's audience: the token a source on node x admits, carrying node a.
+    token = mint(pod_a, [worker_x])
+    status = review(setup, "agent-b", token, worker_x)
+    assert status.authenticated, status.error
+    assert status.user.username == f"system:serviceaccount:{ns}:{agent_sa}"
+    assert status.user.extra[NODE_NAME_EXTRA] == [setup.node_a]
+
+    # (a) Not bound to agent b's Pod (a token that would say node b), not to its own Pod's name with b's uid, not
+    # unbound; and a token not bound to a Pod mints nothing.
+    for pod, uid in ((pod_b, None), (pod_a, pod_b["metadata"]["uid"]), (None, None)):
+        exc = forbidden(lambda pod=pod, uid=uid: mint(pod, [worker_x], uid=uid))
+        assert by_policy(exc) and "may mint only tokens bound to its own Pod" in exc.body, exc.body
+    assert by_policy(forbidden(lambda: mint(pod_a, [worker_x], who="agent-unbound")))
+    # (b) Only ferry.dev/worker/<node> audiences: no other, not the bare prefix, and no API token (no audience means
+    # the apiserver's own), not even alongside a worker audience.
+    for audiences in (
+        ["ferry.dev/other"],
+        [models.WORKER_AUDIENCE_PREFIX],
+        [],
+        [worker_x, "https://kubernetes.default.svc"],
+    ):
+        exc = forbidden(lambda audiences=audiences: mint(pod_a, audiences))
+        assert by_policy(exc) and "may mint only worker tokens" in exc.body, (audiences, exc.body)
+    # (c) Only for its own ServiceAccount, and only in the release namespace (not a same-named one elsewhere).
+    client.CoreV1Api(kube).create_namespaced_service_account(setup.tenant, {"metadata": {"name": agent_sa}})
+    assert by_rbac(forbidden(lambda: mint(pod_a, [worker_x], sa=f"{setup.release}-operator")))
+    assert by_rbac(forbidden(lambda: mint(pod_a, [worker_x], where=setup.tenant)))
 
 
 def test_a_namespace_enabled_later_by_the_documented_role_bindings(setup, kube):

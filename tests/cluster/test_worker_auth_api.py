@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from ferry.api.models import API_VERSION, LABEL_NODE, WORKER_AUDIENCE
+from ferry.api.models import API_VERSION, LABEL_NODE, worker_audience
 from ferry_agent.worker_auth import (
     CLOCK_LEEWAY_S,
     NODE_NAME_EXTRA,
@@ -33,15 +33,16 @@ def _eventually(predicate, what: str, timeout: float = 10.0) -> None:  # type: i
 
 
 def test_token_review_of_pod_bound_tokens(cluster, kube, tmp_path) -> None:
-    reviewer = TokenReviewer(kube)
+    reviewer = TokenReviewer(kube, worker_audience("source-node"))
     node = f"n-{uuid.uuid4().hex[:6]}"
-    good = cluster.pod_token(node, WORKER_AUDIENCE, tmp_path / "good").read_text()
+    good = cluster.pod_token(node, worker_audience("source-node"), tmp_path / "good").read_text()
     review = reviewer.review(good)
     assert review.authenticated and review.username == "system:serviceaccount:ferry-system:ferry-agent"
     assert review.extra[NODE_NAME_EXTRA] == [node]
 
-    other = cluster.pod_token(node, "ferry.dev/other", tmp_path / "other").read_text()
-    assert not reviewer.review(other).authenticated
+    for name, audience in (("other", "ferry.dev/other"), ("another-source", worker_audience("another-node"))):
+        token = cluster.pod_token(node, audience, tmp_path / name).read_text()
+        assert not reviewer.review(token).authenticated, audience
 
     # A bound token dies with its Pod: deleting the agent Pod revokes what it could read (once the apiserver's own
     # token cache, ~10 s, lets go).
@@ -52,8 +53,8 @@ def test_token_review_of_pod_bound_tokens(cluster, kube, tmp_path) -> None:
 class CountingReviewer:
     """The real TokenReview, counted; `down` plays an apiserver outage."""
 
-    def __init__(self, kube) -> None:  # type: ignore[no-untyped-def]
-        self._inner = TokenReviewer(kube)
+    def __init__(self, kube, audience: str) -> None:  # type: ignore[no-untyped-def]
+        self._inner = TokenReviewer(kube, audience)
         self.audience = self._inner.audience
         self.calls = 0
         self.down = False
@@ -74,15 +75,16 @@ def test_real_tokens_are_prechecked_and_never_accepted_past_their_exp(cluster, k
     """TokenRequest issues nothing shorter than 10 minutes, so the wall clock of the cache moves instead: to before a
     real token's `nbf` and past its `exp`."""
     node = f"n-{uuid.uuid4().hex[:6]}"
-    good = cluster.pod_token(node, WORKER_AUDIENCE, tmp_path / "good").read_text()
+    audience = worker_audience(node)
+    good = cluster.pod_token(node, audience, tmp_path / "good").read_text()
     other = cluster.pod_token(node, "ferry.dev/other", tmp_path / "other").read_text()
     claims = _claims(good)
-    reviewer = CountingReviewer(kube)
+    reviewer = CountingReviewer(kube, audience)
     wall = [time.time()]
     cached = CachedReviewer(reviewer, wall_clock=lambda: wall[0])
 
     # Refused without a TokenReview: another audience's real token, garbage, a real token not valid yet.
-    for refused, why in [(other, "not for audience ferry.dev/worker"), ("not-a-jwt", "not a JWT")]:
+    for refused, why in [(other, f"not for audience {audience}"), ("not-a-jwt", "not a JWT")]:
         result = cached.review(refused)
         assert not result.authenticated and why in result.error
     wall[0] = claims["nbf"] - CLOCK_LEEWAY_S - 1

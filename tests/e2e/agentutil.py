@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -10,16 +11,17 @@ from pathlib import Path
 
 import grpc
 import torch
+from kubernetes import client, config
 from wvutil import get, wait_for
 
 from ferry.api.models import API_VERSION
-from ferry.localcluster import ManagedProcess
+from ferry.localcluster import LocalCluster, ManagedProcess
 from ferry_agent.proto import worker_pb2, worker_pb2_grpc
 from ferry_agent.registry import LABEL_MODEL, LABEL_NODE, LABEL_VERSION
-from ferry_agent.worker_auth import WORKER_AUDIENCE, TokenFile
+from ferry_agent.worker_auth import PodIdentity, ReaderTokens
 
-# node -> the worker token of the agent started for it (what a reader on that node would hold)
-NODE_TOKENS: dict[str, Path] = {}
+# node -> the cluster an agent was started for it in (where a reader on that node mints its worker tokens)
+AGENT_NODES: dict[str, LocalCluster] = {}
 
 
 def content_sha256(tensors: dict[str, torch.Tensor]) -> str:
@@ -60,10 +62,10 @@ def seed_arg(namespace: str, version: str, path: Path, model: str = "m") -> str:
 def start_agent(
     cluster, tmp_path, node_name: str, *seeds: str, retry_seconds: float = 1.0, lease_seconds: int = 3, s3=None
 ) -> ManagedProcess:
-    """An agent process for one node; with `s3`, it has a checkpoint store of its own and reads that S3. It holds a
-    real worker token bound to a Pod on that node, as the chart's projected volume gives it."""
-    token = cluster.pod_token(node_name, WORKER_AUDIENCE, tmp_path / f"worker-token-{node_name}")
-    NODE_TOKENS[node_name] = token
+    """An agent process for one node; with `s3`, it has a checkpoint store of its own and reads that S3. It runs as
+    a Pod on that node (`LocalCluster.agent_pod`), as the chart's downward-API env says, and mints real worker
+    tokens bound to it."""
+    AGENT_NODES[node_name] = cluster
     argv = [
         sys.executable,
         "-m",
@@ -78,8 +80,7 @@ def start_agent(
         str(retry_seconds),
         "--metrics-port",
         "0",
-        "--worker-token-file",
-        str(token),
+        *cluster.agent_identity_args(node_name),
     ]
     for seed in seeds:
         argv += ["--seed", seed]
@@ -98,22 +99,42 @@ def wait_phase(cluster, namespace, name, phase, proc, timeout=60):
     )  # fmt: skip
 
 
-def read_back(rank_entry: dict, replica_name: str, token: Path | None = None) -> str:
+def read_back(rank_entry: dict, replica_name: str, reader_node: str | None = None) -> str:
     """Pull one rank of a replica over NIXL as an independent reader; the content sha256 of what it serves."""
-    return content_sha256(pull(rank_entry, replica_name, token))
+    return content_sha256(pull(rank_entry, replica_name, reader_node))
 
 
-def serving_node_token(agent_name: str) -> Path:
-    """The worker token of the agent that serves as `agent_name` (`<node>-<id>[-r<rank>]`): a reader on that node,
-    whose own replica is assigned the version, may read it."""
-    nodes = [n for n in NODE_TOKENS if agent_name.startswith(f"{n}-")]
+def serving_node(agent_name: str) -> str:
+    """The node of the agent that serves as `agent_name` (`<node>-<id>[-r<rank>]`)."""
+    nodes = [n for n in AGENT_NODES if agent_name.startswith(f"{n}-")]
     assert nodes, f"no test agent started for {agent_name}"
-    return NODE_TOKENS[max(nodes, key=len)]
+    return max(nodes, key=len)
 
 
-def pull(rank_entry: dict, replica_name: str, token: Path | None = None) -> dict[str, torch.Tensor]:
-    """A copy of what one rank of a replica serves, read over NIXL by an independent reader holding `token`
-    (default: the serving node's worker token)."""
+def reader_tokens(cluster: LocalCluster, node_name: str) -> ReaderTokens:
+    """The worker tokens a reader on `node_name` mints, as its agent does: TokenRequests against the real
+    apiserver for the agent's ServiceAccount, bound to that node's agent Pod, one audience per source node. One
+    per node and cluster, kept like an agent keeps its own: a reader that read before an apiserver outage still
+    holds its tokens during it."""
+    key = (str(cluster.kubeconfig), node_name)
+    if key not in _READERS:
+        me = cluster.agent_pod(node_name)
+        identity = PodIdentity(me["podNamespace"], me["serviceAccount"], me["podName"], me["podUid"])
+        _READERS[key] = ReaderTokens(_admin_api(str(cluster.kubeconfig)), identity)
+    return _READERS[key]
+
+
+_READERS: dict[tuple[str, str], ReaderTokens] = {}
+
+
+@functools.cache
+def _admin_api(kubeconfig: str) -> client.ApiClient:
+    return config.new_client_from_config(config_file=kubeconfig)
+
+
+def pull(rank_entry: dict, replica_name: str, reader_node: str | None = None) -> dict[str, torch.Tensor]:
+    """A copy of what one rank of a replica serves, read over NIXL by an independent reader on `reader_node`
+    (default: the serving node, whose own replica is assigned the version) with the tokens it mints."""
     from ferry_agent.candidate import SourceCandidate
     from ferry_agent.nixl_transfer import NixlPeer
     from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
@@ -121,8 +142,9 @@ def pull(rank_entry: dict, replica_name: str, token: Path | None = None) -> dict
 
     reader = NixlPeer(f"reader-{os.getpid()}-{replica_name}")
     rank = rank_entry["rank"]
-    cand = SourceCandidate(replica_name, rank, rank_entry["agentName"], rank_entry["grpcEndpoint"])
-    credentials = TokenFile(token or serving_node_token(rank_entry["agentName"]))
+    source = serving_node(rank_entry["agentName"])
+    cand = SourceCandidate(replica_name, rank, rank_entry["agentName"], rank_entry["grpcEndpoint"], node=source)
+    credentials = reader_tokens(AGENT_NODES[source], reader_node or source)
     strategy = PeerStrategy(
         peer=reader, candidates=lambda ctx: [cand], settings=TransferSettings(timeout_s=30), credentials=credentials
     )

@@ -24,8 +24,6 @@ import torch.distributed as dist
 from agentutil import bare_calls, node, pull, replica, serving_node_token, start_agent
 from wvutil import apply, ml_body, publish_delta, publish_full, tensors, wait_for, wait_reason, wv_body
 
-from ferry_agent.worker_auth import WORKER_AUDIENCE
-
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 RANKS = 2
@@ -135,9 +133,8 @@ def test_rank_processes_configured_with_different_versions_both_fail(cluster, na
     replica(cluster, namespace, "wr-mixed", f"{namespace}-n", "v1", ranks=2)
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                           timeout=dt.timedelta(seconds=30))  # fmt: skip
-    token = cluster.pod_token(f"{namespace}-n", WORKER_AUDIENCE, tmp_path / "worker-token")
-    env = {**os.environ, **cluster.env(), "UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo",
-           "FERRY_WORKER_TOKEN_FILE": str(token)}  # fmt: skip
+    env = {**os.environ, **cluster.env(), "UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+    identity = cluster.agent_identity_args(f"{namespace}-n")
     procs = [
         subprocess.Popen(
             [
@@ -160,6 +157,9 @@ def test_rank_processes_configured_with_different_versions_both_fail(cluster, na
                 f"mixed-{rank}",
                 "--timeout-seconds",
                 "30",
+                "--node",
+                f"{namespace}-n",
+                *identity,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -3,7 +3,11 @@ against the real apiserver with real pod-bound tokens (TokenRequest / TokenRevie
 over NIXL: no token, a wrong-audience token, garbage, an expired or not yet valid token (without a TokenReview, all
 of these), a token of another identity and a valid token of a node that is not assigned the version are all refused,
 with no NIXL metadata; the node's own reader still reads every byte. Only the reader that took a lease releases it:
-another assigned agent's release is refused and the lease stays counted."""
+another assigned agent's release is refused and the lease stays counted.
+
+A token is for one source (issue 10, replay): a reader's token for the source on node A (audience
+ferry.dev/worker/A), replayed by A to the source on node B, is UNAUTHENTICATED there, while B admits the token the
+reader mints for B."""
 
 from __future__ import annotations
 
@@ -14,16 +18,17 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 
 import grpc
 import pytest
 import torch
 from agentutil import (
-    NODE_TOKENS,
     bare_calls,
     content_sha256,
     node,
     read_back,
+    reader_tokens,
     replica,
     seed_arg,
     start_agent,
@@ -32,7 +37,7 @@ from agentutil import (
 from safetensors.torch import save_file
 from wvutil import apply, get, wait_for, wait_reason, wv_body
 
-from ferry_agent.worker_auth import WORKER_AUDIENCE, TokenFile
+from ferry.api.models import worker_audience
 from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest, prepare_tensor_read, release_tensor_read
 
 pytestmark = pytest.mark.e2e
@@ -83,14 +88,25 @@ def test_only_agents_of_assigned_nodes_read(cluster, namespace, operator, tmp_pa
         replica(cluster, namespace, "wr-idle-v2", "node-idle", "v2")
         replica(cluster, other_ns, "wr-idle-v1", "node-idle", "v1")
 
-        def token(name: str, node_name: str, audience: str = WORKER_AUDIENCE, sa: str = "ferry-agent") -> TokenFile:
-            return TokenFile(cluster.pod_token(node_name, audience, tmp_path / name, service_account=sa))
+        def token(
+            name: str, node_name: str, audience: str = worker_audience("node-auth"), sa: str = "ferry-agent"
+        ) -> Callable[[], str]:
+            path = cluster.pod_token(node_name, audience, tmp_path / name, service_account=sa)
+            return lambda: path.read_text()
 
         real = token("real", "node-auth")()
         # Refused by the agent's local checks, before any TokenReview: these first.
         local = {
             "no token": (None, grpc.StatusCode.UNAUTHENTICATED),
             "wrong audience": (token("aud", "node-auth", audience="ferry.dev/other"), grpc.StatusCode.UNAUTHENTICATED),
+            "the shared audience of old": (
+                token("shared", "node-auth", audience="ferry.dev/worker"),
+                grpc.StatusCode.UNAUTHENTICATED,
+            ),
+            "another source's audience": (
+                token("other", "node-auth", audience=worker_audience("node-idle")),
+                grpc.StatusCode.UNAUTHENTICATED,
+            ),
             "not a token": (lambda: "not-a-jwt", grpc.StatusCode.UNAUTHENTICATED),
             # TokenRequest issues nothing that expires in under 10 minutes: a real token's claims, rewritten.
             "expired": (lambda: _rewritten(real, exp=int(time.time()) - 3600), grpc.StatusCode.UNAUTHENTICATED),
@@ -117,11 +133,13 @@ def test_only_agents_of_assigned_nodes_read(cluster, namespace, operator, tmp_pa
         # Once node-idle is assigned v1 here, its token that was refused a moment ago reads too; once it is not, no
         # longer.
         replica(cluster, namespace, "wr-idle-v1", "node-idle", "v1")
-        assert read_back(entry, "wr-auth", tmp_path / "idle") == content_sha256(weights)
-        idle = TokenFile(tmp_path / "idle")
+        assert read_back(entry, "wr-auth", reader_node="node-idle") == content_sha256(weights)
 
         # Both nodes are assigned now; the lease node-auth's reader takes is still its own to release.
-        own = TokenFile(NODE_TOKENS["node-auth"])
+        def minted(reader: str) -> Callable[[], str]:
+            return lambda: reader_tokens(cluster, reader)("node-auth")
+
+        own, idle = minted("node-auth"), minted("node-idle")
 
         def counted(n: int) -> bool:
             return (get(cluster, namespace, "wr", "wr-auth")["status"].get("activeLeases") or 0) == n
@@ -140,6 +158,7 @@ def test_only_agents_of_assigned_nodes_read(cluster, namespace, operator, tmp_pa
         wait_for(lambda: counted(0), 20, "the source to count no lease")
 
         cluster.kubectl("delete", "wr", "wr-idle-v1", "-n", namespace)
+        idle = token("idle", "node-idle")
         wait_for(
             lambda: bare_calls(endpoint, identity.agent_name, idle())["prepare"] == grpc.StatusCode.PERMISSION_DENIED,
             10, "node-idle refused again",
@@ -149,11 +168,50 @@ def test_only_agents_of_assigned_nodes_read(cluster, namespace, operator, tmp_pa
         cluster.kubectl("delete", "namespace", other_ns, "--wait=false", check=False)
 
 
-def test_agent_without_a_worker_token_exits_clearly(cluster, tmp_path):
-    missing = tmp_path / "no-such-token"
+def test_a_token_for_one_source_is_refused_by_another(cluster, namespace, operator, tmp_path):
+    """Two sources serve v1; a reader on a node assigned v1 mints its tokens as an agent does (TokenRequest bound to
+    its Pod). Source A, had it been compromised, would hold the reader's token for A: B refuses it."""
+    gen = torch.Generator().manual_seed(11)
+    weights = {f"layers.{i}.weight": torch.randn((32, 64), generator=gen) for i in range(3)}
+    seed = tmp_path / "v1.safetensors"
+    save_file(weights, str(seed))
+    for n in ("node-src-a", "node-src-b", "node-reader"):
+        node(cluster, n)
+    apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"))
+    wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")
+    agents = [start_agent(cluster, tmp_path, n, seed_arg(namespace, "v1", seed)) for n in ("node-src-a", "node-src-b")]
+    try:
+        entries = {}
+        for n, agent in zip(("node-src-a", "node-src-b"), agents, strict=True):
+            replica(cluster, namespace, f"wr-{n}", n, "v1")
+            entries[n] = wait_phase(cluster, namespace, f"wr-{n}", "Serving", agent)["status"]["ranks"][0]
+        replica(cluster, namespace, "wr-reader", "node-reader", "v1")  # the reader's node is assigned v1
+        tokens = reader_tokens(cluster, "node-reader")
+        for_a, for_b = tokens("node-src-a"), tokens("node-src-b")
+        assert for_a != for_b
+
+        def prepare(n: str, token: str) -> grpc.StatusCode | None:
+            entry = entries[n]
+            return bare_calls(entry["grpcEndpoint"], entry["agentName"], token)["prepare"]
+
+        assert prepare("node-src-a", for_a) is None, "A admits the reader's token for A"
+        assert prepare("node-src-b", for_a) == grpc.StatusCode.UNAUTHENTICATED, "A's copy replayed to B"
+        assert prepare("node-src-a", for_b) == grpc.StatusCode.UNAUTHENTICATED, "B's copy replayed to A"
+        assert prepare("node-src-b", for_b) is None, "B admits the reader's token for B"
+        # The reader's own load path, which mints per source, reads every byte from either.
+        for n in ("node-src-a", "node-src-b"):
+            assert read_back(entries[n], f"wr-{n}", reader_node="node-reader") == content_sha256(weights)
+    finally:
+        for agent in agents:
+            agent.stop()
+
+
+def test_agent_without_a_pod_identity_exits_clearly(cluster, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("POD_NAMESPACE", "SERVICE_ACCOUNT", "POD_NAME", "POD_UID")}
     proc = subprocess.run(
-        [sys.executable, "-m", "ferry_agent", "--node", "node-notoken", "--worker-token-file", str(missing)],
-        env={**os.environ, **cluster.env()}, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "ferry_agent", "--node", "node-noid", "--pod-name", "ferry-agent-node-noid"],
+        env={**env, **cluster.env()}, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0
-    assert f"worker token {missing} cannot be read" in proc.stderr and WORKER_AUDIENCE in proc.stderr, proc.stderr
+    assert "--pod-namespace, --service-account, --pod-uid missing" in proc.stderr, proc.stderr
+    assert "POD_UID" in proc.stderr, proc.stderr

@@ -76,6 +76,13 @@ def test_a_lease_written_by_another_node_does_not_make_a_source():
     assert names(cands) == ["b"]
 
 
+def test_a_candidate_names_its_node_which_its_worker_token_is_for():
+    replicas = [{**wr("a"), "spec": {"nodeName": "node-a"}}]
+    leases = {lease_name("a"): lease_body("a", "agent-a", ts(1), duration=15, node="node-a")}
+    (cand,) = source_candidates(replicas, leases, version="v1", rank=0, self_replica="x", now=NOW)
+    assert cand.node == "node-a"
+
+
 def test_no_lease_means_not_a_source():
     assert source_candidates([wr("a")], {}, version="v1", rank=0, self_replica="x", now=NOW) == []
 

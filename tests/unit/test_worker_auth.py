@@ -8,29 +8,25 @@ import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import grpc
 import pytest
 from kubernetes import client
 from test_leases import IDENTITY, FakeClock, code_of, manifest_proto
 
+from ferry.api.models import worker_audience
 from ferry_agent.peer_strategy import TransferSettings
 from ferry_agent.proto import worker_pb2
 from ferry_agent.worker_auth import (
     CLOCK_LEEWAY_S,
     NODE_NAME_EXTRA,
-    WORKER_AUDIENCE,
     AccessDenied,
     CachedReviewer,
     Review,
     ServedVersion,
-    TokenFile,
-    TokenMissing,
     WatchedAssignments,
     WorkerAuth,
     _NamespaceView,
-    token_subject,
 )
 from ferry_agent.worker_service import (
     RetryPolicy,
@@ -42,6 +38,14 @@ from ferry_agent.worker_service import (
 )
 
 pytestmark = pytest.mark.unit
+
+WORKER_AUDIENCE = worker_audience("source-node")  # the audience the source under test reviews for
+
+
+def _subject(token: str) -> str:
+    payload = token.split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["sub"]
+
 
 AGENT = "system:serviceaccount:ferry-system:ferry-agent"
 SERVED = ServedVersion("ns", "m", "v1")
@@ -73,7 +77,7 @@ class FakeReviewer:
         self.calls += 1
         if self.down:
             raise ConnectionError("apiserver unreachable")
-        subject = token_subject(token) if token.count(".") == 2 else token
+        subject = _subject(token) if token.count(".") == 2 else token
         if subject == "bad":
             return Review(False, error="invalid bearer token")
         user, _, node = subject.partition("@")
@@ -321,12 +325,12 @@ def test_tokens_that_can_be_live_go_to_the_review(live: str) -> None:
 
 
 def test_the_audience_checked_locally_is_the_reviewers() -> None:
-    reviewer = FakeReviewer(audience=f"{WORKER_AUDIENCE}/node-a")
+    reviewer = FakeReviewer(audience=worker_audience("node-a"))
     cached, _, _ = caching(reviewer)
-    result = cached.review(jwt(f"{AGENT}@node-b"))  # for the shared audience: not what this server reviews for
-    assert not result.authenticated and f"not for audience {WORKER_AUDIENCE}/node-a" in result.error
+    result = cached.review(jwt(f"{AGENT}@node-b"))  # for another source: not what this server reviews for
+    assert not result.authenticated and f"not for audience {worker_audience('node-a')}" in result.error
     assert reviewer.calls == 0
-    assert cached.review(jwt(f"{AGENT}@node-b", aud=[f"{WORKER_AUDIENCE}/node-a"])).authenticated
+    assert cached.review(jwt(f"{AGENT}@node-b", aud=[worker_audience("node-a")])).authenticated
     assert reviewer.calls == 1
 
 
@@ -398,27 +402,6 @@ def test_assignments_answer_from_the_last_view_while_the_api_is_down_for_the_gra
     clock.now += 301
     with pytest.raises(ConnectionError):
         view.assigned("node-a", SERVED)
-
-
-def test_token_file_is_read_on_every_call(tmp_path: Path) -> None:
-    path = tmp_path / "token"
-    creds = TokenFile(path)
-    with pytest.raises(TokenMissing, match="cannot be read"):
-        creds()
-    path.write_text("first\n")
-    assert creds() == "first"
-    path.write_text("rotated")
-    assert creds() == "rotated"
-    path.write_text("")
-    with pytest.raises(TokenMissing, match="empty"):
-        creds()
-
-
-def test_token_subject_is_the_default_identity() -> None:
-    claims = base64.urlsafe_b64encode(json.dumps({"sub": AGENT}).encode()).rstrip(b"=").decode()
-    assert token_subject(f"e30.{claims}.sig") == AGENT
-    with pytest.raises(ValueError):
-        token_subject("not-a-jwt")
 
 
 def test_an_allowed_identity_is_required(assignments: FakeAssignments) -> None:
