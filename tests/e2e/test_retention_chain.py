@@ -101,3 +101,26 @@ def test_retention_keeps_the_newest_their_bases_and_what_a_reader_holds(cluster,
     finally:
         cluster.kubectl("delete", "ml", "serve", "-n", namespace, "--wait=false", check=False)
         agent.stop()
+
+
+def test_objects_stay_without_the_namespaces_own_credentials(cluster, s3, namespace, operator):
+    # No credentialsSecret: the operator verifies with its own credentials but never deletes with them.
+    for step, name in enumerate(["v1", "v2", "v3"]):
+        publish_full(s3, namespace, name, tensors(step))
+    apply(cluster, namespace, *[wv_body(namespace, n) for n in ("v1", "v2", "v3")])
+    for name in ("v1", "v2", "v3"):
+        cluster.kubectl("wait", "--for=condition=Ready", f"wv/{name}", "-n", namespace, "--timeout=60s")
+    published = stored(s3, namespace)
+    apply(cluster, namespace, ml_body(namespace, "v3", 0, retention={"keepLast": 3, "deleteStorage": True}))
+    try:
+        wait_for(lambda: get(cluster, namespace, "ml", "serve"), 10, "the ModelLoad")
+        # Tightening the policy is a ModelLoad change: it runs the policy again.
+        cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge",
+                        "-p", '{"spec":{"retention":{"keepLast":1}}}')  # fmt: skip
+        wait_for(lambda: sorted(versions(cluster, namespace)) == ["v3"], 30, "v1 and v2 retired")
+        for name in ("v1", "v2"):
+            why = wait_for(lambda n=name: events(cluster, namespace, n, "StorageNotDeleted"), 10, f"{name} warned")
+            assert "credentialsSecret" in why[0], why
+        assert stored(s3, namespace) == published
+    finally:
+        cluster.kubectl("delete", "ml", "serve", "-n", namespace, "--wait=false", check=False)
