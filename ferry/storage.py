@@ -321,3 +321,52 @@ def _check_shard(
 def _names(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(names[:limit])
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+@dataclass(frozen=True)
+class DeletionReport:
+    ok: bool
+    message: str
+    transient: bool = False  # True: worth another try (endpoint down, 5xx)
+    deleted: tuple[str, ...] = ()  # s3:// URIs removed
+
+
+def delete_checkpoint(client: Any, uri: str, *, index_digest: str | None) -> DeletionReport:
+    """Delete exactly one version's objects: the shards its index names, then the index (last, so an interrupted
+    deletion can be resumed from it). Only if the index is still the one that was verified (`index_digest`)."""
+    try:
+        bucket, key = parse_s3_uri(uri)
+    except ValueError as exc:
+        return DeletionReport(ok=False, message=f"Not deleted: {exc}.")
+    prefix = key.rpartition("/")[0] + "/" if "/" in key else ""
+    index_uri = f"s3://{bucket}/{key}"
+    try:
+        raw = _read(client, bucket, key, f"index {index_uri}", max_bytes=MAX_INDEX_BYTES)
+    except _Stop as stop:
+        if stop.report.reason == StorageReason.ObjectMissing:
+            return DeletionReport(ok=True, message=f"Index {index_uri} is already gone; nothing to delete.")
+        return DeletionReport(ok=False, message=stop.report.message, transient=stop.report.transient)
+    if index_digest is None:
+        return DeletionReport(ok=False, message=f"Not deleted: the operator never verified index {index_uri}.")
+    if hashlib.sha256(raw).hexdigest() != index_digest:
+        return DeletionReport(
+            ok=False, message=f"Not deleted: index {index_uri} is not the one the operator verified for this version."
+        )
+    try:
+        shards = ckpt.parse_index(raw).shards  # plain file names: nothing outside the index's folder
+    except ckpt.InvalidIndex as exc:
+        return DeletionReport(ok=False, message=f"Not deleted: index {index_uri} is invalid: {exc}.")
+    deleted: list[str] = []
+    for object_key in [prefix + shard for shard in shards] + [key]:
+        object_uri = f"s3://{bucket}/{object_key}"
+        try:
+            _call(f"object {object_uri}", client.delete_object, Bucket=bucket, Key=object_key)
+        except _Stop as stop:
+            done = f" (deleted {len(deleted)} of {len(shards) + 1} objects)" if deleted else ""
+            return DeletionReport(
+                ok=False, message=stop.report.message + done, transient=stop.report.transient, deleted=tuple(deleted)
+            )
+        deleted.append(object_uri)
+    return DeletionReport(
+        ok=True, message=f"Deleted {len(deleted)} objects under s3://{bucket}/{prefix}.", deleted=tuple(deleted)
+    )

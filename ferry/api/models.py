@@ -222,6 +222,33 @@ class WeightVersion(_Model):
 # ---------------------------------------------------------------- ModelLoad
 
 
+class RetentionPolicy(_Model):
+    """Which WeightVersions of the ModelLoad's model the operator deletes (docs/retention.md)."""
+
+    keepLast: int = Field(
+        ge=1,
+        le=4096,
+        description="Keep the newest N Ready WeightVersions of spec.modelName in this namespace (newest by "
+        "creation); delete older Ready ones unless a ModelLoad desires them, a replica holds them, or a kept or "
+        "held version replays from them. Several ModelLoads of one model: the largest keepLast wins.",
+    )
+    deleteStorage: bool = Field(
+        default=False,
+        description="Also delete a retired version's objects (its index and the shards it names) once it is "
+        "released, with its spec.storage.credentialsSecret (which then needs s3:DeleteObject). Several "
+        "ModelLoads of one model: only if every policy says so.",
+    )
+
+
+class RetentionReason(StrEnum):
+    """Reasons of the Events retention posts (there is no condition: every deletion is an Event)."""
+
+    VERSION_RETIRED = "VersionRetired"  # Normal, on the ModelLoad: it deleted the named WeightVersion
+    RETIREMENT_FAILED = "RetirementFailed"  # Warning, on the ModelLoad: the delete was refused (e.g. RBAC)
+    STORAGE_DELETED = "StorageDeleted"  # Normal, on the WeightVersion: its objects are gone as it is released
+    STORAGE_NOT_DELETED = "StorageNotDeleted"  # Warning, on the WeightVersion: objects left; the message says why
+
+
 class ModelLoadSpec(_Model):
     modelName: str = Field(min_length=1, max_length=253)
     desiredVersion: ObjectName = Field(description="Name of the WeightVersion to make resident.")
@@ -256,6 +283,9 @@ class ModelLoadSpec(_Model):
     )
     # `{}` lets the apiserver fill the nested defaults.
     transfer: TransferSpec = Field(default_factory=TransferSpec, json_schema_extra={"default": {}})
+    retention: RetentionPolicy | None = Field(
+        default=None, description="Delete old WeightVersions of this model; unset: the operator deletes none."
+    )
 
 
 class ModelLoadStatus(_Model):

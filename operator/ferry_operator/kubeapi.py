@@ -76,3 +76,21 @@ def set_replica_conditions(namespace: str, name: str, conditions: list[dict]) ->
     except ApiException as exc:
         if exc.status != 404:
             raise
+
+
+def retire_version(namespace: str, name: str, uid: str, annotations: dict[str, str]) -> bool:
+    """Annotate, then delete, the WeightVersion `name` only if it is still the object `uid` (a republished name is
+    another version). False: it is gone or was replaced; other refusals (403) raise."""
+    try:
+        body = {"metadata": {"uid": uid, "annotations": annotations}}  # a uid in a patch is a precondition
+        _objects().patch_namespaced_custom_object(GROUP, VERSION, namespace, "weightversions", name, body)
+        _objects().delete_namespaced_custom_object(
+            GROUP, VERSION, namespace, "weightversions", name,
+            body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
+        )  # fmt: skip
+    except ApiException as exc:
+        # 404: gone; 409 (delete precondition) or 422 (a patch may not change the uid): the name is another object.
+        if exc.status in (404, 409, 422):
+            return False
+        raise
+    return True

@@ -26,7 +26,7 @@ from ferry.storage import (
     s3_client,
     verify_checkpoint,
 )
-from ferry_operator import kubeapi, metrics
+from ferry_operator import kubeapi, metrics, retention_handlers  # the import registers retention's handlers
 from ferry_operator.config import CONFIG
 from ferry_operator.modelloads import (
     DEGRADED,
@@ -271,10 +271,11 @@ async def version_resync(namespace: str, name: str, body: kopf.Body, patch: kopf
 @kopf.on.delete(*WV)
 async def release_version(namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
                           version_index: kopf.Index, desired_index: kopf.Index, lease_index: kopf.Index,
-                          **_: Any) -> None:  # fmt: skip
+                          storage_folder_index: kopf.Index, **_: Any) -> None:  # fmt: skip
     """Deletion is a release: the finalizer holds the version while anything still depends on it."""
     blockers = _blockers(namespace, name, version_index, desired_index, lease_index)
     if not blockers:
+        await retention_handlers.release_storage(namespace, name, body, storage_folder_index)
         kopf.info(body, reason="Released", message="no dependents left; releasing")
         return
     chain = resolve_chain(name, _lookup(version_index, namespace), CONFIG.max_chain_length)

@@ -395,6 +395,11 @@ def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
         assert can_i(cluster, namespace, operator_sa, "create", "weightreplicas.ferry.dev")
         assert can_i(cluster, namespace, operator_sa, "patch", "weightversions.ferry.dev/status")
         assert not can_i(cluster, namespace, operator_sa, "create", "weightversions.ferry.dev")
+        # Retention deletes WeightVersions, in tenant namespaces only, and never a whole collection.
+        assert can_i(cluster, namespace, operator_sa, "delete", "weightversions.ferry.dev")
+        assert not can_i(cluster, "kube-system", operator_sa, "delete", "weightversions.ferry.dev")
+        assert not can_i(cluster, namespace, operator_sa, "deletecollection", "weightversions.ferry.dev")
+        assert not can_i(cluster, namespace, operator_sa, "delete", "modelloads.ferry.dev")
 
         # Real requests, authenticated as the agent's ServiceAccount with a TokenRequest token.
         token = cluster.kubectl("create", "token", f"{name}-agent", "-n", namespace, "--duration=10m").stdout.strip()

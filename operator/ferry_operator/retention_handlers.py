@@ -1,0 +1,182 @@
+"""kopf handlers of retention (docs/retention.md), registered by importing this module (main.py does).
+
+The policy runs whenever something it depends on changes: a WeightVersion (one became Ready, one went away), a
+ModelLoad (its policy or desired version), a WeightReplica (a reader let go of a version). No timer: nothing here
+depends on the passage of time. Deletions go through the API, so the release finalizer holds them as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from ferry.api.models import GROUP, VERSION, RetentionReason
+from ferry.storage import DeletionReport, credentials_from_secret_data, delete_checkpoint, parse_s3_uri, s3_client
+from ferry_operator import kubeapi
+from ferry_operator.config import CONFIG
+from ferry_operator.retention import (
+    DELETE_STORAGE_ANNOTATION,
+    RETIRED_BY_ANNOTATION,
+    LoadFacts,
+    VersionFacts,
+    held_versions,
+    plan_retirements,
+)
+
+WV = (GROUP, VERSION, "weightversions")
+ML = (GROUP, VERSION, "modelloads")
+WR = (GROUP, VERSION, "weightreplicas")
+REFUSED_RETRY_SECONDS = 60.0  # a refused delete (RBAC) is tried again after this long, at the next change
+STORAGE_DELETE_TRIES = 3  # transient storage failures retried at release before it goes ahead without
+
+log = logging.getLogger("ferry.operator.retention")
+
+_locks: dict[str, asyncio.Lock] = {}
+# uids this process deleted: the index shows their deletionTimestamp only once the watch delivers it.
+_retired: set[str] = set()
+_refused: dict[str, float] = {}  # uid -> monotonic time of the last refused delete
+_storage_tries: dict[str, int] = {}  # uid -> failed storage deletions at release
+
+
+@kopf.index(*WV)
+def retention_version_index(namespace: str, body: kopf.Body, **_: Any) -> dict:
+    return {namespace: VersionFacts.from_body(body)}
+
+
+@kopf.index(*ML)
+def retention_load_index(namespace: str, body: kopf.Body, meta: kopf.Meta, **_: Any) -> dict | None:
+    if meta.get("deletionTimestamp"):
+        return None
+    return {namespace: LoadFacts.from_body(body)}
+
+
+@kopf.index(*WR)
+def retention_hold_index(namespace: str, body: kopf.Body, **_: Any) -> dict:
+    return {namespace: held_versions(body)}
+
+
+@kopf.index(*WV)
+def storage_folder_index(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict | None:
+    """(bucket, folder) -> the versions stored there, deleting ones included: a folder shared with any other
+    version is never cleaned up by one of them."""
+    uri = (spec.get("storage") or {}).get("uri")
+    try:
+        bucket, key = parse_s3_uri(uri)
+    except ValueError:
+        return None
+    return {(bucket, key.rpartition("/")[0]): (namespace, name)}
+
+
+async def _apply_policy(namespace: str, versions: kopf.Index, loads: kopf.Index, holds: kopf.Index) -> None:
+    async with _locks.setdefault(namespace, asyncio.Lock()):
+        facts = [
+            v if v.uid not in _retired else dataclasses.replace(v, deleting=True) for v in versions.get(namespace, [])
+        ]
+        load_facts = list(loads.get(namespace, []))
+        held = {name for names in holds.get(namespace, []) for name in names}
+        owners = {load.name: load for load in load_facts}
+        for retirement in plan_retirements(facts, load_facts, held):
+            if time.monotonic() - _refused.get(retirement.uid, -REFUSED_RETRY_SECONDS) < REFUSED_RETRY_SECONDS:
+                continue
+            owner = owners[retirement.owner].reference(namespace)
+            annotations = {RETIRED_BY_ANNOTATION: f"ModelLoad/{retirement.owner}"}
+            if retirement.delete_storage:
+                annotations[DELETE_STORAGE_ANNOTATION] = "true"
+            try:
+                done = await asyncio.to_thread(
+                    kubeapi.retire_version, namespace, retirement.version, retirement.uid, annotations
+                )
+            except ApiException as exc:
+                _refused[retirement.uid] = time.monotonic()
+                kopf.warn(
+                    owner,
+                    reason=RetentionReason.RETIREMENT_FAILED,
+                    message=f"could not delete WeightVersion {retirement.version}: {exc.status} {exc.reason}",
+                )
+                continue
+            _retired.add(retirement.uid)
+            _refused.pop(retirement.uid, None)
+            if done:
+                log.info("%s/%s retired by ModelLoad %s", namespace, retirement.version, retirement.owner)
+                kopf.info(owner, reason=RetentionReason.VERSION_RETIRED, message=retirement.message)
+
+
+@kopf.on.event(*WV)
+async def retention_on_version(event: dict, namespace: str, body: kopf.Body, retention_version_index: kopf.Index,
+                               retention_load_index: kopf.Index, retention_hold_index: kopf.Index,
+                               **_: Any) -> None:  # fmt: skip
+    if event.get("type") == "DELETED":
+        uid = body["metadata"].get("uid")
+        _retired.discard(uid)
+        _refused.pop(uid, None)
+        _storage_tries.pop(uid, None)
+    await _apply_policy(namespace, retention_version_index, retention_load_index, retention_hold_index)
+
+
+@kopf.on.event(*ML)
+async def retention_on_modelload(namespace: str, retention_version_index: kopf.Index,
+                                 retention_load_index: kopf.Index, retention_hold_index: kopf.Index,
+                                 **_: Any) -> None:  # fmt: skip
+    await _apply_policy(namespace, retention_version_index, retention_load_index, retention_hold_index)
+
+
+@kopf.on.event(*WR)
+async def retention_on_replica(namespace: str, retention_version_index: kopf.Index,
+                               retention_load_index: kopf.Index, retention_hold_index: kopf.Index,
+                               **_: Any) -> None:  # fmt: skip
+    await _apply_policy(namespace, retention_version_index, retention_load_index, retention_hold_index)
+
+
+def _delete_objects(namespace: str, storage: dict, index_digest: str | None) -> DeletionReport:
+    secret = storage.get("credentialsSecret")
+    if not secret:
+        # Never with the operator's own credentials: a tenant could aim a WeightVersion at any bucket they reach.
+        return DeletionReport(ok=False, message="Not deleted: the version names no spec.storage.credentialsSecret.")
+    try:
+        credentials = credentials_from_secret_data(kubeapi.read_secret_data(namespace, secret))
+    except kubeapi.NotFound:
+        return DeletionReport(ok=False, message=f"Not deleted: Secret {secret} does not exist.", transient=True)
+    except ValueError as exc:
+        return DeletionReport(ok=False, message=f"Not deleted: Secret {secret}: {exc}.")
+    client = s3_client(storage.get("endpoint") or CONFIG.s3_endpoint, storage.get("region"), credentials)
+    return delete_checkpoint(client, storage["uri"], index_digest=index_digest)
+
+
+async def release_storage(namespace: str, name: str, body: kopf.Body, storage_folder_index: kopf.Index) -> None:
+    """Called by the release handler once nothing blocks the release: delete the objects of a version marked
+    `ferry.dev/delete-storage`. A transient failure is retried a few times (TemporaryError); after that, or on
+    any other failure, the release goes ahead with a Warning naming what was left."""
+    if (body["metadata"].get("annotations") or {}).get(DELETE_STORAGE_ANNOTATION) != "true":
+        return
+    storage = dict(body["spec"].get("storage") or {})
+    if not storage.get("uri"):
+        return
+    uid = body["metadata"]["uid"]
+    bucket, key = parse_s3_uri(storage["uri"])
+    folder = key.rpartition("/")[0]
+    others = sorted(
+        f"{ns}/{n}" for ns, n in storage_folder_index.get((bucket, folder), []) if (ns, n) != (namespace, name)
+    )
+    if others:
+        report = DeletionReport(
+            ok=False, message=f"Not deleted: s3://{bucket}/{folder}/ also holds {', '.join(others)}."
+        )
+    else:
+        index_digest = (body.get("status") or {}).get("indexDigest")
+        report = await asyncio.to_thread(_delete_objects, namespace, storage, index_digest)
+    if report.ok:
+        _storage_tries.pop(uid, None)
+        kopf.info(body, reason=RetentionReason.STORAGE_DELETED, message=report.message)
+        return
+    tries = _storage_tries[uid] = _storage_tries.get(uid, 0) + 1
+    if report.transient and tries < STORAGE_DELETE_TRIES:
+        kopf.warn(body, reason=RetentionReason.STORAGE_NOT_DELETED, message=f"{report.message} Retrying.")
+        raise kopf.TemporaryError(report.message, delay=CONFIG.release_retry_seconds)
+    _storage_tries.pop(uid, None)
+    kopf.warn(body, reason=RetentionReason.STORAGE_NOT_DELETED, message=f"{report.message} Released without them.")
