@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from agentutil import bare_calls, node, pull, replica, serving_node_token, start_agent
+from agentutil import bare_calls, node, pull, reader_tokens, replica, serving_node, start_agent
 from wvutil import apply, ml_body, publish_delta, publish_full, tensors, wait_for, wait_reason, wv_body
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -84,7 +84,8 @@ def test_two_rank_replicas_from_s3_then_peers_then_a_delta(cluster, s3, namespac
             assert f"on {RANKS} ranks" in wr["status"]["message"]
             for entry in wr["status"]["ranks"]:
                 endpoint, name = entry["grpcEndpoint"], entry["agentName"]
-                real = serving_node_token(name).read_text()
+                source = serving_node(name)
+                real = reader_tokens(cluster, source)(source)  # the serving node's own reader
                 forged = real.rsplit(".", 1)[0] + ".c2ln"  # a real token's claims, not its signature
                 for what, bearer in {"no token": None, "garbage": "not-a-jwt", "forged": forged}.items():
                     codes = bare_calls(endpoint, name, bearer)
