@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -167,6 +168,99 @@ def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int, auth: Auth | 
     }
 
 
+def compare_auth(peer: Any, size: int, tensor_bytes: int, rounds: int, auth: Auth) -> dict[str, Any]:
+    """What authentication costs, paired: an open and an authenticated source of the same bytes, and per round a
+    PeerStrategy load from each and a raw READ (the order rotating), so that drift on a shared machine hits all
+    three alike. Per round peer/raw for both; the mean, spread and the paired difference (authenticated - open)."""
+    tensors = max(1, size // tensor_bytes)
+    sources = {
+        kind: start_source(f"bench-{kind}-{uuid.uuid4().hex[:6]}", tensors, tensor_bytes, a)
+        for kind, a in (("open", None), ("auth", auth))
+    }
+    token = (lambda node: auth.token.read_text()) if auth is not None else None
+    try:
+        _, info = sources["open"]
+        manifest = get_tensor_manifest(info["endpoint"], SourceIdentity(info["agent_name"], info["instance_id"]),
+                                       timeout_s=30)  # fmt: skip
+        target = ResidentWeights.allocate(manifest.specs, "cpu")
+        for t in target.tensors.values():
+            t.zero_()
+        peer.register(target)
+        ctx = LoadContext(model="bench", version="v", rank=0, target_id="bench-target")
+
+        def loader(kind: str) -> Callable[[], Any]:
+            _, src = sources[kind]
+            cand = SourceCandidate(
+                replica=f"bench-{kind}", rank=0, agent_name=src["agent_name"], grpc_endpoint=src["endpoint"],
+                manifest_digest=src["manifest_digest"], tensor_count=src["tensor_count"],
+                instance_id=src["instance_id"], node=SOURCE_NODE,
+            )  # fmt: skip
+            strategy = PeerStrategy(
+                peer=peer, candidates=lambda _: [cand], settings=TransferSettings(timeout_s=120),
+                allocate=lambda specs, device: target, credentials=token if kind == "auth" else None,
+            )  # fmt: skip
+            return lambda: strategy.load(ctx)
+
+        remote = peer.add_remote(manifest.nixl_metadata)
+        runs = {"auth": loader("auth"), "open": loader("open"),
+                "raw": lambda: peer.read(remote, manifest.tensors, target, 120)}  # fmt: skip
+        for run in runs.values():
+            run()  # warm-up
+        seconds: dict[str, list[float]] = {k: [] for k in runs}
+        order = list(runs)
+        for i in range(rounds):
+            for kind in order[i % 3 :] + order[: i % 3]:
+                start = time.perf_counter()
+                runs[kind]()
+                seconds[kind].append(time.perf_counter() - start)
+        verified = target.content_sha256() == info["content_sha256"] == sources["auth"][1]["content_sha256"]
+        peer.remove_remote(remote)
+        peer.deregister(target)
+    finally:
+        for proc, _ in sources.values():
+            assert proc.stdin is not None
+            proc.stdin.close()
+            proc.wait(30)
+    ratios = {k: [raw / s for raw, s in zip(seconds["raw"], seconds[k], strict=True)] for k in ("auth", "open")}
+    diffs = [a - o for a, o in zip(ratios["auth"], ratios["open"], strict=True)]
+
+    def spread(values: list[float]) -> dict[str, float]:
+        return {"mean": round(statistics.mean(values), 3), "stdev": round(statistics.stdev(values), 3),
+                "median": round(statistics.median(values), 3)}  # fmt: skip
+
+    return {
+        "bytes": info["total_bytes"], "rounds": rounds, "verified_sha256": verified,
+        "peer_vs_raw_authenticated": spread(ratios["auth"]), "peer_vs_raw_open": spread(ratios["open"]),
+        "difference_authenticated_minus_open": spread(diffs),
+        "seconds": {k: [round(x, 5) for x in v] for k, v in seconds.items()},
+    }  # fmt: skip
+
+
+def compare_markdown(results: list[dict[str, Any]], host: str) -> str:
+    lines = [
+        "# P2P: what reader authentication costs (paired rounds)",
+        "",
+        f"{host} · per round one load from an open source, one from an authenticated source (per-source token, "
+        "TokenReview cached, assignment check) and one raw NIXL READ, order rotating · peer/raw per round, "
+        "mean ± stdev (median)",
+        "",
+        "| size | rounds | authenticated peer/raw | open peer/raw | authenticated - open | sha256 |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def cell(x: dict[str, float]) -> str:
+        return f"{x['mean']:+.3f} ± {x['stdev']:.3f} ({x['median']:+.3f})"
+
+    for r in results:
+        a, o, d = r["peer_vs_raw_authenticated"], r["peer_vs_raw_open"], r["difference_authenticated_minus_open"]
+        lines.append(
+            f"| {r['bytes'] // MIB} MiB | {r['rounds']} | {a['mean']:.3f} ± {a['stdev']:.3f} ({a['median']:.3f}) | "
+            f"{o['mean']:.3f} ± {o['stdev']:.3f} ({o['median']:.3f}) | {cell(d)} | "
+            f"{'ok' if r['verified_sha256'] else 'MISMATCH'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# P2P throughput (NIXL READ over UCX, CPU memory, loopback netns)",
@@ -198,7 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-mib", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--no-auth", action="store_true", help="read from an open source (no apiserver needed)")
+    parser.add_argument(
+        "--compare-auth", type=int, metavar="ROUNDS", default=0,
+        help="instead: paired rounds of authenticated vs open loads (writes p2p_auth.json/.md)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.compare_auth and (args.no_auth or args.compare_auth < 2):
+        parser.error("--compare-auth needs at least 2 rounds and the apiserver (not --no-auth)")
 
     interfaces = sorted(name for _, name in socket.if_nameindex())
     if interfaces != ["lo"]:
@@ -219,11 +319,23 @@ def main(argv: list[str] | None = None) -> int:
         peer = NixlPeer(f"bench-target-{uuid.uuid4().hex[:6]}")
         try:
             sizes = [parse_size(s) for s in args.sizes.split(",")]
-            results = [bench_size(peer, size, args.tensor_mib * MIB, args.reps, auth) for size in sizes]
+            if args.compare_auth:
+                assert auth is not None
+                compared = [compare_auth(peer, n, args.tensor_mib * MIB, args.compare_auth, auth) for n in sizes]
+            else:
+                results = [bench_size(peer, size, args.tensor_mib * MIB, args.reps, auth) for size in sizes]
         finally:
             peer.shutdown()
+    host = f"{platform.node()} ({os.cpu_count()} cpus)"
+    if args.compare_auth:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "p2p_auth.json").write_text(json.dumps({"host": host, "results": compared}, indent=2) + "\n")
+        table = compare_markdown(compared, host)
+        (args.out / "p2p_auth.md").write_text(table)
+        print(table)
+        return 0 if all(r["verified_sha256"] for r in compared) else 1
     report = {
-        "host": f"{platform.node()} ({os.cpu_count()} cpus)",
+        "host": host,
         "torch": torch.__version__,
         "reps": args.reps,
         "tensor_mib": args.tensor_mib,
