@@ -170,12 +170,12 @@ def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int, auth: Auth | 
 
 def compare_auth(peer: Any, size: int, tensor_bytes: int, rounds: int, auth: Auth) -> dict[str, Any]:
     """What authentication costs, paired: an open and an authenticated source of the same bytes, and per round a
-    PeerStrategy load from each and a raw READ (the order rotating), so that drift on a shared machine hits all
-    three alike. Per round peer/raw for both; the mean, spread and the paired difference (authenticated - open)."""
+    PeerStrategy load from each and a raw READ from a third (the order rotating), so that drift on a shared machine
+    hits all three alike. Per round peer/raw for both; the mean, spread and the paired difference (authenticated - open)."""
     tensors = max(1, size // tensor_bytes)
     sources = {
         kind: start_source(f"bench-{kind}-{uuid.uuid4().hex[:6]}", tensors, tensor_bytes, a)
-        for kind, a in (("open", None), ("auth", auth))
+        for kind, a in (("open", None), ("auth", auth), ("raw", None))
     }
     token = (lambda node: auth.token.read_text()) if auth is not None else None
     try:
@@ -201,19 +201,30 @@ def compare_auth(peer: Any, size: int, tensor_bytes: int, rounds: int, auth: Aut
             )  # fmt: skip
             return lambda: strategy.load(ctx)
 
-        remote = peer.add_remote(manifest.nixl_metadata)
+        # The raw READ has a source of its own (the same seeded bytes), connected once: a peer load removes its
+        # source's remote when it is done.
+        _, raw_src = sources["raw"]
+        raw_manifest = get_tensor_manifest(
+            raw_src["endpoint"], SourceIdentity(raw_src["agent_name"], raw_src["instance_id"]), timeout_s=30
+        )
+        remote = peer.add_remote(raw_manifest.nixl_metadata)
         runs = {"auth": loader("auth"), "open": loader("open"),
-                "raw": lambda: peer.read(remote, manifest.tensors, target, 120)}  # fmt: skip
-        for run in runs.values():
-            run()  # warm-up
+                "raw": lambda: peer.read(remote, raw_manifest.tensors, target, 120)}  # fmt: skip
+
+        def once(kind: str) -> float:
+            start = time.perf_counter()
+            runs[kind]()
+            return time.perf_counter() - start
+
+        for kind in runs:
+            once(kind)  # warm-up
         seconds: dict[str, list[float]] = {k: [] for k in runs}
         order = list(runs)
         for i in range(rounds):
             for kind in order[i % 3 :] + order[: i % 3]:
-                start = time.perf_counter()
-                runs[kind]()
-                seconds[kind].append(time.perf_counter() - start)
-        verified = target.content_sha256() == info["content_sha256"] == sources["auth"][1]["content_sha256"]
+                seconds[kind].append(once(kind))
+        digests = {src["content_sha256"] for _, src in sources.values()}
+        verified = len(digests) == 1 and target.content_sha256() in digests
         peer.remove_remote(remote)
         peer.deregister(target)
     finally:
