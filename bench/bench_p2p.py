@@ -171,7 +171,7 @@ def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int, auth: Auth | 
 def compare_auth(peer: Any, size: int, tensor_bytes: int, rounds: int, auth: Auth) -> dict[str, Any]:
     """What authentication costs, paired: an open and an authenticated source of the same bytes, and per round a
     PeerStrategy load from each and a raw READ from a third (the order rotating), so that drift on a shared machine
-    hits all three alike. Per round peer/raw for both; the mean, spread and the paired difference (authenticated - open)."""
+    hits all three alike. Per round peer/raw for both; mean, spread and the paired difference (authenticated - open)."""
     tensors = max(1, size // tensor_bytes)
     sources = {
         kind: start_source(f"bench-{kind}-{uuid.uuid4().hex[:6]}", tensors, tensor_bytes, a)
