@@ -76,3 +76,17 @@ def set_replica_conditions(namespace: str, name: str, conditions: list[dict]) ->
     except ApiException as exc:
         if exc.status != 404:
             raise
+
+
+def delete_lease(namespace: str, name: str, uid: str) -> bool:
+    """Delete that very Lease object (a precondition on its uid: never a Lease its rightful agent wrote since).
+    False when it is gone or was replaced meanwhile."""
+    try:
+        client.CoordinationV1Api(_api()).delete_namespaced_lease(
+            name, namespace, body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+        )
+    except ApiException as exc:
+        if exc.status in (404, 409):  # gone, or another object by that name now
+            return False
+        raise
+    return True
