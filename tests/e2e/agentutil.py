@@ -51,10 +51,18 @@ def replica(cluster, namespace: str, name: str, node_name: str, version: str, ra
 
 
 def start_agent(
-    cluster, tmp_path, node_name: str, *seeds: str, retry_seconds: float = 1.0, lease_seconds: int = 3, s3=None
+    cluster,
+    tmp_path,
+    node_name: str,
+    *seeds: str,
+    retry_seconds: float = 1.0,
+    lease_seconds: int = 3,
+    s3=None,
+    kubeconfig: Path | None = None,
 ) -> ManagedProcess:
     """An agent process for one node; with `s3`, it has a checkpoint store of its own and reads that S3. It holds a
-    real worker token bound to a Pod on that node, as the chart's projected volume gives it."""
+    real worker token bound to a Pod on that node, as the chart's projected volume gives it. It talks to the
+    apiserver as admin, or with `kubeconfig` (e.g. its ServiceAccount's Pod-bound token)."""
     token = cluster.pod_token(node_name, WORKER_AUDIENCE, tmp_path / f"worker-token-{node_name}")
     NODE_TOKENS[node_name] = token
     argv = [
@@ -77,6 +85,8 @@ def start_agent(
     for seed in seeds:
         argv += ["--seed", seed]
     env = {**os.environ, **cluster.env(), "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
+    if kubeconfig is not None:
+        env["KUBECONFIG"] = str(kubeconfig)
     if s3 is not None:
         argv += ["--checkpoint-dir", str(tmp_path / f"store-{node_name}"), "--s3-endpoint", s3.endpoint]
         env.update(s3.env())
