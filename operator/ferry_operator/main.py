@@ -331,7 +331,7 @@ async def _reconcile_modelload(
     nodes = [n for store in node_index.values() for n in store]
     desired = body["spec"]["desiredVersion"]
     view = _lookup(version_index, namespace)(desired)
-    uid = view.uid if view else None
+    uid = (view.uid or None) if view else None
     holders = {
         r["spec"]["nodeName"]
         for (ns, _), store in replica_index.items() if ns == namespace

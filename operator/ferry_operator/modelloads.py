@@ -392,7 +392,7 @@ def aggregate_status(
     wanted = int(spec.get("replicas", 1))
     stale = set(stale_replicas(replicas, leases, now))
     ready = [r for r in replicas if serves(r, desired, version_uid) and r["metadata"]["name"] not in stale]
-    # Serving the name, but an older object of it (deleted and republished): the agent must load it again.
+    # Serving the name, but an older object of it (deleted and republished): not ready, whatever phase and name say.
     outdated = sorted(
         r["metadata"]["name"] for r in replicas if serves(r, desired) and not serves(r, desired, version_uid)
     )
