@@ -44,6 +44,7 @@ class VersionView:
     ready: bool
     deleting: bool
     has_storage: bool
+    uid: str = ""  # metadata.uid: a deleted and republished name is another object
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> VersionView:
@@ -61,6 +62,7 @@ class VersionView:
             ready=is_true(status.get("conditions"), "Ready"),
             deleting=bool(metadata.get("deletionTimestamp")),
             has_storage=bool(storage.get("uri")),
+            uid=metadata.get("uid", ""),
         )
 
 

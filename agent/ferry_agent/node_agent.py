@@ -402,16 +402,44 @@ class NodeAgent:
         # replace would need its resourceVersion.
         spec = body["spec"] if acquire else {"renewTime": now, "holderIdentity": self.agent_name}
         try:
-            # The node label too: an older agent's Lease may lack it, and the admission policy requires it.
             patch = {"metadata": {"labels": body["metadata"]["labels"]}, "spec": spec} if acquire else {"spec": spec}
             self._leases.patch_namespaced_lease(lease_name(name), namespace, patch)
+            return
         except ApiException as exc:
-            if exc.status != 404:
+            # Refused by the admission policy (403, or 422 for an Invalid reason): the Lease may be an older agent's,
+            # without the node label, which no agent may update but one may delete. Anything else is raised, and a
+            # Lease of another node is left to the operator (it deletes it; the next renewal then creates ours).
+            if exc.status in (403, 422):
+                if not self._delete_unlabelled_lease(namespace, name):
+                    raise
+                log.warning("the Lease of %s/%s had no %s label (an older agent's); replaced it", namespace, name,
+                            LABEL_NODE)  # fmt: skip
+            elif exc.status != 404:
                 raise
-            # None yet, or deleted (by hand, by a cleanup) while this agent still serves the replica.
-            self._leases.create_namespaced_lease(namespace, body)
-            if not acquire:
+            elif not acquire:
                 log.warning("the Lease of %s/%s was gone; recreated it", namespace, name)
+        # None yet, deleted (by hand, by the operator, by the lines above) while this agent still serves the replica.
+        self._leases.create_namespaced_lease(namespace, body)
+
+    def _delete_unlabelled_lease(self, namespace: str, name: str) -> bool:
+        """Delete the replica's Lease if it has no node label (that version of it only); True when it is gone."""
+        try:
+            lease = self._leases.read_namespaced_lease(lease_name(name), namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return True
+            raise
+        if LABEL_NODE in (lease.metadata.labels or {}):
+            return False
+        options = client.V1DeleteOptions(
+            preconditions=client.V1Preconditions(resource_version=lease.metadata.resource_version)
+        )
+        try:
+            self._leases.delete_namespaced_lease(lease_name(name), namespace, body=options)
+        except ApiException as exc:
+            if exc.status != 404:  # 409: changed since it was read; the next renewal looks again
+                raise
+        return True
 
     def _release_lease(self, key: tuple[str, str]) -> None:
         renewal = self._renewing.pop(key, None)

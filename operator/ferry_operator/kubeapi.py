@@ -94,3 +94,17 @@ def retire_version(namespace: str, name: str, uid: str, annotations: dict[str, s
             return False
         raise
     return True
+
+
+def delete_lease(namespace: str, name: str, uid: str) -> bool:
+    """Delete that very Lease object (a precondition on its uid: never a Lease its rightful agent wrote since).
+    False when it is gone or was replaced meanwhile."""
+    try:
+        client.CoordinationV1Api(_api()).delete_namespaced_lease(
+            name, namespace, body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+        )
+    except ApiException as exc:
+        if exc.status in (404, 409):  # gone, or another object by that name now
+            return False
+        raise
+    return True

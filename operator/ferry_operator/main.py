@@ -30,9 +30,11 @@ from ferry_operator import kubeapi, metrics, retention_handlers  # the import re
 from ferry_operator.config import CONFIG
 from ferry_operator.modelloads import (
     DEGRADED,
+    LEASE_OF_OTHER_NODE_DELETED,
     PEER_STALLED,
     PROGRESSING,
     aggregate_status,
+    foreign_leases,
     live_conditions,
     node_matches,
     plan_replicas,
@@ -329,13 +331,15 @@ async def _reconcile_modelload(
     replicas = list(replica_index.get((namespace, name), []))
     nodes = [n for store in node_index.values() for n in store]
     desired = body["spec"]["desiredVersion"]
+    view = _lookup(version_index, namespace)(desired)
+    uid = (view.uid or None) if view else None
     holders = {
         r["spec"]["nodeName"]
         for (ns, _), store in replica_index.items() if ns == namespace
         for r in store
-        if serves(r, desired)
+        if serves(r, desired, uid)
     }  # fmt: skip
-    problem = version_problem(body["spec"], _lookup(version_index, namespace)(desired))
+    problem = version_problem(body["spec"], view)
     plan = plan_replicas(model_load, replicas, nodes, holders, placeable=problem is None)
     for wr in plan.create:
         await asyncio.to_thread(kubeapi.create_replica, wr)
@@ -348,6 +352,11 @@ async def _reconcile_modelload(
         kopf.info(body, reason="RollingOut", message=f"{replica} moves to {desired}")
 
     leases = {n: lease for (ns, n), store in replica_lease_index.items() if ns == namespace for lease in store}
+    # A Lease that names another node (or none) would keep the replica's own agent from writing its Lease for good:
+    # delete it, and the agent creates its own at its next renewal. Until then the replica is not Live.
+    for foreign in foreign_leases(replicas, leases):
+        if await asyncio.to_thread(kubeapi.delete_lease, namespace, foreign.lease, foreign.uid):
+            kopf.warn(body, reason=LEASE_OF_OTHER_NODE_DELETED, message=foreign.message())
     now = dt.datetime.now(dt.UTC)
     # Staleness is the Leases' to say, every time: the operator records it in the replicas' `Live` condition
     # (its own field) and never in their phase, which is the agent's.
@@ -356,7 +365,7 @@ async def _reconcile_modelload(
     matching = sum(1 for n in nodes if node_matches(n, body["spec"].get("nodeSelector") or {}))
     status = aggregate_status(
         model_load, replicas, leases, nodes_available=matching, now=now, now_text=now_rfc3339(),
-        problem=problem,
+        problem=problem, version_uid=uid,
     )  # fmt: skip
     current_status = body.get("status") or {}
     if any(current_status.get(k) != v for k, v in status.items()):

@@ -26,6 +26,8 @@ from ferry.api.models import (
 from ferry.chain import VersionView
 
 READY, PROGRESSING, DEGRADED, PEER_STALLED = "Ready", "Progressing", "Degraded", "PeerStalled"
+# Event reason: a replica's Lease named another node (or none) and was deleted (`foreign_leases`).
+LEASE_OF_OTHER_NODE_DELETED = "LeaseOfOtherNodeDeleted"
 # Ready=False reasons for a desired version that cannot be placed: nothing is created or rolled out meanwhile.
 VERSION_NOT_FOUND, VERSION_NOT_READY, MODEL_MISMATCH = "VersionNotFound", "VersionNotReady", "ModelMismatch"
 
@@ -58,14 +60,16 @@ def version_problem(spec: Mapping[str, Any], version: VersionView | None) -> Ver
 
 # ---------------------------------------------------------------- scheduling
 
+REPLICA_HASH_CHARS = 10
+
 
 def replica_name(modelload: str, node: str) -> str:
-    """Deterministic and DNS-safe: `<modelload>-<node>`, shortened with a hash when too long."""
-    name = f"{modelload}-{node}".lower()
-    if len(name) <= 63:
-        return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-    return f"{name[:54]}-{digest}"
+    """Deterministic, DNS-safe and collision-free: `<modelload>-<node>-<hash of the pair>`. The joined names alone
+    collide (ModelLoad `a-b` on node `c`, `a` on node `b-c`); the hash tells such pairs apart. At most 63
+    characters: the name is also a label value (`ferry.dev/replica` on its Lease)."""
+    digest = hashlib.sha256(f"{modelload}/{node}".encode()).hexdigest()[:REPLICA_HASH_CHARS]
+    prefix = f"{modelload}-{node}".lower()[: 63 - REPLICA_HASH_CHARS - 1].rstrip("-.")
+    return f"{prefix}-{digest}"
 
 
 def node_matches(node: Mapping[str, Any], selector: Mapping[str, str]) -> bool:
@@ -189,8 +193,13 @@ def _phase(replica: Mapping[str, Any]) -> str:
     return (replica.get("status") or {}).get("phase") or "Pending"
 
 
-def serves(replica: Mapping[str, Any], version: str) -> bool:
-    return _phase(replica) == "Serving" and (replica.get("status") or {}).get("version") == version
+def serves(replica: Mapping[str, Any], version: str, uid: str | None = None) -> bool:
+    """Serving `version`; given `uid`, that very WeightVersion object (`status.versionUid`), not an older one of the
+    same name that was deleted and republished."""
+    status = replica.get("status") or {}
+    if uid is not None and status.get("versionUid") != uid:
+        return False
+    return _phase(replica) == "Serving" and status.get("version") == version
 
 
 # ---------------------------------------------------------------- status
@@ -280,6 +289,43 @@ def liveness(replica: Mapping[str, Any], leases: Mapping[str, Mapping[str, Any]]
     )
 
 
+@dataclass(frozen=True)
+class ForeignLease:
+    """A replica's Lease that does not name the replica's node: its label says `node` (None: no label)."""
+
+    replica: str
+    replica_node: str
+    lease: str
+    uid: str
+    node: str | None
+
+    def message(self) -> str:
+        found = f"labelled for node {self.node}" if self.node else f"without a {LABEL_NODE} label"
+        return (
+            f"deleted Lease {self.lease} of replica {self.replica}: {found}, but the replica is on node "
+            f"{self.replica_node}; its agent writes it again"
+        )
+
+
+def foreign_leases(
+    replicas: Iterable[Mapping[str, Any]], leases: Mapping[str, Mapping[str, Any]]
+) -> list[ForeignLease]:
+    """Leases that the operator deletes so that the replica's own agent can write its Lease: one labelled for
+    another node (that node's agent may create any `ferry-wr-*` name labelled with its own node, and the admission
+    policy then keeps the rightful agent from ever updating it), or one without the label (written by an agent
+    older than it, which no agent may update under the policy)."""
+    found = []
+    for r in replicas:
+        node = (r.get("spec") or {}).get("nodeName")
+        name = replica_lease_name(r["metadata"]["name"])
+        lease = leases.get(name)
+        if lease is None or r["metadata"].get("deletionTimestamp") or not node or lease_node(lease) == node:
+            continue
+        uid = (lease.get("metadata") or {}).get("uid", "")
+        found.append(ForeignLease(r["metadata"]["name"], node, name, uid, lease_node(lease)))
+    return found
+
+
 def stale_replicas(
     replicas: Iterable[Mapping[str, Any]], leases: Mapping[str, Mapping[str, Any]], now: dt.datetime
 ) -> list[str]:
@@ -335,14 +381,21 @@ def aggregate_status(
     problem: VersionProblem | None = None,
     now: dt.datetime,
     now_text: str,
+    version_uid: str | None = None,
 ) -> dict[str, Any]:
+    """The ModelLoad's status. With `version_uid` (the desired WeightVersion's metadata.uid), a replica is ready only
+    while it serves that very object."""
     meta, spec = modelload["metadata"], modelload["spec"]
     current = modelload.get("status") or {}
     generation = meta.get("generation")
     desired = spec["desiredVersion"]
     wanted = int(spec.get("replicas", 1))
     stale = set(stale_replicas(replicas, leases, now))
-    ready = [r for r in replicas if serves(r, desired) and r["metadata"]["name"] not in stale]
+    ready = [r for r in replicas if serves(r, desired, version_uid) and r["metadata"]["name"] not in stale]
+    # Serving the name, but an older object of it (deleted and republished): not ready, whatever phase and name say.
+    outdated = sorted(
+        r["metadata"]["name"] for r in replicas if serves(r, desired) and not serves(r, desired, version_uid)
+    )
     failed = [r for r in replicas if _phase(r) == "Failed"]
     loading = [r for r in replicas if _phase(r) in ("Pending", "Loading", "Loaded")]
     behind = [r for r in replicas if r["spec"]["version"] != desired]
@@ -367,7 +420,8 @@ def aggregate_status(
         r = failed[0]
         put(READY, False, "ReplicaFailed", f"{r['metadata']['name']}: {(r.get('status') or {}).get('message', '')}")
     else:
-        put(READY, False, "ReplicasNotReady", f"{len(ready)}/{wanted} replicas serve {desired}")
+        older = f"; {', '.join(outdated)} serve an older WeightVersion named {desired}" if outdated else ""
+        put(READY, False, "ReplicasNotReady", f"{len(ready)}/{wanted} replicas serve {desired}{older}")
 
     if behind or loading:
         reason = "RollingOut" if behind else "Loading"

@@ -232,13 +232,70 @@ def test_tenant_namespaces_get_role_bindings_and_nothing_reads_secrets_cluster_w
     bound_cluster_wide = {b["roleRef"]["name"] for b in docs["ClusterRoleBinding"]}
     assert bound_cluster_wide == {"ferry-agent", "ferry-operator"}
     for name in bound_cluster_wide:
-        assert not any("secrets" in r["resources"] or ("leases" in r["resources"] and "create" in r["verbs"])
+        writes = {"create", "update", "patch", "delete"}
+        assert not any("secrets" in r["resources"] or ("leases" in r["resources"] and writes & set(r["verbs"]))
                        for r in roles[name]), f"{name} reads Secrets or writes Leases cluster-wide"  # fmt: skip
     assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": ["s3"]} in roles[
         "ferry-agent-tenant"
     ]
-    # No tenant namespaces: no RoleBinding but the agent's own for minting worker tokens in the release namespace.
+    assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["delete"]} in roles[
+        "ferry-operator-tenant"
+    ]
+    # Tenants listed by name share the ClusterRoles: the one Role is the agent's own, for minting worker tokens.
+    assert [r["metadata"]["name"] for r in docs["Role"]] == ["ferry-agent-worker-token"]
+    # No tenant namespaces: no RoleBinding but that Role's in the release namespace.
     assert [b["roleRef"]["kind"] for b in by_kind(render(helm_env))["RoleBinding"]] == ["Role"]
+
+
+def test_a_tenant_namespace_may_list_its_own_secret_names(helm_env, tmp_path):
+    """`{name, secretNames}`: a Role per component in that namespace, Secrets limited to those names for the agent and
+    the operator; a plain name keeps the shared ClusterRole (any Secret, or the deprecated agent.secretNames)."""
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"tenantNamespaces": [
+        "team-a", {"name": "team-b", "secretNames": ["s3-b"]}, {"name": "team-c", "secretNames": ["s3-c", "s3-c2"]},
+    ]}))  # fmt: skip
+    docs = by_kind(render(helm_env, "-f", str(values)))
+    refs = {(b["metadata"]["namespace"], b["metadata"]["name"]): b["roleRef"] for b in docs["RoleBinding"]}
+    for component in ("agent", "operator"):
+        assert refs[("team-a", f"ferry-{component}")]["kind"] == "ClusterRole"
+        for ns in ("team-b", "team-c"):
+            assert refs[(ns, f"ferry-{component}")] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                                        "name": f"ferry-{component}-tenant"}  # fmt: skip
+    roles = {(r["metadata"]["namespace"], r["metadata"]["name"]): r["rules"] for r in docs["Role"]
+             if r["metadata"]["name"] != "ferry-agent-worker-token"}  # fmt: skip
+    assert set(roles) == {(ns, f"ferry-{c}-tenant") for ns in ("team-b", "team-c") for c in ("agent", "operator")}
+    cluster_roles = {r["metadata"]["name"]: r["rules"] for r in docs["ClusterRole"]}
+    for component in ("agent", "operator"):
+        shared = cluster_roles[f"ferry-{component}-tenant"]
+        for ns, names in (("team-b", ["s3-b"]), ("team-c", ["s3-c", "s3-c2"])):
+            rules = roles[(ns, f"ferry-{component}-tenant")]
+            secrets = [r for r in rules if r["resources"] == ["secrets"]]
+            assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": names}]
+            # Every other rule is the shared role's.
+            assert [r for r in rules if r["resources"] != ["secrets"]] == [
+                r for r in shared if r["resources"] != ["secrets"]
+            ]
+        assert not any("resourceNames" in r for r in shared)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"name": "team-b"}, "missing property 'secretNames'"),
+        ({"name": "team-b", "secretNames": []}, "minItems: got 0, want 1"),
+        ({"name": "team-b", "secretNames": ["s3"], "names": ["x"]}, "additional properties 'names' not allowed"),
+        ({"name": "Team-B", "secretNames": ["s3"]}, "does not match pattern"),
+    ],
+    ids=["no-secret-names", "empty-secret-names", "unknown-key", "bad-namespace"],
+)
+def test_values_schema_rejects_bad_tenant_entries(helm_env, tmp_path, entry, message):
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"tenantNamespaces": [entry]}))
+    proc = helm(
+        helm_env, "template", "ferry", str(CHART), "--kube-version", KUBE_VERSION, "-f", str(values), check=False
+    )
+    assert proc.returncode != 0 and "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    assert message in proc.stderr, proc.stderr
 
 
 def test_admission_policy_names_the_agent_and_the_api_constants(helm_env):
@@ -376,8 +433,9 @@ def can_i(cluster: LocalCluster, namespace: str, user: str, verb: str, resource:
 
 def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
     """What RBAC grants. Which node's objects an agent may write, the admission policy decides: test_rbac.py."""
-    tenant = ["--set", f"tenantNamespaces={{{namespace}}}"]
-    with release(cluster, helm_env, namespace, "--set", "agent.secretNames={s3-creds}", *tenant) as name:
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"tenantNamespaces": [{"name": namespace, "secretNames": ["s3-creds"]}]}))
+    with release(cluster, helm_env, namespace, "-f", str(values)) as name:
         agent_sa = f"system:serviceaccount:{namespace}:{name}-agent"
         allowed = [(v, r) for v, r in AGENT_ALLOWED if not can_i(cluster, namespace, agent_sa, v, r)]
         denied = [(v, r) for v, r in AGENT_DENIED if can_i(cluster, namespace, agent_sa, v, r)]
@@ -388,10 +446,16 @@ def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
         for verb, resource in [("get", "secrets/s3-creds"), ("create", "leases.coordination.k8s.io"),
                                ("delete", "leases.coordination.k8s.io")]:  # fmt: skip
             assert not can_i(cluster, "kube-system", agent_sa, verb, resource), f"agent may {verb} {resource}"
-        # The operator's role is broader than the agent's; it too reads Secrets only in tenant namespaces.
+        # The operator's role is broader than the agent's; it too reads Secrets only in tenant namespaces (only the
+        # listed ones), and deletes Leases only there (a replica's Lease written for another node); it writes none.
         operator_sa = f"system:serviceaccount:{namespace}:{name}-operator"
         assert can_i(cluster, namespace, operator_sa, "get", "secrets/s3-creds")
+        assert not can_i(cluster, namespace, operator_sa, "get", "secrets/other-secret")
         assert not can_i(cluster, "kube-system", operator_sa, "get", "secrets/s3-creds")
+        assert can_i(cluster, namespace, operator_sa, "delete", "leases.coordination.k8s.io")
+        assert not can_i(cluster, "kube-system", operator_sa, "delete", "leases.coordination.k8s.io")
+        for verb in ("create", "update", "patch"):
+            assert not can_i(cluster, namespace, operator_sa, verb, "leases.coordination.k8s.io"), verb
         assert can_i(cluster, namespace, operator_sa, "create", "weightreplicas.ferry.dev")
         assert can_i(cluster, namespace, operator_sa, "patch", "weightversions.ferry.dev/status")
         assert not can_i(cluster, namespace, operator_sa, "create", "weightversions.ferry.dev")

@@ -7,8 +7,11 @@ TokenRequest bound to such a Pod gives what the kubelet would mount, a token who
 
 - An agent writes the status of its own node's WeightReplicas and its own node's Leases, nothing of another node's
   (no rewritten `ranks`, no deleted or relabelled Lease), and nothing at all with a token not bound to a node.
-- Secrets: agent and operator read them in tenant namespaces only, never in another namespace or kube-system.
-- Leases: only in tenant namespaces, only named like a replica's Lease and labelled with the agent's node.
+- Secrets: agent and operator read them in tenant namespaces only, never in another namespace or kube-system; in a
+  namespace listed with its own secretNames, only those.
+- Leases: only in tenant namespaces, only named like a replica's Lease and labelled with the agent's node; an agent
+  may also delete a replica's Lease without the node label (an older agent's), and then write it labelled. The
+  operator may delete Leases in tenant namespaces, and write none.
 - A namespace enabled later with the chart README's two RoleBindings gets the same rights.
 - Worker tokens: an agent mints tokens for its own ServiceAccount, bound to its own Pod, for ferry.dev/worker/<node>
   audiences only; not bound to another agent's Pod (that would pose as the other node), not an API token, not for
@@ -39,6 +42,7 @@ APPLIED_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", 
                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}  # fmt: skip
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 SECRET = "s3-creds"
+UNLISTED = "other-creds"
 ATTACKER = "203.0.113.66:50051"
 
 
@@ -46,7 +50,9 @@ ATTACKER = "203.0.113.66:50051"
 class Setup:
     cluster: LocalCluster
     release_ns: str
-    tenant: str  # listed in tenantNamespaces
+    tenant: str  # listed in tenantNamespaces by name: any Secret there
+    restricted: str  # listed with secretNames [SECRET]
+    restricted2: str  # listed with secretNames [UNLISTED]
     other: str  # not listed
     node_a: str
     node_b: str
@@ -125,26 +131,32 @@ def now() -> str:
 
 
 @pytest.fixture(scope="module")
-def setup(cluster: LocalCluster, kube: client.ApiClient, helm_env) -> Iterator[Setup]:
+def setup(cluster: LocalCluster, kube: client.ApiClient, helm_env, tmp_path_factory) -> Iterator[Setup]:
     suffix = uuid.uuid4().hex[:6]
-    release_ns, tenant, other = (f"rbac-{kind}-{suffix}" for kind in ("sys", "tenant", "other"))
+    kinds = ("sys", "tenant", "restricted", "restricted2", "other")
+    release_ns, tenant, restricted, restricted2, other = (f"rbac-{kind}-{suffix}" for kind in kinds)
     release = f"ferry-{suffix}"
     node_a, node_b = f"rbac-node-a-{suffix}", f"rbac-node-b-{suffix}"
     core = client.CoreV1Api(kube)
     clients: dict[str, client.ApiClient] = {}
     try:
-        for ns in (release_ns, tenant, other):
+        for ns in (release_ns, tenant, restricted, restricted2, other):
             core.create_namespace({"metadata": {"name": ns}})
-        docs = render(helm_env, "--set", f"tenantNamespaces={{{tenant}}}", namespace=release_ns, release=release)
+        values = tmp_path_factory.mktemp("values") / "values.yaml"
+        values.write_text(yaml.safe_dump({"tenantNamespaces": [
+            tenant, {"name": restricted, "secretNames": [SECRET]}, {"name": restricted2, "secretNames": [UNLISTED]},
+        ]}))  # fmt: skip
+        docs = render(helm_env, "-f", str(values), namespace=release_ns, release=release)
         rbac = [d for d in docs if d["kind"] in APPLIED_KINDS]
         assert {d["kind"] for d in rbac} == APPLIED_KINDS
         cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(rbac))  # each names its namespace
         agent_sa, operator_sa = f"{release}-agent", f"{release}-operator"
 
-        # The same Secret name in the tenant namespace, another namespace and kube-system.
-        for ns in (tenant, other, "kube-system"):
+        # The same Secret names in the tenant namespaces, another namespace and kube-system.
+        for ns in (tenant, restricted, restricted2, other, "kube-system"):
             data = {"AWS_ACCESS_KEY_ID": base64.b64encode(ns.encode()).decode()}
-            core.create_namespaced_secret(ns, {"metadata": {"name": SECRET}, "data": data})
+            for secret in (SECRET, UNLISTED):
+                core.create_namespaced_secret(ns, {"metadata": {"name": secret}, "data": data})
 
         tokens, pods = {}, {}
         for label, node in (("agent-a", node_a), ("agent-b", node_b)):
@@ -164,7 +176,8 @@ def setup(cluster: LocalCluster, kube: client.ApiClient, helm_env) -> Iterator[S
             tokens[label] = core.create_namespaced_service_account_token(sa, release_ns, plain).status.token
         clients = {label: bearer_client(cluster, token) for label, token in tokens.items() if "worker" not in label}
 
-        s = Setup(cluster, release_ns, tenant, other, node_a, node_b, release, agent_sa, clients, tokens, pods)
+        s = Setup(cluster, release_ns, tenant, restricted, restricted2, other, node_a, node_b, release, agent_sa,
+                  clients, tokens, pods)  # fmt: skip
         # RBAC and the policy take effect once the apiserver's informers see them: wait for an allowed read and for
         # the first denial of a write that RBAC alone allows (a probe replica of the other node).
         wait_until(lambda: s.core("agent-a").read_namespaced_secret(SECRET, tenant) is not None, 30, "RBAC")
@@ -190,8 +203,8 @@ def setup(cluster: LocalCluster, kube: client.ApiClient, helm_env) -> Iterator[S
         kinds = "clusterrole,clusterrolebinding,validatingadmissionpolicy,validatingadmissionpolicybinding"
         cluster.kubectl("delete", kinds, "-l", selector, "--ignore-not-found", check=False)
         cluster.kubectl("delete", "node", node_a, node_b, "--ignore-not-found", check=False)
-        cluster.kubectl("delete", "secret", SECRET, "-n", "kube-system", "--ignore-not-found", check=False)
-        for ns in (release_ns, tenant, other):
+        cluster.kubectl("delete", "secret", SECRET, UNLISTED, "-n", "kube-system", "--ignore-not-found", check=False)
+        for ns in (release_ns, tenant, restricted, restricted2, other):
             cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
 
 
@@ -218,6 +231,38 @@ def test_secrets_are_readable_only_in_tenant_namespaces(setup, who):
         assert by_rbac(forbidden(lambda ns=ns: core.read_namespaced_secret(SECRET, ns)))
     assert by_rbac(forbidden(lambda: core.list_namespaced_secret(setup.tenant)))
     assert by_rbac(forbidden(lambda: core.list_secret_for_all_namespaces()))
+
+
+@pytest.mark.parametrize("who", ["agent-a", "operator"])
+def test_each_tenant_namespace_follows_its_own_secret_names(setup, who):
+    """`{name, secretNames}` entries: in that namespace only those Secrets; a plain name: any Secret there."""
+    core = setup.core(who)
+
+    def readable(ns: str, name: str) -> bool:
+        try:
+            secret = core.read_namespaced_secret(name, ns)
+        except ApiException as exc:
+            assert exc.status == 403 and by_rbac(exc), exc.body
+            return False
+        assert base64.b64decode(secret.data["AWS_ACCESS_KEY_ID"]).decode() == ns
+        return True
+
+    assert readable(setup.restricted, SECRET) and not readable(setup.restricted, UNLISTED)
+    assert readable(setup.restricted2, UNLISTED) and not readable(setup.restricted2, SECRET)
+    assert readable(setup.tenant, SECRET) and readable(setup.tenant, UNLISTED)
+    for ns in (setup.restricted, setup.restricted2):
+        assert by_rbac(forbidden(lambda ns=ns: core.list_namespaced_secret(ns)))
+
+
+def test_a_restricted_namespace_keeps_the_lease_rules(setup):
+    """Its Role holds the same Lease rules as the tenant ClusterRole; the admission policy still applies."""
+    leases = setup.leases("agent-a")
+    ns = setup.restricted
+    leases.create_namespaced_lease(ns, lease_body("r-a", "agent-a-1", now(), 15, node=setup.node_a))
+    leases.patch_namespaced_lease(lease_name("r-a"), ns, {"spec": {"renewTime": now()}})
+    theirs = lease_body("r-b", "agent-a-1", now(), 15, node=setup.node_b)
+    assert by_policy(forbidden(lambda: leases.create_namespaced_lease(ns, theirs)))
+    leases.delete_namespaced_lease(lease_name("r-a"), ns)
 
 
 def test_agent_writes_status_only_of_its_own_nodes_replicas(setup, kube):
@@ -286,6 +331,50 @@ def test_agent_holds_only_its_own_nodes_leases(setup):
 def review(setup: Setup, who: str, token: str, audience: str) -> client.V1TokenReviewStatus:
     spec = client.V1TokenReviewSpec(token=token, audiences=[audience])
     return client.AuthenticationV1Api(setup.clients[who]).create_token_review(client.V1TokenReview(spec=spec)).status
+
+
+def test_an_unlabelled_lease_is_deleted_and_written_again_by_its_agent(setup, kube):
+    """The upgrade path: a Lease written before the node label existed can be updated by no agent, but deleted by
+    one, which then creates it labelled with its node (what NodeAgent._write_lease does on the policy's refusal).
+    Once labelled, another node's agent can neither delete nor update it."""
+    admin = client.CoordinationV1Api(kube)
+    leases_a, leases_b, unbound = (setup.leases(w) for w in ("agent-a", "agent-b", "agent-unbound"))
+    ns, name = setup.tenant, lease_name("old-a")
+    old = lease_body("old-a", "agent-old", now(), 15, node=setup.node_a)
+    del old["metadata"]["labels"][models.LABEL_NODE]  # as an agent older than the label wrote it
+    admin.create_namespaced_lease(ns, old)
+
+    ours = lease_body("old-a", "agent-a-2", now(), 15, node=setup.node_a)
+    take = {"metadata": {"labels": ours["metadata"]["labels"]}, "spec": ours["spec"]}
+    assert by_policy(forbidden(lambda: leases_a.patch_namespaced_lease(name, ns, take)))
+    assert by_policy(forbidden(lambda: unbound.delete_namespaced_lease(name, ns)))  # a node is still required
+    leases_a.delete_namespaced_lease(name, ns)
+    created = leases_a.create_namespaced_lease(ns, ours)
+    assert created.metadata.labels[models.LABEL_NODE] == setup.node_a and created.spec.holder_identity == "agent-a-2"
+    leases_a.patch_namespaced_lease(name, ns, {"spec": {"renewTime": now()}})
+
+    assert by_policy(forbidden(lambda: leases_b.delete_namespaced_lease(name, ns)))
+    assert by_policy(forbidden(lambda: leases_b.patch_namespaced_lease(name, ns, {"spec": {"holderIdentity": "x"}})))
+    # The exception is for replicas' Leases only: no other unlabelled Lease may be deleted.
+    other = {**old, "metadata": {"name": "leader-election"}}
+    admin.create_namespaced_lease(ns, other)
+    assert by_policy(forbidden(lambda: leases_a.delete_namespaced_lease("leader-election", ns)))
+    assert admin.read_namespaced_lease(name, ns).spec.holder_identity == "agent-a-2"
+
+
+def test_operator_may_delete_leases_only_in_tenant_namespaces(setup, kube):
+    """It deletes a replica's Lease that names another node (a squatted name); it writes no Lease itself."""
+    admin, operator = client.CoordinationV1Api(kube), setup.leases("operator")
+    for ns in (setup.tenant, setup.restricted, setup.other):
+        admin.create_namespaced_lease(ns, lease_body("sq", "agent-b-1", now(), 15, node=setup.node_b))
+    for ns in (setup.tenant, setup.restricted):
+        operator.delete_namespaced_lease(lease_name("sq"), ns)
+    assert by_rbac(forbidden(lambda: operator.delete_namespaced_lease(lease_name("sq"), setup.other)))
+    assert by_rbac(forbidden(lambda: operator.delete_namespaced_lease("kube-controller-manager", "kube-system")))
+    mine = lease_body("op", "operator", now(), 15, node=setup.node_a)
+    assert by_rbac(forbidden(lambda: operator.create_namespaced_lease(setup.tenant, mine)))
+    kept = admin.read_namespaced_lease(lease_name("sq"), setup.other)
+    assert by_rbac(forbidden(lambda: operator.patch_namespaced_lease(kept.metadata.name, setup.other, {"spec": {}})))
 
 
 def test_agent_may_review_worker_tokens(setup):

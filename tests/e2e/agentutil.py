@@ -60,11 +60,20 @@ def seed_arg(namespace: str, version: str, path: Path, model: str = "m") -> str:
 
 
 def start_agent(
-    cluster, tmp_path, node_name: str, *seeds: str, retry_seconds: float = 1.0, lease_seconds: int = 3, s3=None
+    cluster,
+    tmp_path,
+    node_name: str,
+    *seeds: str,
+    retry_seconds: float = 1.0,
+    lease_seconds: int = 3,
+    s3=None,
+    kubeconfig: Path | None = None,
+    pod: dict[str, str] | None = None,
 ) -> ManagedProcess:
     """An agent process for one node; with `s3`, it has a checkpoint store of its own and reads that S3. It runs as
     a Pod on that node (`LocalCluster.agent_pod`), as the chart's downward-API env says, and mints real worker
-    tokens bound to it."""
+    tokens bound to it. It talks to the apiserver as admin, or with `kubeconfig` (e.g. its ServiceAccount's
+    Pod-bound token; `pod` then names that Pod: `agent_pod`'s namespace, service_account and pod)."""
     AGENT_NODES[node_name] = cluster
     argv = [
         sys.executable,
@@ -80,11 +89,13 @@ def start_agent(
         str(retry_seconds),
         "--metrics-port",
         "0",
-        *cluster.agent_identity_args(node_name),
+        *cluster.agent_identity_args(node_name, **(pod or {})),
     ]
     for seed in seeds:
         argv += ["--seed", seed]
     env = {**os.environ, **cluster.env(), "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
+    if kubeconfig is not None:
+        env["KUBECONFIG"] = str(kubeconfig)
     if s3 is not None:
         argv += ["--checkpoint-dir", str(tmp_path / f"store-{node_name}"), "--s3-endpoint", s3.endpoint]
         env.update(s3.env())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 import pytest
 
@@ -11,9 +12,11 @@ from ferry.chain import VersionView
 from ferry_operator.modelloads import (
     aggregate_status,
     choose_nodes,
+    foreign_leases,
     live_conditions,
     plan_replicas,
     renewed_after_expiry,
+    replica_body,
     replica_name,
     stale_replicas,
     stalled_replicas,
@@ -58,6 +61,9 @@ def lease(node_name, ago=1, **spec):
         "metadata": {"labels": {"ferry.dev/node": node_name}},
         "spec": {"renewTime": ts(ago), "leaseDurationSeconds": 15, **spec},
     }
+
+
+RA, RB, RC = (replica_name("serve", n) for n in "abc")
 
 
 def live(*nodes):
@@ -121,14 +127,14 @@ def test_expired_lease_is_stale_and_degraded():
     status = aggregate_status(ml(), replicas, live("a", "b"), nodes_available=3, now=NOW, now_text=ts(0))
     c = conds(status)
     assert status["readyReplicas"] == 2 and status["phase"] == "Degraded"
-    assert c["Degraded"]["reason"] == "ReplicaStale" and "serve-c" in c["Degraded"]["message"]
+    assert c["Degraded"]["reason"] == "ReplicaStale" and replica_name("serve", "c") in c["Degraded"]["message"]
 
 
 def test_staleness_is_derived_from_the_lease_every_time():
     """Level-based: a replica whose Lease is renewed again is not stale, whatever was recorded before."""
-    recorded = live_conditions([wr("c")], {}, NOW, ts(0))["serve-c"]  # the Lease is gone: Live=False
+    recorded = live_conditions([wr("c")], {}, NOW, ts(0))[RC]  # the Lease is gone: Live=False
     back = [wr("a"), wr("b"), wr("c", conditions=recorded)]
-    assert stale_replicas(back, live("a", "b"), NOW) == ["serve-c"]
+    assert stale_replicas(back, live("a", "b"), NOW) == [RC]
     assert stale_replicas(back, live("a", "b", "c"), NOW) == []
     status = aggregate_status(ml(), back, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0))
     assert status["phase"] == "Ready" and conds(status)["Degraded"]["status"] == "False"
@@ -136,22 +142,22 @@ def test_staleness_is_derived_from_the_lease_every_time():
 
 
 def test_live_condition_follows_the_lease_and_is_written_only_on_change():
-    expired = {replica_lease_name("serve-a"): lease("a", 20, holderIdentity="agent-a")}
-    first = live_conditions([wr("a")], expired, NOW, ts(0))["serve-a"]
+    expired = {replica_lease_name(RA): lease("a", 20, holderIdentity="agent-a")}
+    first = live_conditions([wr("a")], expired, NOW, ts(0))[RA]
     (cond,) = first
     assert (cond["type"], cond["status"], cond["reason"]) == ("Live", "False", "LeaseExpired")
     assert "agent-a" in cond["message"] and ts(20) in cond["message"]
     assert live_conditions([wr("a", conditions=first)], expired, NOW, ts(0)) == {}
-    renewed = live_conditions([wr("a", conditions=first)], live("a"), NOW, ts(0))["serve-a"]
+    renewed = live_conditions([wr("a", conditions=first)], live("a"), NOW, ts(0))[RA]
     assert [(c["status"], c["reason"]) for c in renewed] == [("True", "LeaseRenewed")]
-    assert live_conditions([wr("b")], {}, NOW, ts(0))["serve-b"][0]["reason"] == "LeaseMissing"
+    assert live_conditions([wr("b")], {}, NOW, ts(0))[RB][0]["reason"] == "LeaseMissing"
 
 
 def test_a_lease_written_for_another_node_does_not_keep_a_replica_live():
-    squatted = {replica_lease_name("serve-a"): lease("b")}  # node b's agent wrote serve-a's Lease name
-    (cond,) = live_conditions([wr("a")], squatted, NOW, ts(0))["serve-a"]
+    squatted = {replica_lease_name(RA): lease("b")}  # node b's agent wrote the Lease name of a replica on a
+    (cond,) = live_conditions([wr("a")], squatted, NOW, ts(0))[RA]
     assert (cond["status"], cond["reason"]) == ("False", "LeaseOfOtherNode")
-    assert stale_replicas([wr("a")], squatted, NOW) == ["serve-a"]
+    assert stale_replicas([wr("a")], squatted, NOW) == [RA]
 
 
 def test_a_renewal_after_a_gap_longer_than_the_lease_is_noticed():
@@ -161,19 +167,19 @@ def test_a_renewal_after_a_gap_longer_than_the_lease_is_noticed():
 
 
 def test_stalled_peer_names_replica_source_bytes_and_time():
-    loading = wr("c", phase="Loading", source="peer/serve-a", bytesDone=1024, bytesTotal=4096, lastProgressTime=ts(45))
+    loading = wr("c", phase="Loading", source=f"peer/{RA}", bytesDone=1024, bytesTotal=4096, lastProgressTime=ts(45))
     replicas = [wr("a"), wr("b"), loading]
     stalled = stalled_replicas(replicas, 30, NOW)
-    assert [s.replica for s in stalled] == ["serve-c"]
+    assert [s.replica for s in stalled] == [RC]
     status = aggregate_status(ml(), replicas, live("a", "b"), nodes_available=3, now=NOW, now_text=ts(0))
     message = conds(status)["PeerStalled"]["message"]
-    for part in ("serve-c", "peer/serve-a", "1024 of 4096 bytes", "45s", ts(45)):
+    for part in (RC, f"peer/{RA}", "1024 of 4096 bytes", "45s", ts(45)):
         assert part in message
     assert conds(status)["Progressing"]["reason"] == "Loading"
 
 
 def test_fallback_to_object_storage_is_degraded():
-    attempts = [{"source": "peer/serve-a", "outcome": "Failed"}, {"source": "ObjectStorage", "outcome": "Loaded"}]
+    attempts = [{"source": f"peer/{RA}", "outcome": "Failed"}, {"source": "ObjectStorage", "outcome": "Loaded"}]
     replicas = [wr("a"), wr("b"), wr("c", source="s3", attempts=attempts)]
     status = aggregate_status(ml(), replicas, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0))
     c = conds(status)
@@ -189,6 +195,58 @@ def test_not_enough_nodes_is_explained():
 def test_replica_names_are_dns_safe():
     long = replica_name("m" * 40, "node-" + "x" * 60)
     assert len(long) <= 63 and long == long.lower()
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", long)
+    # Cut right after a separator: no "-" or "." is left before the hash.
+    cut = replica_name("m" * 51, "node")
+    assert len(cut) <= 63 and "--" not in cut and re.fullmatch(r"m{51}-[0-9a-f]{10}", cut)
+    assert replica_name("serve", "node-a") == replica_name("serve", "node-a")  # stable across reconciles
+
+
+def test_replica_names_of_different_pairs_never_collide():
+    """ModelLoad `a-b` on node `c` and ModelLoad `a` on node `b-c` both join to `a-b-c`."""
+    assert replica_name("a-b", "c") != replica_name("a", "b-c")
+    assert replica_name("a-b", "c").startswith("a-b-c-") and replica_name("a", "b-c").startswith("a-b-c-")
+    long = "x" * 60
+    assert replica_name(long, "node-1") != replica_name(long, "node-2")  # the prefix is cut before the nodes differ
+    a, b = ml(), {**ml(), "metadata": {**ml()["metadata"], "name": "serve-x"}}
+    bodies = [replica_body(a, "x-n", "v2"), replica_body(b, "n", "v2")]
+    assert bodies[0]["metadata"]["name"] != bodies[1]["metadata"]["name"]
+
+
+def test_a_replica_serving_an_older_object_of_the_desired_name_is_not_ready():
+    """`v2` deleted and published again: a replica still serving the old object's bytes (its versionUid) is not
+    counted ready, whatever its phase and version name say."""
+    replicas = [wr("a", versionUid="new"), wr("b", versionUid="new"), wr("c", versionUid="old")]
+    status = aggregate_status(
+        ml(), replicas, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0), version_uid="new"
+    )
+    ready = conds(status)["Ready"]
+    assert status["readyReplicas"] == 2 and status["phase"] != "Ready" and status["loadedVersion"] is None
+    assert (ready["status"], ready["reason"]) == ("False", "ReplicasNotReady")
+    assert f"{RC} serve an older WeightVersion named v2" in ready["message"]
+    replicas[2] = wr("c", versionUid="new")
+    status = aggregate_status(
+        ml(), replicas, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0), version_uid="new"
+    )
+    assert status["phase"] == "Ready" and status["readyReplicas"] == 3
+
+
+def test_leases_that_name_another_node_or_none_are_to_be_deleted():
+    squatted = lease("b")
+    squatted["metadata"]["uid"] = "lease-uid-1"
+    unlabelled = {"metadata": {"uid": "lease-uid-2"}, "spec": lease("c")["spec"]}
+    leases = {**live("a"), replica_lease_name(RB): squatted, replica_lease_name(RC): unlabelled}
+    wrs = [wr("a"), wr("b", phase="Loading"), wr("c")]
+    wrs[1]["spec"]["nodeName"] = "a"  # RB's name, but placed on a: node b squats its Lease
+    found = foreign_leases(wrs, leases)
+    assert [(f.replica, f.lease, f.uid, f.node) for f in found] == [
+        (RB, replica_lease_name(RB), "lease-uid-1", "b"),
+        (RC, replica_lease_name(RC), "lease-uid-2", None),
+    ]
+    assert "labelled for node b, but the replica is on node a" in found[0].message()
+    assert "without a ferry.dev/node label" in found[1].message()
+    deleting = {**wrs[1], "metadata": {**wrs[1]["metadata"], "deletionTimestamp": ts(1)}}
+    assert foreign_leases([wrs[0], deleting], leases) == []
 
 
 def view(name="v2", model="m", ready=True):

@@ -81,3 +81,47 @@ app.kubernetes.io/component: {{ .component }}
 {{- default "default" .Values.agent.serviceAccount.name }}
 {{- end }}
 {{- end }}
+
+{{/* A tenantNamespaces entry's namespace: the entry itself (string form) or its `name`. */}}
+{{- define "ferry.tenant.name" -}}
+{{- if kindIs "string" . }}{{ . }}{{ else }}{{ .name }}{{ end }}
+{{- end }}
+
+{{/*
+The agent's rules in a tenant namespace, given the Secret names it may get (empty: any, by name): those Secrets
+(the WeightVersions' credentialsSecret) and its replicas' liveness Leases (the admission policy admits a Lease write
+only for the agent's own node).
+*/}}
+{{- define "ferry.agent.tenantRules" -}}
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+  {{- with . }}
+  resourceNames:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [create, get, list, watch, update, patch, delete]
+{{- end }}
+
+{{/*
+The operator's rules in a tenant namespace, given the Secret names it may get (empty: any, by name): those Secrets
+(storage verification), and deleting a replica's Lease that names another node than the replica's, so that the
+replica's own agent can write its Lease (a squatted name).
+*/}}
+{{- define "ferry.operator.tenantRules" -}}
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+  {{- with . }}
+  resourceNames:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [delete]
+- apiGroups: [ferry.dev]
+  resources: [weightversions]
+  verbs: [delete]
+{{- end }}
