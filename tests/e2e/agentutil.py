@@ -56,10 +56,18 @@ def seed_arg(namespace: str, version: str, path: Path, model: str = "m") -> str:
 
 
 def start_agent(
-    cluster, tmp_path, node_name: str, *seeds: str, retry_seconds: float = 1.0, lease_seconds: int = 3, s3=None
+    cluster,
+    tmp_path,
+    node_name: str,
+    *seeds: str,
+    retry_seconds: float = 1.0,
+    lease_seconds: int = 3,
+    s3=None,
+    socket_dir: Path | None = None,
 ) -> ManagedProcess:
     """An agent process for one node; with `s3`, it has a checkpoint store of its own and reads that S3. It holds a
-    real worker token bound to a Pod on that node, as the chart's projected volume gives it."""
+    real worker token bound to a Pod on that node, as the chart's projected volume gives it. With `socket_dir` it
+    serves attach sockets for the node's Pods there (else none)."""
     token = cluster.pod_token(node_name, WORKER_AUDIENCE, tmp_path / f"worker-token-{node_name}")
     NODE_TOKENS[node_name] = token
     argv = [
@@ -78,6 +86,8 @@ def start_agent(
         "0",
         "--worker-token-file",
         str(token),
+        "--socket-dir",
+        str(socket_dir or ""),
     ]
     for seed in seeds:
         argv += ["--seed", seed]
