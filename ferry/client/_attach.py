@@ -9,8 +9,9 @@ import os
 import socket
 import time
 import warnings
+import weakref
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -22,6 +23,8 @@ from ferry.client import protocol as p
 
 DEFAULT_ROOT = "/run/ferry/pods"
 _RETRY_S = 0.5
+# module -> the version uid `load_into` last loaded into it, whole: what `only_changed` may build on.
+_LOADED: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
 
 class AttachError(Exception):
@@ -52,11 +55,13 @@ class TensorEntry:
     offset: int
     nbytes: int
     adler32: int
+    changed: bool | None  # against the version `base_uid`; None: no base
 
 
 @dataclass
 class LoadResult:
     loaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # unchanged, with only_changed
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
 
@@ -74,6 +79,7 @@ class Attachment:
         self.version: str = reply["version"]
         self.version_uid: str | None = reply.get("versionUid")
         self.rank: int = reply["rank"]
+        self.base_uid: str | None = reply.get("baseUid")  # the version `changed` is relative to
         self._maps: list[mmap.mmap] = []
         self._views: dict[str, torch.Tensor] | None = None
         try:
@@ -113,10 +119,13 @@ class Attachment:
             finally:
                 view.release()
 
-    def load_into(self, module: torch.nn.Module, strict: bool = True) -> LoadResult:
+    def load_into(self, module: torch.nn.Module, strict: bool = True, only_changed: bool = False) -> LoadResult:
         """`copy_` into `module`'s parameters and buffers (non-persistent ones too, where the version has them), in
         place: storage addresses do not change. Strict: every entry of `module.state_dict()` must be in the
-        version and every tensor of the version must be a parameter or buffer of `module`, with equal shapes."""
+        version and every tensor of the version must be a parameter or buffer of `module`, with equal shapes.
+
+        `only_changed` (refit): when `module` holds, from an earlier `load_into`, exactly the version this one was
+        compared with (`base_uid`), copy only the tensors whose bytes differ from it; otherwise copy all."""
         targets = dict(module.named_parameters(remove_duplicate=False))
         targets.update(module.named_buffers(remove_duplicate=False))
         source = self.tensors()
@@ -133,10 +142,17 @@ class Attachment:
             raise AttachError(
                 "Mismatch", f"missing from the version: {result.missing}; not in the module: {result.unexpected}"
             )
+        refit = only_changed and self.base_uid is not None and _LOADED.get(module) == self.base_uid
+        _LOADED.pop(module, None)  # until this load is complete, the module holds no whole version
         with torch.no_grad():
             for name in sorted(set(source) & set(targets)):
+                if refit and self.entries[name].changed is False:
+                    result.skipped.append(name)
+                    continue
                 targets[name].copy_(source[name])
                 result.loaded.append(name)
+        if not result.missing and self.version_uid is not None:
+            _LOADED[module] = self.version_uid
         return result
 
     def release(self) -> None:
@@ -175,7 +191,9 @@ def _entries(reply: dict[str, Any], nfds: int) -> dict[str, TensorEntry]:
         dtype = getattr(torch, t["dtype"], None)
         if not isinstance(dtype, torch.dtype):
             raise AttachError("BadReply", f"unknown dtype {t['dtype']!r}")
-        e = TensorEntry(t["name"], dtype, tuple(t["shape"]), t["chunk"], t["offset"], t["nbytes"], t["adler32"])
+        e = TensorEntry(
+            t["name"], dtype, tuple(t["shape"]), t["chunk"], t["offset"], t["nbytes"], t["adler32"], t.get("changed")
+        )
         numel = 1
         for d in e.shape:
             numel *= d
@@ -279,3 +297,49 @@ def attach(
                 attachment.close()
                 raise
         return attachment
+
+
+def watch(
+    name: str,
+    namespace: str | None = None,
+    *,
+    socket_dir: str | os.PathLike[str] | None = None,
+    timeout: float | None = None,
+) -> Iterator[str]:
+    """Yield each version this node serves for `name` (the ModelLoad, or the model): the current one first, then
+    every change. Survives agent restarts (it reconnects). `timeout`: stop after that many seconds without a new
+    version (None: never)."""
+    path = socket_path(socket_dir)
+    message: dict[str, Any] = {"op": "watch", "name": name}
+    if namespace is not None:
+        message["namespace"] = namespace
+    last: str | None = None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while deadline is None or time.monotonic() < deadline:
+        try:
+            sock = _connect(path, deadline if deadline is not None else time.monotonic() + 3600)
+        except AttachError:
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            continue
+        with sock:
+            try:
+                p.send_frame(sock, message)
+                while True:
+                    if deadline is not None:
+                        sock.settimeout(max(0.01, deadline - time.monotonic()))
+                    event, fds = p.recv_frame(sock, max_bytes=p.MAX_REPLY_BYTES)
+                    p.close_all(fds)
+                    if not event.get("ok"):
+                        err = event.get("error") or {}
+                        raise AttachError(str(err.get("code", "Error")), str(err.get("message", event)))
+                    version = event.get("version")
+                    if version is not None and version != last:
+                        last = version
+                        yield version
+                        if timeout is not None:
+                            deadline = time.monotonic() + timeout
+            except TimeoutError:
+                return
+            except (OSError, p.ProtocolError):  # the agent went away: connect again
+                time.sleep(_RETRY_S)

@@ -1,9 +1,11 @@
-"""An engine process playing a pod: `python attach_consumer.py MODELLOAD once|hold` with FERRY_SOCKET_DIR set.
+"""An engine process playing a pod: `python attach_consumer.py MODELLOAD once|hold|refit` with FERRY_SOCKET_DIR.
 
 It builds a fresh tiny Llama (another seed than the published one), attaches through the pod's socket with
 Ferry's own stack unimportable (as in an engine image), `load_into`s the model, and prints one JSON line: the
 version, the sha256 of its tensors, greedy tokens before and after, and whether the parameters stayed in place.
-`hold` then keeps the lease until the process is killed.
+`hold` then keeps the lease until the process is killed. `refit` watches for the next version, leases it, refits
+only the changed tensors in place, prints a second line, and releases the old version, then the new one, each
+after a line on stdin.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ def main(name: str, mode: str) -> None:
     model = build_model(seed=1234)
     before = greedy(model)
     ptrs = {n: t.data_ptr() for n, t in model_tensors(model).items()}
+    if mode == "refit":
+        refit(name, model, before, ptrs)
+        return
     with attach(name, timeout=120, verify=True) as w:
         result = w.load_into(model)
         out = {
@@ -84,6 +89,28 @@ def main(name: str, mode: str) -> None:
         if mode == "hold":
             while True:
                 time.sleep(60)
+
+
+def refit(name: str, model, before: list[int], ptrs: dict) -> None:
+    from ferry.client import attach, watch
+
+    versions = watch(name, timeout=120)
+    old = attach(name, version=next(versions), timeout=120, verify=True)
+    old.load_into(model)
+    print(json.dumps({"version": old.version, "tokens": greedy(model), "tokens_before": before}), flush=True)
+    new = attach(name, version=next(versions), timeout=120, verify=True)  # make before break
+    result = new.load_into(model, only_changed=True)
+    out = {
+        "version": new.version, "baseUid": new.base_uid, "oldUid": old.version_uid, "loaded": result.loaded,
+        "skipped": len(result.skipped), "tokens": greedy(model), "sha256": tensors_sha256(model_tensors(model)),
+        "in_place": ptrs == {n: t.data_ptr() for n, t in model_tensors(model).items()},
+    }  # fmt: skip
+    print(json.dumps(out), flush=True)
+    sys.stdin.readline()
+    old.close()
+    print(json.dumps({"released": old.version}), flush=True)
+    sys.stdin.readline()
+    new.close()
 
 
 if __name__ == "__main__":

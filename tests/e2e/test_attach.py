@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -18,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from agentutil import node, seed_arg, start_agent
 from attach_consumer import build_model, greedy, model_tensors, tensors_sha256
 from safetensors.torch import save_file
@@ -49,9 +51,19 @@ def engine_pod(cluster, namespace: str, node_name: str, name: str = "engine") ->
 def consumer(pod_dir: Path, mode: str) -> subprocess.Popen:
     env = {**os.environ, "FERRY_SOCKET_DIR": str(pod_dir), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, str(CONSUMER), "serve", mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
+        [sys.executable, str(CONSUMER), "serve", mode], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+def line_of(proc: subprocess.Popen, describe, timeout: float = 120) -> dict:
+    """The consumer's next JSON line (or why there is none)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        raise AssertionError(f"consumer said nothing: {proc.stderr.read()}{describe()}")
+    return json.loads(line)
 
 
 def attached(pod_dir: Path) -> list[int]:
@@ -90,9 +102,7 @@ def test_engine_pod_attaches_loads_and_its_lease_follows_the_process(cluster, na
         procs.append(holder := consumer(pod_dir, "hold"))
         apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"), ml_body(namespace, "v1", 1))
         wait_for(lambda: ml_status(cluster, namespace).get("ready") == "1/1", 90, "1/1 ready", describe)
-        line = holder.stdout.readline()
-        assert line, holder.stderr.read() + describe()
-        out = json.loads(line)
+        out = line_of(holder, describe)
         assert out["version"] == "v1" and out["blocked_loaded"] == []
         wr = json.loads(cluster.kubectl("get", "wr", "-n", namespace, "-o", "json").stdout)["items"][0]
         assert out["versionUid"] == wr["status"]["versionUid"]
@@ -135,4 +145,61 @@ def test_engine_pod_attaches_loads_and_its_lease_follows_the_process(cluster, na
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        agent.stop()
+
+
+def test_refit_in_place_to_the_next_version_make_before_break(cluster, namespace, operator, tmp_path, socket_root):
+    original = build_model(seed=0)
+    v1 = {n: t.detach().clone().contiguous() for n, t in model_tensors(original).items()}
+    changed = sorted(["lm_head.weight", "model.layers.1.mlp.down_proj.weight"])
+    v2 = {n: (t + 0.25 if n in changed else t) for n, t in v1.items()}
+    for version, tensors in (("v1", v1), ("v2", v2)):
+        save_file(tensors, str(tmp_path / f"{version}.safetensors"))
+    v1_tokens = greedy(original)
+    with torch.no_grad():
+        for name, tensor in model_tensors(original).items():
+            tensor.copy_(v2[name])
+    v2_tokens, v2_sha = greedy(original), tensors_sha256(v2)
+    assert v2_tokens != v1_tokens  # the change is visible in what the model generates
+
+    node_name = f"{namespace}-n0"
+    node(cluster, node_name, {"ferry.dev/pool": namespace})
+    seeds = [seed_arg(namespace, v, tmp_path / f"{v}.safetensors") for v in ("v1", "v2")]
+    agent = start_agent(cluster, tmp_path, node_name, *seeds, socket_dir=socket_root)
+    proc = None
+
+    def describe() -> str:
+        return json.dumps(ml_status(cluster, namespace), indent=1) + agent.log_tail(30)
+
+    try:
+        pod_dir = socket_root / "pods" / engine_pod(cluster, namespace, node_name)
+        apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"), wv_body(namespace, "v2", fmt="PeerOnly"),
+              ml_body(namespace, "v1", 1))  # fmt: skip
+        wait_for(lambda: (pod_dir / "ferry.sock").exists(), 30, "the pod's socket", describe)
+        proc = consumer(pod_dir, "refit")
+        first = line_of(proc, describe)
+        assert first["version"] == "v1" and first["tokens"] == v1_tokens != first["tokens_before"]
+
+        cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p",
+                        '{"spec":{"desiredVersion":"v2"}}')  # fmt: skip
+        second = line_of(proc, describe)
+        assert second["version"] == "v2" and second["baseUid"] == second["oldUid"]
+        assert second["loaded"] == changed and second["skipped"] == len(v1) - len(changed)
+        assert second["tokens"] == v2_tokens and second["sha256"] == v2_sha and second["in_place"]
+
+        # The node serves v2 only, but v1 stays held until the consumer releases it.
+        listed = request({"op": "list"}, socket_dir=pod_dir, timeout=5)["versions"]
+        assert [(v.get("version"), v["offered"], v["attached"]) for v in listed] == [("v2", True, 1), ("v1", False, 1)]
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert line_of(proc, describe) == {"released": "v1"}
+        wait_for(lambda: [v["attached"] for v in request({"op": "list"}, socket_dir=pod_dir)["versions"]] == [1],
+                 5, "v1 freed", describe)  # fmt: skip
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(30) == 0, proc.stderr.read()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
         agent.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import mmap
 import os
 import zlib
@@ -39,7 +40,7 @@ def test_bytes_manifest_and_seals():
         src = tensors[e.name]
         expected = src.reshape(-1).view(torch.uint8).numpy().tobytes() if src.numel() else b""
         assert read(sealed.fds[e.chunk], e.offset, e.nbytes) == expected
-        assert e.adler32 == zlib.adler32(expected)
+        assert e.adler32 == zlib.adler32(expected) and e.sha256 == hashlib.sha256(expected).hexdigest()
         assert e.offset % ALIGN == 0 and e.dtype == str(src.dtype).removeprefix("torch.")
         assert e.shape == tuple(src.shape)
     for fd in sealed.fds:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferry.client import AttachError, attach, request
+from ferry.client import AttachError, attach, request, watch
 from ferry.client import protocol as p
 from ferry_agent.attach.memstore import seal_tensors
 from ferry_agent.attach.server import AttachServer, Offer, Pod
@@ -47,8 +47,10 @@ def add_pod(server: AttachServer, namespace: str = "ns") -> Path:
     return path
 
 
-def offer(server: AttachServer, version: str = "v1", seed: int = 1, namespace: str = "ns") -> dict:
-    tensors = weights(seed)
+def offer(
+    server: AttachServer, version: str = "v1", seed: int = 1, namespace: str = "ns", tensors: dict | None = None
+) -> dict:
+    tensors = tensors or weights(seed)
     sealed = seal_tensors(tensors, f"{namespace}/m/{version}")
     server.offer((namespace, "ml-node"), Offer(namespace, "ml", "m", version, f"uid-{version}", sealed))
     return tensors
@@ -228,3 +230,48 @@ def test_a_removed_pod_loses_its_socket(server):
     assert not pod.exists()
     with pytest.raises(AttachError, match="NoSocket"):
         attach("ml", socket_dir=pod, timeout=0)
+
+
+def test_watch_and_refit_only_changed(tmp_path):
+    """Through AttachService.serve, which compares each version with the replica's previous one."""
+    from ferry_agent.attach.service import AttachService
+    from ferry_agent.resident import ResidentWeights
+
+    root = Path(tempfile.mkdtemp(prefix="ferry-t-", dir="/tmp"))
+    service = AttachService(None, "node", root)  # no API: pods are added by hand
+    service.server.start()
+    try:
+        pod = add_pod(service.server)
+        key, spec = ("ns", "ml-node"), {"modelLoad": "ml", "modelName": "m"}
+        v1 = weights(1)
+        v2 = {**v1, "layer.bias": v1["layer.bias"] + 1}
+        versions = watch("ml", socket_dir=pod, timeout=10)
+        service.serve(key, {**spec, "version": "v1"}, ResidentWeights(v1), "uid-1")
+        assert next(versions) == "v1"
+        module = torch.nn.ModuleDict({"layer": torch.nn.Linear(8, 16)})
+        ptrs = [t.data_ptr() for t in module.parameters()]
+        with attach("ml", socket_dir=pod, timeout=5) as w1:
+            assert w1.base_uid is None
+            assert w1.load_into(module, only_changed=True).loaded == ["layer.bias", "layer.weight"]  # no base
+            service.withdraw(key)
+            service.serve(key, {**spec, "version": "v2"}, ResidentWeights(v2), "uid-2")
+            assert next(versions) == "v2"
+            # Make before break: v2 leased while v1 still is.
+            with attach("ml", socket_dir=pod, timeout=5, version="v2") as w2:
+                assert w2.base_uid == "uid-1"
+                result = w2.load_into(module, only_changed=True)
+                assert result.loaded == ["layer.bias"] and result.skipped == ["layer.weight"]
+                assert attached(service.server) == 2
+        assert torch.equal(module["layer"].bias, v2["layer.bias"]) and torch.equal(
+            module["layer"].weight, v1["layer.weight"]
+        )
+        assert [t.data_ptr() for t in module.parameters()] == ptrs
+        # A module that does not hold the base is loaded whole.
+        fresh = torch.nn.ModuleDict({"layer": torch.nn.Linear(8, 16)})
+        with attach("ml", socket_dir=pod, timeout=5) as w2:
+            assert w2.load_into(fresh, only_changed=True).loaded == ["layer.bias", "layer.weight"]
+        assert torch.equal(fresh["layer"].weight, v1["layer.weight"])
+        versions.close()
+    finally:
+        service.server.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -10,6 +10,7 @@ descriptors (closed when the version is neither offered nor leased) and each con
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import mmap
 import os
 import threading
@@ -43,12 +44,16 @@ class Entry:
     offset: int
     nbytes: int
     adler32: int
+    sha256: str  # what `changed` against another version compares (adler32 is too weak to tell versions apart)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name, "dtype": self.dtype, "shape": list(self.shape), "chunk": self.chunk,
             "offset": self.offset, "nbytes": self.nbytes, "adler32": self.adler32,
         }  # fmt: skip
+
+    def identity(self) -> tuple[str, tuple[int, ...], str]:
+        return self.dtype, self.shape, self.sha256
 
 
 def layout(
@@ -82,6 +87,9 @@ class SealedVersion:
         self._refs = 1
         self._leases = 0
         self._lock = threading.Lock()
+        # Set by whoever offers it: the version it was compared with, and the names whose bytes differ from it.
+        self.base_uid: str | None = None
+        self.changed: frozenset[str] | None = None
 
     @property
     def closed(self) -> bool:
@@ -113,9 +121,15 @@ class SealedVersion:
             os.close(fd)
 
     def manifest(self) -> dict[str, Any]:
+        """Chunks and tensors; with a base, each tensor says whether it differs from the base's."""
+        tensors = [e.to_json() for e in self.entries]
+        if self.changed is not None:
+            for t in tensors:
+                t["changed"] = t["name"] in self.changed
         return {
+            "baseUid": self.base_uid,
             "chunks": [{"index": i, "nbytes": n} for i, n in enumerate(self.chunk_sizes)],
-            "tensors": [e.to_json() for e in self.entries],
+            "tensors": tensors,
         }
 
 
@@ -160,9 +174,10 @@ def _write_chunk(
                 nbytes = tensor.numel() * tensor.element_size()
                 if nbytes:
                     target[offset : offset + nbytes].copy_(tensor.detach().reshape(-1).view(torch.uint8))
-                checksum = zlib.adler32(view[offset : offset + nbytes])
+                with view[offset : offset + nbytes] as written:  # a slice is an export too: released at once
+                    checksum, digest = zlib.adler32(written), hashlib.sha256(written).hexdigest()
                 dtype = str(tensor.dtype).removeprefix("torch.")
-                entries.append(Entry(name, dtype, tuple(tensor.shape), index, offset, nbytes, checksum))
+                entries.append(Entry(name, dtype, tuple(tensor.shape), index, offset, nbytes, checksum, digest))
             del target  # the tensor holds an export of the mapping, which must be released before it closes
         finally:
             view.release()

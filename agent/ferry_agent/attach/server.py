@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import re
+import select
 import selectors
 import shutil
 import socket
@@ -87,8 +88,9 @@ class AttachServer:
         self._max_connections = max_connections_per_pod
         self._max_leases = max_leases_per_connection
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified on every offer and withdrawal (watchers)
         self._offers: dict[tuple[str, str], Offer] = {}  # (namespace, WeightReplica name) -> what is offered
-        self._held: set[SealedVersion] = set()  # withdrawn, still leased
+        self._held: list[Offer] = []  # withdrawn, still leased
         self._listeners: dict[str, _Listener] = {}  # pod uid ->
         self._selector = selectors.DefaultSelector()
         self._pending: list[Callable[[], None]] = []  # selector changes, applied by the accept thread
@@ -120,6 +122,7 @@ class AttachServer:
         self.withdraw(key)
         with self._lock:
             self._offers[key] = offer
+            self._changed.notify_all()
         log.info("offering %s/%s %s (%d bytes, %d chunks) to pods of %s", offer.model_load, offer.model,
                  offer.version, offer.sealed.total_bytes, len(offer.sealed.fds), offer.namespace)  # fmt: skip
 
@@ -128,7 +131,8 @@ class AttachServer:
         with self._lock:
             offer = self._offers.pop(key, None)
             if offer is not None and offer.sealed.leases:
-                self._held.add(offer.sealed)
+                self._held.append(offer)
+            self._changed.notify_all()
         if offer is not None:
             offer.sealed.unref()
 
@@ -136,15 +140,14 @@ class AttachServer:
         """What is offered and held, with the consumers attached: the agent's view."""
         with self._lock:
             offers = list(self._offers.values())
-            held = [s for s in self._held if s.leases]
-        offered = [
+            held = [o for o in self._held if o.sealed.leases]
+        return [
             {"namespace": o.namespace, "modelLoad": o.model_load, "model": o.model, "version": o.version,
              "versionUid": o.version_uid, "bytes": o.sealed.total_bytes, "tensors": len(o.sealed.entries),
-             "attached": o.sealed.leases, "offered": True}
-            for o in offers
+             "attached": o.sealed.leases, "offered": offered}
+            for group, offered in ((offers, True), (held, False))
+            for o in group
         ]  # fmt: skip
-        return offered + [{"label": s.label, "bytes": s.total_bytes, "attached": s.leases, "offered": False}
-                          for s in held]  # fmt: skip
 
     # ------------------------------------------------------------------ pods
 
@@ -258,6 +261,9 @@ class AttachServer:
                     log.warning("pod %s/%s: %s; disconnecting", pod.namespace, pod.name, exc)
                     _reply_and_close(conn, p.error(p.BAD_REQUEST, str(exc)))
                     return
+                if request.get("op") == "watch":
+                    self._watch(pod, request, conn)
+                    return
                 try:
                     reply, fds = self._handle(pod, request, leases)
                 except Exception as exc:  # a bug here must cost this request, not the agent
@@ -273,7 +279,7 @@ class AttachServer:
                 log.info("pod %s/%s released %d lease(s) by closing", pod.namespace, pod.name, len(leases))
             with self._lock:
                 listener.connections.discard(conn)
-                self._held = {s for s in self._held if s.leases}
+                self._held = [o for o in self._held if o.sealed.leases]
             conn.close()
 
     def _handle(self, pod: Pod, request: dict[str, Any], leases: dict[str, _Lease]) -> tuple[dict[str, Any], list]:
@@ -293,9 +299,38 @@ class AttachServer:
                 return p.error(p.UNKNOWN_LEASE, f"no lease {lease_id!r} on this connection"), []
             lease.offer.sealed.unlease()
             with self._lock:
-                self._held = {s for s in self._held if s.leases}
+                self._held = [o for o in self._held if o.sealed.leases]
             return {"ok": True}, []
         return p.error(p.BAD_REQUEST, f"unknown op {op!r}"), []
+
+    def _watch(self, pod: Pod, request: dict[str, Any], conn: socket.socket) -> None:
+        """The connection becomes a stream: a frame `{"version", "versionUid"}` whenever what this node serves for
+        `name` changes (the first one at once; `version` null while nothing is served). Ends when the client
+        closes or sends anything."""
+        name = request.get("name")
+        namespace = request.get("namespace") or pod.namespace
+        if not isinstance(name, str) or not name or namespace != pod.namespace:
+            p.send_frame(conn, p.error(p.BAD_REQUEST, "watch needs a 'name' in the pod's own namespace"))
+            return
+        last: tuple[str | None, str | None] | None = None
+        while not self._stopping.is_set():
+            with self._lock:
+                current = self._served_version(namespace, name)
+                if current == last:
+                    self._changed.wait(timeout=1.0)
+                    current = self._served_version(namespace, name)
+            if current != last:
+                p.send_frame(conn, {"ok": True, "version": current[0], "versionUid": current[1]})
+                last = current
+            if _readable_or_closed(conn):  # a watcher only listens: EOF or any byte ends it
+                return
+
+    def _served_version(self, namespace: str, name: str) -> tuple[str | None, str | None]:
+        offers = [o for o in self._offers.values() if o.namespace == namespace]
+        matches = [o for o in offers if o.model_load == name] or [o for o in offers if o.model == name]
+        if len({o.version for o in matches}) != 1:
+            return None, None
+        return matches[0].version, matches[0].version_uid
 
     def _attach(self, pod: Pod, request: dict[str, Any], leases: dict[str, _Lease]) -> tuple[dict[str, Any], list]:
         name = request.get("name")
@@ -338,6 +373,11 @@ class AttachServer:
             **offer.sealed.manifest(),
         }  # fmt: skip
         return reply, list(offer.sealed.fds)
+
+
+def _readable_or_closed(conn: socket.socket) -> bool:
+    ready, _, _ = select.select([conn], [], [], 0)
+    return bool(ready)
 
 
 def _reply_and_close(conn: socket.socket, message: dict[str, Any]) -> None:

@@ -31,6 +31,9 @@ class AttachService:
         self.server = AttachServer(socket_dir, agent_name=agent_name)
         self._pods = PodWatcher(api, node, self.server)
         self._chunk_bytes = chunk_bytes
+        # replica -> (version uid, tensor identities) of what it last offered: what the next version's `changed`
+        # is relative to (kept after the memory itself is gone, so a refit needs no second copy held).
+        self._last: dict[tuple[str, str], tuple[str | None, dict[str, tuple]]] = {}
 
     def start(self) -> None:
         self.server.start()
@@ -54,6 +57,11 @@ class AttachService:
             log.exception("%s cannot be offered for attach", label)
             self.server.withdraw(key)
             return
+        last = self._last.get(key)
+        if last is not None and last[0] != version_uid:
+            sealed.base_uid = last[0]
+            sealed.changed = frozenset(e.name for e in sealed.entries if last[1].get(e.name) != e.identity())
+        self._last[key] = (version_uid, {e.name: e.identity() for e in sealed.entries})
         offer = Offer(namespace, spec.get("modelLoad", ""), spec["modelName"], spec["version"], version_uid, sealed)
         self.server.offer(key, offer)
 
