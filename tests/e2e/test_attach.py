@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from agentutil import node, seed_arg, start_agent
+from agentutil import agent_metrics, node, seed_arg, start_agent
 from attach_consumer import build_model, greedy, model_tensors, tensors_sha256
 from safetensors.torch import save_file
 from wvutil import apply, get, ml_body, ml_status, wait_for, wv_body
@@ -111,11 +111,13 @@ def test_engine_pod_attaches_loads_and_its_lease_follows_the_process(cluster, na
         assert out["tokens"] == expected_tokens
         assert out["in_place"] and out["loaded"] == len(served)
         assert attached(pod_dir) == [1]
+        assert "ferry_agent_attach_leases 1.0" in agent_metrics(agent)
 
         # SIGKILL: the kernel closes the socket, and with it the lease.
         holder.send_signal(signal.SIGKILL)
         holder.wait(10)
         wait_for(lambda: attached(pod_dir) == [0], 5, "the lease dropped", describe)
+        assert "ferry_agent_attach_leases 0.0" in agent_metrics(agent)
 
         # Malformed clients: a 4 GiB length prefix, bytes that are not JSON, a frame cut short.
         for garbage in (b"\xff\xff\xff\xff", b"\x00\x00\x00\x05hello", b"\x00\x00\x01\x00{"):

@@ -85,3 +85,9 @@ def test_leases_keep_the_memory_after_the_offer_goes():
 def test_non_contiguous_is_refused():
     with pytest.raises(ValueError, match="contiguous"):
         seal_tensors({"w": torch.ones(4, 4).t()}, "x")
+
+
+def test_more_chunks_than_one_reply_can_carry_are_refused():
+    tensors = {f"t{i:03d}": torch.ones(64) for i in range(254)}  # one 256-B chunk each
+    with pytest.raises(ValueError, match="253"):
+        seal_tensors(tensors, "x", chunk_bytes=ALIGN)

@@ -29,10 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import Gauge
+
 from ferry.client import protocol as p
 from ferry_agent.attach.memstore import SealedVersion
 
 log = logging.getLogger("ferry.agent.attach")
+
+LEASES = Gauge("ferry_agent_attach_leases", "Versions leased by engine pods on this node (attach connections)")
+SEALED_BYTES = Gauge("ferry_agent_attach_sealed_bytes", "Host memory in sealed attach chunks: offered or still leased")
 
 # A Pod UID as the apiserver writes it; anything else never becomes a path.
 _POD_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -102,6 +107,8 @@ class AttachServer:
 
     def start(self) -> None:
         self.pods_dir.mkdir(parents=True, exist_ok=True)
+        LEASES.set_function(lambda: sum(v["attached"] for v in self.snapshot()))
+        SEALED_BYTES.set_function(lambda: sum(sum(o.sealed.chunk_sizes) for o in self._all_offers()))
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._thread = threading.Thread(target=self._accept_loop, name="ferry-attach", daemon=True)
         self._thread.start()
@@ -135,6 +142,10 @@ class AttachServer:
             self._changed.notify_all()
         if offer is not None:
             offer.sealed.unref()
+
+    def _all_offers(self) -> list[Offer]:
+        with self._lock:
+            return list(self._offers.values()) + [o for o in self._held if o.sealed.leases]
 
     def snapshot(self) -> list[dict[str, Any]]:
         """What is offered and held, with the consumers attached: the agent's view."""
