@@ -23,6 +23,9 @@ from ferry.client import protocol as p
 
 DEFAULT_ROOT = "/run/ferry/pods"
 _RETRY_S = 0.5
+# madvise(2) MADV_POPULATE_READ (Linux 5.14; Python 3.11 lacks the name): maps a range's pages in one call instead
+# of one page fault per 4 KiB on first touch, which otherwise dominates a copy out of the mapping.
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 # module -> the version uid `load_into` last loaded into it, whole: what `only_changed` may build on.
 _LOADED: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
@@ -149,11 +152,19 @@ class Attachment:
                 if refit and self.entries[name].changed is False:
                     result.skipped.append(name)
                     continue
+                self._populate(self.entries[name])
                 targets[name].copy_(source[name])
                 result.loaded.append(name)
         if not result.missing and self.version_uid is not None:
             _LOADED[module] = self.version_uid
         return result
+
+    def _populate(self, e: TensorEntry) -> None:
+        if e.nbytes == 0:
+            return
+        start = e.offset - e.offset % mmap.PAGESIZE
+        with contextlib.suppress(OSError):  # an older kernel: the copy faults the pages in itself
+            self._maps[e.chunk].madvise(_MADV_POPULATE_READ, start, e.offset + e.nbytes - start)
 
     def release(self) -> None:
         """Give the lease back; the mapping goes too."""
