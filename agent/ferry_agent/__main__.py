@@ -12,6 +12,7 @@ from ferry.api.models import worker_audience
 from ferry.kube import kube_client
 from ferry_agent import metrics, worker_auth
 from ferry_agent.apiretry import bound_requests
+from ferry_agent.attach.service import AttachService
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.node_agent import NodeAgent
 from ferry_agent.registry import DEFAULT_LEASE_SECONDS
@@ -59,6 +60,12 @@ def main(argv: list[str] | None = None) -> None:
         help="bound on each agreement step of a multi-rank replica (the other ranks wait in one while the first "
         "replays the chain from S3); a rank process that dies is noticed at once",
     )
+    parser.add_argument(
+        "--socket-dir",
+        default=os.environ.get("FERRY_AGENT_SOCKET_DIR", "/run/ferry"),
+        help="serve attach sockets at DIR/pods/<pod-uid>/ferry.sock to this node's pods "
+        "(env FERRY_AGENT_SOCKET_DIR; empty = off)",
+    )
     worker_auth.add_arguments(parser)
     args = parser.parse_args(argv)
     if not args.node:
@@ -80,6 +87,13 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("ferry.agent").info("metrics on http://%s:%d/metrics", args.bind_address, port)
     store = CheckpointStore(args.checkpoint_dir, int(args.checkpoint_quota_gib * 2**30))
     store.recover()  # a crash mid-load leaves tmp files and an UPDATING state: repair before serving anything
+    attach = AttachService(api, args.node, Path(args.socket_dir), agent_name=args.node) if args.socket_dir else None
+    if attach is not None:
+        try:
+            attach.start()
+        except OSError as exc:  # engines cannot attach here; peers and replicas are served all the same
+            logging.getLogger("ferry.agent").error("attach disabled: %s: %s", args.socket_dir, exc)
+            attach = None
     agent = NodeAgent(
         api, args.node, seeds=dict(args.seed), lease_seconds=args.lease_seconds,
         poll_seconds=args.poll_seconds, retry_seconds=args.retry_seconds,
@@ -89,10 +103,13 @@ def main(argv: list[str] | None = None) -> None:
         rank_timeout_s=args.rank_timeout_seconds,
         worker_auth=auth,
         worker_tokens=worker_tokens,
+        attach=attach,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
     agent.run()
+    if attach is not None:
+        attach.stop()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION, ReplicaReason
 from ferry_agent import metrics
 from ferry_agent.apiretry import REQUEST_TIMEOUT_S, Backoff, StatusOutbox, describe, is_transient
+from ferry_agent.attach.service import AttachService
 from ferry_agent.checkpoint_store import CheckpointStore, model_key
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import Progress, TransferSettings
@@ -125,9 +126,11 @@ class NodeAgent:
         rank_timeout_s: float = 3600.0,
         worker_auth: WorkerAuth | None = None,
         worker_tokens: ReaderTokens | None = None,
+        attach: AttachService | None = None,
     ) -> None:
         """`worker_auth` checks the readers of what this agent serves and `worker_tokens` are its own credentials
-        as a reader (`python -m ferry_agent` always sets both; None leaves the worker services open)."""
+        as a reader (`python -m ferry_agent` always sets both; None leaves the worker services open). `attach`
+        offers what is served to the pods of this node (None: not at all)."""
         self.node = node
         self.agent_name = f"{node}-{uuid.uuid4().hex[:8]}"
         self._api = api
@@ -149,6 +152,7 @@ class NodeAgent:
         self._rank_timeout_s = rank_timeout_s
         self._worker_auth = worker_auth
         self._worker_tokens = worker_tokens
+        self._attach = attach
         self._renewing: dict[tuple[str, str], Renewal] = {}  # replicas whose Lease this agent renews
         self._status = StatusOutbox(self._write_status)
         self._stopping = threading.Event()
@@ -308,6 +312,8 @@ class NodeAgent:
         }  # fmt: skip
         self._served[key] = Served(version, loaded.handle, status)
         self._failed.pop(key, None)
+        if self._attach is not None and isinstance(loaded.handle, InProcessReplica):  # before Serving is published
+            self._attach.serve(key, spec, loaded.handle.resident, loaded.version_uid)
         # Lease first, so nobody sees Serving without a live Lease. Neither write failing unloads anything: the
         # renewals retry the Lease and the outbox the status, until the apiserver takes them.
         self._hold_lease(key)
@@ -494,6 +500,8 @@ class NodeAgent:
         delete the Lease, unless `keep_lease` (a version change: the agent stays alive for this replica, and the
         operator, whose view of the status may lag its view of the Lease, must not take it for a dead one)."""
         served = self._served.pop(key)
+        if self._attach is not None:  # no new consumer; the attached ones keep their sealed copy
+            self._attach.withdraw(key)
         if status is not None:
             self._patch_status(key, status)
         served.handle.stop(drain_seconds)

@@ -403,6 +403,7 @@ AGENT_ALLOWED = [
     ("patch", "weightreplicas.ferry.dev/status"), ("update", "weightreplicas.ferry.dev/status"),
     ("get", "weightversions.ferry.dev"), ("list", "weightversions.ferry.dev"), ("watch", "weightversions.ferry.dev"),
     ("get", "secrets/s3-creds"), ("create", "tokenreviews.authentication.k8s.io"),
+    ("list", "pods"), ("watch", "pods"),  # attach sockets for the node's pods
     *[(verb, "leases.coordination.k8s.io") for verb in ("create", "get", "list", "watch", "update", "patch", "delete")],
 ]  # fmt: skip
 AGENT_DENIED = [
@@ -412,7 +413,8 @@ AGENT_DENIED = [
     *[(verb, "modelloads.ferry.dev") for verb in ("get", "list", "create", "update", "patch", "delete")],
     ("patch", "modelloads.ferry.dev/status"),
     ("get", "secrets/other-secret"), ("list", "secrets"), ("watch", "secrets"), ("create", "secrets"),
-    ("create", "events"), ("get", "pods"), ("list", "nodes"), ("create", "deployments.apps"),
+    ("create", "events"), ("get", "pods"), ("create", "pods"), ("delete", "pods"), ("list", "nodes"),
+    ("create", "deployments.apps"),
     ("list", "customresourcedefinitions.apiextensions.k8s.io"), ("create", "rolebindings.rbac.authorization.k8s.io"),
 ]  # fmt: skip
 

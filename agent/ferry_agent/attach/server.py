@@ -1,0 +1,401 @@
+"""The attach server: one Unix socket per consumer pod, `<socket_dir>/pods/<pod-uid>/ferry.sock`.
+
+A pod mounts only its own directory, so reaching a socket proves which pod is asking (the path is the capability);
+a pod sees and attaches only versions served for ModelLoads of its own namespace. A lease is the connection: the
+versions a connection attached stay held until it releases them or closes (the kernel closes it when the consumer
+dies, SIGKILL included), and a held version is never freed, whatever the agent stops offering meanwhile.
+
+Each request gets one reply, in order (`ferry.client.protocol`). A client that breaks the framing (garbage, an
+oversized length, descriptors sent to the agent, EOF mid-frame) is sent an error where possible and disconnected;
+a well-framed bad request gets an error reply and the connection stays. Nothing a client sends reaches beyond its
+own connection thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import select
+import selectors
+import shutil
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Gauge
+
+from ferry.client import protocol as p
+from ferry_agent.attach.memstore import SealedVersion
+
+log = logging.getLogger("ferry.agent.attach")
+
+LEASES = Gauge("ferry_agent_attach_leases", "Versions leased by engine pods on this node (attach connections)")
+SEALED_BYTES = Gauge("ferry_agent_attach_sealed_bytes", "Host memory in sealed attach chunks: offered or still leased")
+
+# A Pod UID as the apiserver writes it; anything else never becomes a path.
+_POD_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+# sun_path holds 108 bytes including the terminator.
+_MAX_SOCKET_PATH = 107
+
+
+@dataclass(frozen=True)
+class Pod:
+    uid: str
+    namespace: str
+    name: str
+
+
+@dataclass
+class Offer:
+    """A version this node serves for one ModelLoad (one WeightReplica)."""
+
+    namespace: str
+    model_load: str
+    model: str
+    version: str
+    version_uid: str | None
+    sealed: SealedVersion
+
+
+@dataclass
+class _Lease:
+    id: str
+    offer: Offer
+
+
+@dataclass
+class _Listener:
+    pod: Pod
+    sock: socket.socket
+    path: Path
+    connections: set[socket.socket] = field(default_factory=set)
+
+
+class AttachServer:
+    def __init__(
+        self,
+        socket_dir: Path,
+        *,
+        agent_name: str = "",
+        max_connections_per_pod: int = 16,
+        max_leases_per_connection: int = 64,
+    ) -> None:
+        self.socket_dir = socket_dir
+        self.pods_dir = socket_dir / "pods"
+        self._agent_name = agent_name
+        self._max_connections = max_connections_per_pod
+        self._max_leases = max_leases_per_connection
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified on every offer and withdrawal (watchers)
+        self._offers: dict[tuple[str, str], Offer] = {}  # (namespace, WeightReplica name) -> what is offered
+        self._held: list[Offer] = []  # withdrawn, still leased
+        self._listeners: dict[str, _Listener] = {}  # pod uid ->
+        self._selector = selectors.DefaultSelector()
+        self._pending: list[Callable[[], None]] = []  # selector changes, applied by the accept thread
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.pods_dir.mkdir(parents=True, exist_ok=True)
+        LEASES.set_function(lambda: sum(v["attached"] for v in self.snapshot()))
+        SEALED_BYTES.set_function(lambda: sum(sum(o.sealed.chunk_sizes) for o in self._all_offers()))
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._accept_loop, name="ferry-attach", daemon=True)
+        self._thread.start()
+        log.info("attach sockets under %s", self.pods_dir)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake_w.send(b"x")
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for uid in list(self._listeners):
+            self._close_listener(uid)
+
+    # ------------------------------------------------------------------ offers
+
+    def offer(self, key: tuple[str, str], offer: Offer) -> None:
+        """Serve `offer` for replica `key`, in place of what it served before."""
+        self.withdraw(key)
+        with self._lock:
+            self._offers[key] = offer
+            self._changed.notify_all()
+        log.info("offering %s/%s %s (%d bytes, %d chunks) to pods of %s", offer.model_load, offer.model,
+                 offer.version, offer.sealed.total_bytes, len(offer.sealed.fds), offer.namespace)  # fmt: skip
+
+    def withdraw(self, key: tuple[str, str]) -> None:
+        """No new attaches; held leases keep the memory until they go."""
+        with self._lock:
+            offer = self._offers.pop(key, None)
+            if offer is not None and offer.sealed.leases:
+                self._held.append(offer)
+            self._changed.notify_all()
+        if offer is not None:
+            offer.sealed.unref()
+
+    def _all_offers(self) -> list[Offer]:
+        with self._lock:
+            return list(self._offers.values()) + [o for o in self._held if o.sealed.leases]
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """What is offered and held, with the consumers attached: the agent's view."""
+        with self._lock:
+            offers = list(self._offers.values())
+            held = [o for o in self._held if o.sealed.leases]
+        return [
+            {"namespace": o.namespace, "modelLoad": o.model_load, "model": o.model, "version": o.version,
+             "versionUid": o.version_uid, "bytes": o.sealed.total_bytes, "tensors": len(o.sealed.entries),
+             "attached": o.sealed.leases, "offered": offered}
+            for group, offered in ((offers, True), (held, False))
+            for o in group
+        ]  # fmt: skip
+
+    # ------------------------------------------------------------------ pods
+
+    def sync_pods(self, pods: Iterable[Pod]) -> None:
+        """Exactly these pods have sockets."""
+        wanted = {pod.uid: pod for pod in pods}
+        for uid in set(self._listeners) - set(wanted):
+            self.remove_pod(uid)
+        for pod in wanted.values():
+            self.add_pod(pod)
+
+    def add_pod(self, pod: Pod) -> None:
+        if pod.uid in self._listeners:
+            return
+        if not _POD_UID.match(pod.uid):
+            log.warning("pod %s/%s has an unexpected uid %r; no socket", pod.namespace, pod.name, pod.uid)
+            return
+        directory = self.pods_dir / pod.uid
+        path = directory / p.SOCKET_NAME
+        if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+            log.error("socket path %s is longer than a Unix socket allows; no socket for %s/%s", path, pod.namespace,
+                      pod.name)  # fmt: skip
+            return
+        try:
+            directory.mkdir(mode=0o755, exist_ok=True)
+            path.unlink(missing_ok=True)  # left by an earlier agent
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(str(path))
+            # The engine may run as any user; only its own pod can reach this directory.
+            os.chmod(path, 0o666)
+            sock.listen(16)
+            sock.setblocking(False)
+        except OSError as exc:
+            log.error("cannot serve a socket for pod %s/%s at %s: %s", pod.namespace, pod.name, path, exc)
+            return
+        listener = _Listener(pod, sock, path)
+        self._listeners[pod.uid] = listener
+        self._apply(lambda: self._selector.register(sock, selectors.EVENT_READ, listener))
+        log.info("socket for pod %s/%s at %s", pod.namespace, pod.name, path)
+
+    def remove_pod(self, uid: str) -> None:
+        self._close_listener(uid)
+
+    def _close_listener(self, uid: str) -> None:
+        listener = self._listeners.pop(uid, None)
+        if listener is None:
+            return
+
+        def unregister() -> None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(listener.sock)
+            listener.sock.close()
+
+        if self._thread is not None and self._thread.is_alive():
+            self._apply(unregister)
+        else:
+            listener.sock.close()
+        shutil.rmtree(listener.path.parent, ignore_errors=True)
+        log.info("socket of pod %s/%s removed", listener.pod.namespace, listener.pod.name)
+
+    def _apply(self, change: Callable[[], None]) -> None:
+        with self._lock:
+            self._pending.append(change)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    # ------------------------------------------------------------------ accepting
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            with self._lock:
+                pending, self._pending = self._pending, []
+            for change in pending:
+                change()
+            for key, _ in self._selector.select(timeout=5):
+                if key.data is None:
+                    with contextlib.suppress(BlockingIOError):
+                        self._wake_r.recv(4096)
+                    continue
+                self._accept(key.data)
+
+    def _accept(self, listener: _Listener) -> None:
+        try:
+            conn, _ = listener.sock.accept()
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.ECONNABORTED):
+                log.warning("accept on %s failed: %s", listener.path, exc)
+            return
+        conn.setblocking(True)
+        with self._lock:
+            full = len(listener.connections) >= self._max_connections
+            if not full:
+                listener.connections.add(conn)
+        if full:
+            _reply_and_close(conn, p.error(p.TOO_MANY_LEASES, f"at most {self._max_connections} connections a pod"))
+            return
+        threading.Thread(target=self._serve, args=(listener, conn), name="ferry-attach-conn", daemon=True).start()
+
+    # ------------------------------------------------------------------ one connection
+
+    def _serve(self, listener: _Listener, conn: socket.socket) -> None:
+        pod = listener.pod
+        leases: dict[str, _Lease] = {}
+        try:
+            while True:
+                try:
+                    request, _ = p.recv_frame(conn, max_bytes=p.MAX_REQUEST_BYTES, max_fds=0)
+                except p.Closed:
+                    return
+                except p.ProtocolError as exc:
+                    log.warning("pod %s/%s: %s; disconnecting", pod.namespace, pod.name, exc)
+                    _reply_and_close(conn, p.error(p.BAD_REQUEST, str(exc)))
+                    return
+                if request.get("op") == "watch":
+                    self._watch(pod, request, conn)
+                    return
+                try:
+                    reply, fds = self._handle(pod, request, leases)
+                except Exception as exc:  # a bug here must cost this request, not the agent
+                    log.exception("pod %s/%s: request failed", pod.namespace, pod.name)
+                    reply, fds = p.error("Internal", f"{type(exc).__name__}: {exc}"), []
+                p.send_frame(conn, reply, fds)
+        except OSError as exc:  # the consumer went away mid-reply
+            log.info("pod %s/%s disconnected: %s", pod.namespace, pod.name, exc)
+        finally:
+            for lease in leases.values():
+                lease.offer.sealed.unlease()
+            if leases:
+                log.info("pod %s/%s released %d lease(s) by closing", pod.namespace, pod.name, len(leases))
+            with self._lock:
+                listener.connections.discard(conn)
+                self._held = [o for o in self._held if o.sealed.leases]
+            conn.close()
+
+    def _handle(self, pod: Pod, request: dict[str, Any], leases: dict[str, _Lease]) -> tuple[dict[str, Any], list]:
+        op = request.get("op")
+        if op == "hello":
+            return {"ok": True, "proto": p.PROTOCOL, "agent": self._agent_name,
+                    "pod": {"namespace": pod.namespace, "name": pod.name, "uid": pod.uid}}, []  # fmt: skip
+        if op == "list":
+            mine = [v for v in self.snapshot() if v.get("namespace") == pod.namespace]
+            return {"ok": True, "versions": mine, "leases": sorted(leases)}, []
+        if op == "attach":
+            return self._attach(pod, request, leases)
+        if op == "release":
+            lease_id = request.get("lease")
+            lease = leases.pop(lease_id, None) if isinstance(lease_id, str) else None
+            if lease is None:
+                return p.error(p.UNKNOWN_LEASE, f"no lease {lease_id!r} on this connection"), []
+            lease.offer.sealed.unlease()
+            with self._lock:
+                self._held = [o for o in self._held if o.sealed.leases]
+            return {"ok": True}, []
+        return p.error(p.BAD_REQUEST, f"unknown op {op!r}"), []
+
+    def _watch(self, pod: Pod, request: dict[str, Any], conn: socket.socket) -> None:
+        """The connection becomes a stream: a frame `{"version", "versionUid"}` whenever what this node serves for
+        `name` changes (the first one at once; `version` null while nothing is served). Ends when the client
+        closes or sends anything."""
+        name = request.get("name")
+        namespace = request.get("namespace") or pod.namespace
+        if not isinstance(name, str) or not name or namespace != pod.namespace:
+            p.send_frame(conn, p.error(p.BAD_REQUEST, "watch needs a 'name' in the pod's own namespace"))
+            return
+        last: tuple[str | None, str | None] | None = None
+        while not self._stopping.is_set():
+            with self._lock:
+                current = self._served_version(namespace, name)
+                if current == last:
+                    self._changed.wait(timeout=1.0)
+                    current = self._served_version(namespace, name)
+            if current != last:
+                p.send_frame(conn, {"ok": True, "version": current[0], "versionUid": current[1]})
+                last = current
+            if _readable_or_closed(conn):  # a watcher only listens: EOF or any byte ends it
+                return
+
+    def _served_version(self, namespace: str, name: str) -> tuple[str | None, str | None]:
+        offers = [o for o in self._offers.values() if o.namespace == namespace]
+        matches = [o for o in offers if o.model_load == name] or [o for o in offers if o.model == name]
+        if len({o.version for o in matches}) != 1:
+            return None, None
+        return matches[0].version, matches[0].version_uid
+
+    def _attach(self, pod: Pod, request: dict[str, Any], leases: dict[str, _Lease]) -> tuple[dict[str, Any], list]:
+        name = request.get("name")
+        namespace = request.get("namespace") or pod.namespace
+        version = request.get("version")
+        rank = request.get("rank")
+        if not isinstance(name, str) or not name or not isinstance(namespace, str):
+            return p.error(p.BAD_REQUEST, "attach needs a string 'name' (the ModelLoad or the model)"), []
+        if version is not None and not isinstance(version, str):
+            return p.error(p.BAD_REQUEST, "'version' must be a string"), []
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+            return p.error(p.BAD_REQUEST, "'rank' must be a non-negative integer"), []
+        if namespace != pod.namespace:
+            return p.error(p.FORBIDDEN, f"pod {pod.namespace}/{pod.name} may attach only in {pod.namespace}"), []
+        if len(leases) >= self._max_leases:
+            return p.error(p.TOO_MANY_LEASES, f"at most {self._max_leases} leases a connection"), []
+        with self._lock:
+            offers = [o for o in self._offers.values() if o.namespace == namespace]
+            matches = [o for o in offers if o.model_load == name] or [o for o in offers if o.model == name]
+            served = sorted({o.version for o in matches})
+            if version is not None:
+                matches = [o for o in matches if o.version == version]
+            if len({id(o.sealed) for o in matches}) > 1:
+                return p.error(p.BAD_REQUEST, f"{name!r} names several ModelLoads here; name the ModelLoad"), []
+            if not matches:
+                what = f"{namespace}/{name}" + (f" version {version}" if version else "")
+                now = f" (serving {', '.join(served)})" if served else ""
+                return p.error(p.NOT_SERVED, f"{what} is not served on this node{now}"), []
+            offer = matches[0]
+            if rank not in (None, 0):
+                return p.error(p.BAD_REQUEST, f"{offer.model_load} has one rank here; rank {rank} does not exist"), []
+            offer.sealed.lease()  # under the lock: a concurrent withdraw cannot free it between lookup and lease
+        lease = _Lease(uuid.uuid4().hex, offer)
+        leases[lease.id] = lease
+        log.info("pod %s/%s attached %s %s (lease %s)", pod.namespace, pod.name, offer.model_load, offer.version,
+                 lease.id[:8])  # fmt: skip
+        reply = {
+            "ok": True, "lease": lease.id, "namespace": offer.namespace, "modelLoad": offer.model_load,
+            "model": offer.model, "version": offer.version, "versionUid": offer.version_uid, "rank": 0,
+            **offer.sealed.manifest(),
+        }  # fmt: skip
+        return reply, list(offer.sealed.fds)
+
+
+def _readable_or_closed(conn: socket.socket) -> bool:
+    ready, _, _ = select.select([conn], [], [], 0)
+    return bool(ready)
+
+
+def _reply_and_close(conn: socket.socket, message: dict[str, Any]) -> None:
+    try:
+        conn.settimeout(1)
+        p.send_frame(conn, message)
+    except OSError:
+        pass
+    finally:
+        conn.close()

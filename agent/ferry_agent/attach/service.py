@@ -1,0 +1,69 @@
+"""The node agent's side of attach: what it calls when a replica starts or stops being served.
+
+This slice copies a served one-rank replica's tensors into sealed memfd chunks (`memstore.seal_tensors`): the
+NIXL-registered `ResidentWeights` and the attachable copy are two host copies for now. Replicas of several ranks
+(their tensors live in the rank processes) are not offered yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from ferry_agent.attach.memstore import CHUNK_BYTES, seal_tensors
+from ferry_agent.attach.pods import PodWatcher
+from ferry_agent.attach.server import AttachServer, Offer
+from ferry_agent.resident import ResidentWeights
+
+log = logging.getLogger("ferry.agent.attach")
+
+
+class AttachService:
+    def __init__(
+        self, api: client.ApiClient, node: str, socket_dir: Path, *, agent_name: str = "",
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:  # fmt: skip
+        self.server = AttachServer(socket_dir, agent_name=agent_name)
+        self._pods = PodWatcher(api, node, self.server)
+        self._chunk_bytes = chunk_bytes
+        # replica -> (version uid, tensor identities) of what it last offered: what the next version's `changed`
+        # is relative to (kept after the memory itself is gone, so a refit needs no second copy held).
+        self._last: dict[tuple[str, str], tuple[str | None, dict[str, tuple]]] = {}
+
+    def start(self) -> None:
+        self.server.start()
+        self._pods.start()
+
+    def stop(self) -> None:
+        self._pods.stop()
+        self.server.stop()
+
+    def serve(self, key: tuple[str, str], spec: Mapping[str, Any], resident: ResidentWeights,
+              version_uid: str | None) -> None:  # fmt: skip
+        """Offer a served replica's tensors to the pods of its namespace. Never raises: a version that cannot be
+        offered (no memory for the copy) is still served to peers."""
+        namespace, _ = key
+        label = f"{namespace}/{spec['modelName']}/{spec['version']}"
+        try:
+            t0 = time.monotonic()
+            sealed = seal_tensors(resident.tensors, label, self._chunk_bytes)
+            log.info("%s sealed for attach in %.2fs", label, time.monotonic() - t0)
+        except Exception:
+            log.exception("%s cannot be offered for attach", label)
+            self.server.withdraw(key)
+            return
+        last = self._last.get(key)
+        if last is not None and last[0] != version_uid:
+            sealed.base_uid = last[0]
+            sealed.changed = frozenset(e.name for e in sealed.entries if last[1].get(e.name) != e.identity())
+        self._last[key] = (version_uid, {e.name: e.identity() for e in sealed.entries})
+        offer = Offer(namespace, spec.get("modelLoad", ""), spec["modelName"], spec["version"], version_uid, sealed)
+        self.server.offer(key, offer)
+
+    def withdraw(self, key: tuple[str, str]) -> None:
+        self.server.withdraw(key)

@@ -1,0 +1,356 @@
+"""`attach`: lease a version this node's agent serves and map its sealed memory, read-only and zero-copy."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import socket
+import time
+import warnings
+import weakref
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from ferry.client import protocol as p
+
+DEFAULT_ROOT = "/run/ferry/pods"
+_RETRY_S = 0.5
+# madvise(2) MADV_POPULATE_READ (Linux 5.14; Python 3.11 lacks the name): maps a range's pages in one call instead
+# of one page fault per 4 KiB on first touch, which otherwise dominates a copy out of the mapping.
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+# module -> the version uid `load_into` last loaded into it, whole: what `only_changed` may build on.
+_LOADED: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+class AttachError(Exception):
+    """The agent refused (`code` says why: `NotServed`, `Forbidden`, `BadRequest`, ...) or cannot be reached."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+def socket_path(socket_dir: str | os.PathLike[str] | None = None) -> Path:
+    """`socket_dir`, else `FERRY_SOCKET_DIR`, else `/run/ferry/pods/$POD_UID`; the socket in it."""
+    directory = socket_dir or os.environ.get("FERRY_SOCKET_DIR")
+    if not directory:
+        uid = os.environ.get("POD_UID")
+        if not uid:
+            raise AttachError("NoSocket", "set FERRY_SOCKET_DIR (or POD_UID) to this pod's attach directory")
+        directory = f"{DEFAULT_ROOT}/{uid}"
+    return Path(directory) / p.SOCKET_NAME
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunk: int
+    offset: int
+    nbytes: int
+    adler32: int
+    changed: bool | None  # against the version `base_uid`; None: no base
+
+
+@dataclass
+class LoadResult:
+    loaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # unchanged, with only_changed
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+class Attachment:
+    """A leased version, mapped read-only. Valid until `close()` (or the end of the `with`); the tensors of
+    `tensors()` must not be used after it."""
+
+    def __init__(self, sock: socket.socket, reply: dict[str, Any], fds: list[int]) -> None:
+        self._sock = sock
+        self.lease: str = reply["lease"]
+        self.namespace: str = reply["namespace"]
+        self.model_load: str = reply["modelLoad"]
+        self.model: str = reply["model"]
+        self.version: str = reply["version"]
+        self.version_uid: str | None = reply.get("versionUid")
+        self.rank: int = reply["rank"]
+        self.base_uid: str | None = reply.get("baseUid")  # the version `changed` is relative to
+        self._maps: list[mmap.mmap] = []
+        self._views: dict[str, torch.Tensor] | None = None
+        try:
+            self.entries = _entries(reply, len(fds))
+            for chunk, fd in zip(reply["chunks"], fds, strict=True):
+                self._maps.append(_map_sealed(fd, int(chunk["nbytes"])))
+        except BaseException:
+            self._unmap()
+            raise
+        finally:
+            p.close_all(fds)  # a mapping outlives its descriptor
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """{name: CPU tensor}, views of the agent's sealed memory: no copy. The pages are mapped read-only, so a
+        write to one of these tensors kills the process (SIGSEGV); copy what you need to change."""
+        if self._views is None:
+            views: dict[str, torch.Tensor] = {}
+            with warnings.catch_warnings():
+                # torch warns that the buffer is not writable: that is the point, the memory is sealed.
+                warnings.simplefilter("ignore", UserWarning)
+                for e in self.entries.values():
+                    if e.nbytes == 0:
+                        views[e.name] = torch.empty(e.shape, dtype=e.dtype)
+                        continue
+                    raw = torch.frombuffer(self._maps[e.chunk], dtype=torch.uint8, count=e.nbytes, offset=e.offset)
+                    views[e.name] = raw.view(e.dtype).reshape(e.shape)
+            self._views = views
+        return MappingProxyType(self._views)
+
+    def verify(self) -> None:
+        """Check every tensor's adler32 against the manifest (reads all the bytes once)."""
+        for e in self.entries.values():
+            view = memoryview(self._maps[e.chunk])
+            try:
+                if zlib.adler32(view[e.offset : e.offset + e.nbytes]) != e.adler32:
+                    raise AttachError("Corrupt", f"tensor {e.name!r} does not match its adler32")
+            finally:
+                view.release()
+
+    def load_into(self, module: torch.nn.Module, strict: bool = True, only_changed: bool = False) -> LoadResult:
+        """`copy_` into `module`'s parameters and buffers (non-persistent ones too, where the version has them), in
+        place: storage addresses do not change. Strict: every entry of `module.state_dict()` must be in the
+        version and every tensor of the version must be a parameter or buffer of `module`, with equal shapes.
+
+        `only_changed` (refit): when `module` holds, from an earlier `load_into`, exactly the version this one was
+        compared with (`base_uid`), copy only the tensors whose bytes differ from it; otherwise copy all."""
+        targets = dict(module.named_parameters(remove_duplicate=False))
+        targets.update(module.named_buffers(remove_duplicate=False))
+        source = self.tensors()
+        result = LoadResult(
+            missing=sorted(set(module.state_dict()) - set(source)),
+            unexpected=sorted(set(source) - set(targets)),
+        )
+        shapes = [n for n in source if n in targets and tuple(targets[n].shape) != tuple(source[n].shape)]
+        if shapes:
+            raise AttachError("ShapeMismatch", ", ".join(
+                f"{n}: module {tuple(targets[n].shape)} vs version {tuple(source[n].shape)}" for n in sorted(shapes)
+            ))  # fmt: skip
+        if strict and (result.missing or result.unexpected):
+            raise AttachError(
+                "Mismatch", f"missing from the version: {result.missing}; not in the module: {result.unexpected}"
+            )
+        refit = only_changed and self.base_uid is not None and _LOADED.get(module) == self.base_uid
+        _LOADED.pop(module, None)  # until this load is complete, the module holds no whole version
+        with torch.no_grad():
+            for name in sorted(set(source) & set(targets)):
+                if refit and self.entries[name].changed is False:
+                    result.skipped.append(name)
+                    continue
+                self._populate(self.entries[name])
+                targets[name].copy_(source[name])
+                result.loaded.append(name)
+        if not result.missing and self.version_uid is not None:
+            _LOADED[module] = self.version_uid
+        return result
+
+    def _populate(self, e: TensorEntry) -> None:
+        if e.nbytes == 0:
+            return
+        start = e.offset - e.offset % mmap.PAGESIZE
+        with contextlib.suppress(OSError):  # an older kernel: the copy faults the pages in itself
+            self._maps[e.chunk].madvise(_MADV_POPULATE_READ, start, e.offset + e.nbytes - start)
+
+    def release(self) -> None:
+        """Give the lease back; the mapping goes too."""
+        self.close()
+
+    def close(self) -> None:
+        if self._sock.fileno() < 0:
+            return
+        self._views = None
+        with contextlib.suppress(OSError, p.ProtocolError):
+            p.send_frame(self._sock, {"op": "release", "lease": self.lease})
+            p.recv_frame(self._sock, max_bytes=p.MAX_REPLY_BYTES)
+        self._sock.close()
+        self._unmap()
+
+    def _unmap(self) -> None:
+        for mapped in self._maps:
+            with contextlib.suppress(BufferError):  # a tensor the caller kept pins its mapping: freed with it
+                mapped.close()
+        self._maps = []
+
+    def __enter__(self) -> Attachment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _entries(reply: dict[str, Any], nfds: int) -> dict[str, TensorEntry]:
+    chunks = reply["chunks"]
+    if len(chunks) != nfds:
+        raise AttachError("BadReply", f"{len(chunks)} chunks but {nfds} descriptors")
+    entries = {}
+    for t in reply["tensors"]:
+        dtype = getattr(torch, t["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise AttachError("BadReply", f"unknown dtype {t['dtype']!r}")
+        e = TensorEntry(
+            t["name"], dtype, tuple(t["shape"]), t["chunk"], t["offset"], t["nbytes"], t["adler32"], t.get("changed")
+        )
+        numel = 1
+        for d in e.shape:
+            numel *= d
+        if not 0 <= e.chunk < len(chunks) or e.offset < 0 or e.offset + e.nbytes > chunks[e.chunk]["nbytes"]:
+            raise AttachError("BadReply", f"tensor {e.name!r} lies outside its chunk")
+        if numel * dtype.itemsize != e.nbytes:
+            raise AttachError("BadReply", f"tensor {e.name!r}: {e.nbytes} bytes for shape {e.shape} {dtype}")
+        entries[e.name] = e
+    return entries
+
+
+def _map_sealed(fd: int, nbytes: int) -> mmap.mmap:
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if seals & p.REQUIRED_SEALS != p.REQUIRED_SEALS:
+        raise AttachError("NotSealed", f"chunk is not sealed (seals {seals:#x}); refusing memory that may change")
+    size = os.fstat(fd).st_size
+    if size < nbytes:
+        raise AttachError("BadReply", f"chunk of {size} bytes, manifest says {nbytes}")
+    return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+
+
+def _request(sock: socket.socket, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    p.send_frame(sock, message)
+    reply, fds = p.recv_frame(sock, max_bytes=p.MAX_REPLY_BYTES, max_fds=p.MAX_FDS)
+    if not reply.get("ok"):
+        p.close_all(fds)
+        err = reply.get("error") or {}
+        raise AttachError(str(err.get("code", "Error")), str(err.get("message", reply)))
+    return reply, fds
+
+
+def _connect(path: Path, deadline: float) -> socket.socket:
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+            return sock
+        except OSError as exc:  # the agent has not made this pod's socket yet, or restarts
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise AttachError("NoSocket", f"cannot reach the node agent at {path}: {exc}") from None
+            time.sleep(_RETRY_S)
+
+
+def request(message: dict[str, Any], *, socket_dir: str | os.PathLike[str] | None = None,
+            timeout: float = 0) -> dict[str, Any]:  # fmt: skip
+    """One request on a fresh connection (`hello`, `list`): the agent's reply."""
+    with _connect(socket_path(socket_dir), time.monotonic() + timeout) as sock:
+        reply, fds = _request(sock, message)
+        p.close_all(fds)
+        return reply
+
+
+def attach(
+    name: str,
+    namespace: str | None = None,
+    *,
+    timeout: float = 600,
+    version: str | None = None,
+    rank: int | None = None,
+    socket_dir: str | os.PathLike[str] | None = None,
+    verify: bool = False,
+) -> Attachment:
+    """Lease `name` (a ModelLoad, or a model) as this node serves it: its current version, or `version`; waits up
+    to `timeout` seconds for the agent to serve it. `namespace` defaults to the pod's own (the only one allowed).
+    A context manager; the lease is also released when this process exits, however it exits."""
+    deadline = time.monotonic() + timeout
+    message: dict[str, Any] = {"op": "attach", "name": name}
+    if namespace is not None:
+        message["namespace"] = namespace
+    if version is not None:
+        message["version"] = version
+    if rank is not None:
+        message["rank"] = rank
+    path = socket_path(socket_dir)
+    while True:
+        sock = _connect(path, deadline)
+        try:
+            reply, fds = _request(sock, message)
+        except AttachError as exc:
+            sock.close()
+            if exc.code != p.NOT_SERVED or time.monotonic() >= deadline:
+                raise
+            time.sleep(_RETRY_S)
+            continue
+        except (OSError, p.ProtocolError) as exc:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise AttachError("NoSocket", f"the agent at {path} did not answer: {exc}") from None
+            time.sleep(_RETRY_S)
+            continue
+        try:
+            attachment = Attachment(sock, reply, fds)
+        except BaseException:
+            sock.close()
+            raise
+        if verify:
+            try:
+                attachment.verify()
+            except BaseException:
+                attachment.close()
+                raise
+        return attachment
+
+
+def watch(
+    name: str,
+    namespace: str | None = None,
+    *,
+    socket_dir: str | os.PathLike[str] | None = None,
+    timeout: float | None = None,
+) -> Iterator[str]:
+    """Yield each version this node serves for `name` (the ModelLoad, or the model): the current one first, then
+    every change. Survives agent restarts (it reconnects). `timeout`: stop after that many seconds without a new
+    version (None: never)."""
+    path = socket_path(socket_dir)
+    message: dict[str, Any] = {"op": "watch", "name": name}
+    if namespace is not None:
+        message["namespace"] = namespace
+    last: str | None = None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while deadline is None or time.monotonic() < deadline:
+        try:
+            sock = _connect(path, deadline if deadline is not None else time.monotonic() + 3600)
+        except AttachError:
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            continue
+        with sock:
+            try:
+                p.send_frame(sock, message)
+                while True:
+                    if deadline is not None:
+                        sock.settimeout(max(0.01, deadline - time.monotonic()))
+                    event, fds = p.recv_frame(sock, max_bytes=p.MAX_REPLY_BYTES)
+                    p.close_all(fds)
+                    if not event.get("ok"):
+                        err = event.get("error") or {}
+                        raise AttachError(str(err.get("code", "Error")), str(err.get("message", event)))
+                    version = event.get("version")
+                    if version is not None and version != last:
+                        last = version
+                        yield version
+                        if timeout is not None:
+                            deadline = time.monotonic() + timeout
+            except TimeoutError:
+                return
+            except (OSError, p.ProtocolError):  # the agent went away: connect again
+                time.sleep(_RETRY_S)
