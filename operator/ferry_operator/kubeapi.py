@@ -10,6 +10,11 @@ from kubernetes.client.exceptions import ApiException
 from ferry.api.models import GROUP, VERSION
 from ferry.kube import kube_client
 
+# The kopf resource of each kind, for handler decorators and kopf's own calls.
+WV = (GROUP, VERSION, "weightversions")
+ML = (GROUP, VERSION, "modelloads")
+WR = (GROUP, VERSION, "weightreplicas")
+
 
 class NotFound(LookupError):
     pass

@@ -17,7 +17,7 @@ from typing import Any
 import kopf
 
 from ferry.api.conditions import now_rfc3339
-from ferry.api.models import GROUP, LABEL_VERSION, VERSION
+from ferry.api.models import GROUP, LABEL_VERSION
 from ferry.chain import VersionView, dependents, resolve_chain
 from ferry.storage import (
     StorageReason,
@@ -28,6 +28,7 @@ from ferry.storage import (
 )
 from ferry_operator import kubeapi, metrics, retention_handlers  # the import registers retention's handlers
 from ferry_operator.config import CONFIG
+from ferry_operator.kubeapi import ML, WR, WV
 from ferry_operator.modelloads import (
     DEGRADED,
     LEASE_OF_OTHER_NODE_DELETED,
@@ -50,9 +51,6 @@ from ferry_operator.versions import (
     storage_from_status,
 )
 
-WV = (GROUP, VERSION, "weightversions")
-ML = (GROUP, VERSION, "modelloads")
-WR = (GROUP, VERSION, "weightreplicas")
 RELEASE_FINALIZER = f"{GROUP}/release"
 NUDGE_ANNOTATION = f"{GROUP}/base-ready"
 

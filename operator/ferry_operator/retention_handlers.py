@@ -16,10 +16,11 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from ferry.api.models import GROUP, VERSION, RetentionReason
+from ferry.api.models import RetentionReason
 from ferry.storage import DeletionReport, credentials_from_secret_data, delete_checkpoint, parse_s3_uri, s3_client
 from ferry_operator import kubeapi
 from ferry_operator.config import CONFIG
+from ferry_operator.kubeapi import ML, WR, WV
 from ferry_operator.retention import (
     DELETE_STORAGE_ANNOTATION,
     RETIRED_BY_ANNOTATION,
@@ -29,9 +30,6 @@ from ferry_operator.retention import (
     plan_retirements,
 )
 
-WV = (GROUP, VERSION, "weightversions")
-ML = (GROUP, VERSION, "modelloads")
-WR = (GROUP, VERSION, "weightreplicas")
 REFUSED_RETRY_SECONDS = 60.0  # a refused delete (RBAC) is tried again after this long, at the next change
 STORAGE_DELETE_TRIES = 3  # transient storage failures retried at release before it goes ahead without
 
