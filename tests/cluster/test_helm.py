@@ -183,7 +183,10 @@ def test_rendered_objects(helm_env):
         "POD_NAMESPACE": "metadata.namespace", "SERVICE_ACCOUNT": "spec.serviceAccountName",
         "POD_NAME": "metadata.name", "POD_UID": "metadata.uid",
     }  # fmt: skip
-    assert set(volumes) == {"checkpoint-store"}
+    # Engine pods' attach sockets: a hostPath directory, the same path inside (`--socket-dir` defaults to it).
+    assert volumes["attach"]["hostPath"] == {"path": "/run/ferry", "type": "DirectoryOrCreate"}
+    assert {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}["attach"] == "/run/ferry"
+    assert set(volumes) == {"checkpoint-store", "attach"}
     (role,) = docs["Role"]
     assert role["metadata"]["namespace"] == "ferry-system" and role["rules"] == [
         {
