@@ -109,6 +109,27 @@ def timed(fn: Callable[[], Any], reps: int) -> list[float]:
     return out
 
 
+def peer_load(peer: Any, replica: str, info: dict[str, Any], target: ResidentWeights, auth: Auth | None
+              ) -> Callable[[], Any]:  # fmt: skip
+    """A PeerStrategy load from the source `info` (started by `start_source`) into `target`, reused by every load so
+    that all land in the same pre-faulted pages; as an authenticated reader when `auth` is given."""
+    cand = SourceCandidate(
+        replica=replica, rank=0, agent_name=info["agent_name"], grpc_endpoint=info["endpoint"],
+        manifest_digest=info["manifest_digest"], tensor_count=info["tensor_count"],
+        instance_id=info["instance_id"], node=SOURCE_NODE,
+    )  # fmt: skip
+
+    def reuse(specs: Sequence[TensorSpec], device: str) -> ResidentWeights:
+        return target
+
+    strategy = PeerStrategy(
+        peer=peer, candidates=lambda _: [cand], settings=TransferSettings(timeout_s=120), allocate=reuse,
+        credentials=(lambda node: auth.token.read_text()) if auth is not None else None,
+    )  # fmt: skip
+    ctx = LoadContext(model="bench", version="v", rank=0, target_id="bench-target")
+    return lambda: strategy.load(ctx)
+
+
 def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int, auth: Auth | None) -> dict[str, Any]:
     tensors = max(1, size // tensor_bytes)
     proc, info = start_source(f"bench-src-{uuid.uuid4().hex[:6]}", tensors, tensor_bytes, auth)
@@ -121,20 +142,7 @@ def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int, auth: Auth | 
             t.zero_()  # fault the pages in before timing
         peer.register(target)
 
-        def reuse(specs: Sequence[TensorSpec], device: str) -> ResidentWeights:
-            return target
-
-        cand = SourceCandidate(
-            replica="bench-source", rank=0, agent_name=info["agent_name"], grpc_endpoint=info["endpoint"],
-            manifest_digest=info["manifest_digest"], tensor_count=info["tensor_count"],
-            instance_id=info["instance_id"], node=SOURCE_NODE,
-        )  # fmt: skip
-        strategy = PeerStrategy(
-            peer=peer, candidates=lambda _: [cand], settings=TransferSettings(timeout_s=120), allocate=reuse,
-            credentials=(lambda node: auth.token.read_text()) if auth is not None else None,
-        )  # fmt: skip
-        ctx = LoadContext(model="bench", version="v", rank=0, target_id="bench-target")
-        peer_s = timed(lambda: strategy.load(ctx), reps)
+        peer_s = timed(peer_load(peer, "bench-source", info, target, auth), reps)
         verified = target.content_sha256() == info["content_sha256"]
 
         remote = peer.add_remote(manifest.nixl_metadata)
@@ -177,7 +185,6 @@ def compare_auth(peer: Any, size: int, tensor_bytes: int, rounds: int, auth: Aut
         kind: start_source(f"bench-{kind}-{uuid.uuid4().hex[:6]}", tensors, tensor_bytes, a)
         for kind, a in (("open", None), ("auth", auth), ("raw", None))
     }
-    token = (lambda node: auth.token.read_text()) if auth is not None else None
     try:
         _, info = sources["open"]
         manifest = get_tensor_manifest(info["endpoint"], SourceIdentity(info["agent_name"], info["instance_id"]),
@@ -186,20 +193,6 @@ def compare_auth(peer: Any, size: int, tensor_bytes: int, rounds: int, auth: Aut
         for t in target.tensors.values():
             t.zero_()
         peer.register(target)
-        ctx = LoadContext(model="bench", version="v", rank=0, target_id="bench-target")
-
-        def loader(kind: str) -> Callable[[], Any]:
-            _, src = sources[kind]
-            cand = SourceCandidate(
-                replica=f"bench-{kind}", rank=0, agent_name=src["agent_name"], grpc_endpoint=src["endpoint"],
-                manifest_digest=src["manifest_digest"], tensor_count=src["tensor_count"],
-                instance_id=src["instance_id"], node=SOURCE_NODE,
-            )  # fmt: skip
-            strategy = PeerStrategy(
-                peer=peer, candidates=lambda _: [cand], settings=TransferSettings(timeout_s=120),
-                allocate=lambda specs, device: target, credentials=token if kind == "auth" else None,
-            )  # fmt: skip
-            return lambda: strategy.load(ctx)
 
         # The raw READ has a source of its own (the same seeded bytes), connected once: a peer load removes its
         # source's remote when it is done.
@@ -208,7 +201,8 @@ def compare_auth(peer: Any, size: int, tensor_bytes: int, rounds: int, auth: Aut
             raw_src["endpoint"], SourceIdentity(raw_src["agent_name"], raw_src["instance_id"]), timeout_s=30
         )
         remote = peer.add_remote(raw_manifest.nixl_metadata)
-        runs = {"auth": loader("auth"), "open": loader("open"),
+        runs = {"auth": peer_load(peer, "bench-auth", sources["auth"][1], target, auth),
+                "open": peer_load(peer, "bench-open", info, target, None),
                 "raw": lambda: peer.read(remote, raw_manifest.tensors, target, 120)}  # fmt: skip
 
         def once(kind: str) -> float:
