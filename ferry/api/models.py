@@ -294,6 +294,9 @@ class ModelLoadStatus(_Model):
     readyReplicas: int | None = Field(default=None, ge=0)
     ready: str | None = Field(default=None, max_length=32, description="readyReplicas/replicas, for kubectl.")
     loadedVersion: str | None = None
+    attachedPods: int | None = Field(
+        default=None, ge=0, description="Consumer pods attached to this ModelLoad's replicas, over all nodes."
+    )
     conditions: Conditions
     observedGeneration: int | None = Field(default=None, ge=0)
 
@@ -403,6 +406,17 @@ class RankEndpoint(_Model):
     state: RankState = RankState.READY
 
 
+class Attachment(_Model):
+    """A consumer pod that holds this replica's bytes through the node's attach socket (a lease per connection)."""
+
+    pod: ObjectName = Field(description="Name of the consumer Pod.")
+    podNamespace: ObjectName = Field(description="Namespace of the consumer Pod.")
+    podUid: str = Field(max_length=128, description="uid of the consumer Pod; its socket is pods/<uid>/ferry.sock.")
+    version: ObjectName = Field(description="WeightVersion the pod holds; during a refit a pod may hold two.")
+    rank: int | None = Field(default=None, ge=0, description="Rank share held; empty when the pod holds all shares.")
+    since: str | None = Field(default=None, description="When the lease was taken (RFC 3339).")
+
+
 class WeightReplicaStatus(_Model):
     phase: ReplicaPhase | None = Field(
         default=None,
@@ -430,6 +444,19 @@ class WeightReplicaStatus(_Model):
         ),
     ]
     activeLeases: int | None = Field(default=None, ge=0)
+    attachments: list[Attachment] | None = Field(
+        default=None, max_length=1024, description="Consumer pods attached on this node, one entry per held version."
+    )
+    attachedPods: int | None = Field(default=None, ge=0, description="Distinct consumer pods attached.")
+    residentBytes: int | None = Field(
+        default=None,
+        ge=0,
+        json_schema_extra={"format": "int64"},
+        description="Host memory the agent holds for this replica, over every version it still keeps.",
+    )
+    residentVersions: list[str] | None = Field(
+        default=None, max_length=64, description="WeightVersions whose bytes the agent holds for this replica."
+    )
     reason: ReplicaReason | None = Field(default=None, description="Why the replica is Failed (CamelCase).")
     message: str | None = Field(default=None, max_length=4096)
     conditions: Conditions = Field(
