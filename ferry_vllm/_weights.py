@@ -87,14 +87,14 @@ class Holder:
     def load(self, model: LoadsWeights, version: str | None = None, *, only_changed: bool = False) -> LoadResult:
         """Lease `version` (the one this node serves now when None) and feed it to `model.load_weights`.
 
-        `only_changed`: when the model holds exactly the version the new one was compared with (its `base_uid`),
-        feed only the tensors whose bytes differ; otherwise all of them. Loading the version the model holds
-        already feeds nothing."""
+        `only_changed` (refit): when the model holds exactly the version the new one was compared with (its
+        `base_uid`), feed only the tensors whose bytes differ, and nothing when it holds the new version already;
+        otherwise all of them. Without it, feed all (vLLM may have dropped the weights: sleep mode, reload)."""
         s = self.source
         new = attach(s.model_load, s.namespace, timeout=s.timeout, version=version, rank=s.rank,
                      socket_dir=s.socket_dir)  # fmt: skip
         result = self.last = LoadResult(new.version, new.version_uid)
-        if new.version_uid is not None and new.version_uid == self._loaded_uid:
+        if only_changed and new.version_uid is not None and new.version_uid == self._loaded_uid:
             new.close()
             return result
         refit = only_changed and new.base_uid is not None and new.base_uid == self._loaded_uid
