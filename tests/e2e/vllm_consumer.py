@@ -118,6 +118,8 @@ def main(name: str) -> None:
     from ferry_vllm.worker import FerryWorkerExtension
 
     torch.set_num_threads(1)
+    if not torch.accelerator.is_available():  # vLLM's update_weights syncs the device; CPU-only machines have none
+        torch.accelerator.synchronize = lambda *args, **kwargs: None
     module = build_model(seed=1234)
     model = LoadWeightsAdapter(module)
     ptrs = {n: t.data_ptr() for n, t in model_tensors(module).items()}
