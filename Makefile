@@ -37,7 +37,7 @@ proto: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(FERRY_CACHE)/bin/helm lint --strict charts/ferry
+	$(FERRY_CACHE)/bin/helm lint --strict charts/ferry charts/ferry-consumer
 
 fmt: venv
 	$(VENV)/bin/ruff check --fix .
