@@ -249,6 +249,14 @@ class RetentionReason(StrEnum):
     STORAGE_NOT_DELETED = "StorageNotDeleted"  # Warning, on the WeightVersion: objects left; the message says why
 
 
+class EnginesAttachedReason(StrEnum):
+    """Reasons of the ModelLoad's `EnginesAttached` condition (docs/conditions.md)."""
+
+    ATTACHED = "Attached"  # True: at least one consumer pod holds the desired version on a live replica
+    ON_OLDER_VERSION = "EnginesOnOlderVersion"  # False: pods are attached, but none holds the desired version yet
+    NO_ENGINES = "NoEngines"  # False: no consumer pod is attached to a live replica
+
+
 class ModelLoadSpec(_Model):
     modelName: str = Field(min_length=1, max_length=253)
     desiredVersion: ObjectName = Field(description="Name of the WeightVersion to make resident.")
@@ -295,7 +303,9 @@ class ModelLoadStatus(_Model):
     ready: str | None = Field(default=None, max_length=32, description="readyReplicas/replicas, for kubectl.")
     loadedVersion: str | None = None
     attachedPods: int | None = Field(
-        default=None, ge=0, description="Consumer pods attached to this ModelLoad's replicas, over all nodes."
+        default=None,
+        ge=0,
+        description="Consumer pods attached to this ModelLoad's live replicas (any version they hold), over all nodes.",
     )
     conditions: Conditions
     observedGeneration: int | None = Field(default=None, ge=0)
@@ -311,6 +321,7 @@ class ModelLoad(_Model):
         {"name": "Desired", "type": "string", "jsonPath": ".spec.desiredVersion"},
         {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Attached", "type": "integer", "jsonPath": ".status.attachedPods"},
         {"name": "Loaded", "type": "string", "jsonPath": ".status.loadedVersion", "priority": 1},
         {
             "name": "Reason",
