@@ -100,16 +100,16 @@ def desired_index(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, *
 
 
 @kopf.index(*WR)
-def lease_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict | None:
-    if not status.get("activeLeases"):
-        return None
-    return {(namespace, spec.get("version")): name}
+def lease_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict:
+    # {} rather than None when the reads end: None would keep the replica's previous entry (a blocker for good).
+    return {(namespace, spec.get("version")): name} if status.get("activeLeases") else {}
 
 
 @kopf.index(*WR)
-def attach_index(namespace: str, body: kopf.Body, **_: Any) -> dict | None:
-    """(namespace, version) -> the consumer pods a replica holds it for (`attachment_blockers`)."""
-    return {(namespace, version): names for version, names in attachment_blockers(body).items()} or None
+def attach_index(namespace: str, body: kopf.Body, **_: Any) -> dict:
+    """(namespace, version) -> the consumer pods a replica holds it for (`attachment_blockers`). Empty, never None,
+    once they are gone: kopf keeps an object's previous entries when its handler returns None."""
+    return {(namespace, version): names for version, names in attachment_blockers(body).items()}
 
 
 def _lookup(index: kopf.Index, namespace: str):
