@@ -3,7 +3,8 @@
 A pod mounts only its own directory, so reaching a socket proves which pod is asking (the path is the capability);
 a pod sees and attaches only versions served for ModelLoads of its own namespace. A lease is the connection: the
 versions a connection attached stay held until it releases them or closes (the kernel closes it when the consumer
-dies, SIGKILL included), and a held version is never freed, whatever the agent stops offering meanwhile.
+dies, SIGKILL included), and a held version is never freed, whatever the agent stops offering meanwhile. Every
+lease taken or let go is announced (`on_leases_changed`); `attachments()` says who holds what, per replica.
 
 Each request gets one reply, in order (`ferry.client.protocol`). A client that breaks the framing (garbage, an
 oversized length, descriptors sent to the agent, EOF mid-frame) is sent an error where possible and disconnected;
