@@ -12,6 +12,7 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 CATEGORY = "ferry"
 MAX_CHAIN_LENGTH = 64
+MAX_ATTACHMENTS = 1024  # entries of a WeightReplica's status.attachments
 
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 S3_INDEX_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/([^/]+/)*[^/]+\.index\.json$"
@@ -456,7 +457,10 @@ class WeightReplicaStatus(_Model):
     ]
     activeLeases: int | None = Field(default=None, ge=0)
     attachments: list[Attachment] | None = Field(
-        default=None, max_length=1024, description="Consumer pods attached on this node, one entry per held version."
+        default=None,
+        max_length=MAX_ATTACHMENTS,
+        description="Consumer pods attached on this node, one entry per held version (at most 1024 listed; "
+        "attachedPods counts them all).",
     )
     attachedPods: int | None = Field(default=None, ge=0, description="Distinct consumer pods attached.")
     residentBytes: int | None = Field(

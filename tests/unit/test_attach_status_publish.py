@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ferry.api.models import MAX_ATTACHMENTS
 from ferry.client import attach
 from ferry_agent.attach.memstore import seal_tensors
 from ferry_agent.attach.server import AttachServer, Offer, Pod
-from ferry_agent.attach.status import AttachmentPublisher
+from ferry_agent.attach.status import AttachmentPublisher, attachment_status
 
 pytestmark = pytest.mark.unit
 
@@ -159,5 +160,14 @@ def test_resync_clears_what_the_object_says_and_nobody_holds(server):
         # The object lost the write (a status overwritten meanwhile): the resync writes it again.
         publisher.publish(observed={KEY: {}})
         assert len(recorder.patches) == 3 and recorder.last()["attachments"] == entries
-        publisher.publish(observed={KEY: {"attachments": entries}})
+        publisher.publish(observed={KEY: {"attachments": entries, "attachedPods": 1}})
         assert len(recorder.patches) == 3
+        # A count the object lost is written again too.
+        publisher.publish(observed={KEY: {"attachments": entries}})
+        assert len(recorder.patches) == 4 and recorder.last()["attachedPods"] == 1
+
+
+def test_the_list_is_cut_at_what_the_crd_admits_and_the_count_is_of_all():
+    entries = [{"pod": f"p{i}", "podNamespace": "ns", "podUid": f"u{i}", "version": "v1"} for i in range(1100)]
+    status = attachment_status(entries)
+    assert len(status["attachments"]) == MAX_ATTACHMENTS and status["attachedPods"] == 1100

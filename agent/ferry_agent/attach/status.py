@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ferry.api.models import MAX_ATTACHMENTS
 from ferry_agent.attach.server import AttachServer
 
 log = logging.getLogger("ferry.agent.attach")
@@ -23,9 +24,15 @@ log = logging.getLogger("ferry.agent.attach")
 Key = tuple[str, str]  # a WeightReplica: (namespace, name)
 
 
-def attachment_status(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The status fields for a replica's attachment entries."""
-    return {"attachments": entries, "attachedPods": len({e["podUid"] for e in entries})}
+def attachment_status(entries: list[dict[str, Any]], pods: int | None = None) -> dict[str, Any]:
+    """The status fields for a replica's attachment entries (`pods`: their distinct pods, counted unless given).
+    The list is cut at what the CRD admits (a patch the apiserver refuses would hold every later status write of
+    the replica); the count is of all."""
+    count = len({e["podUid"] for e in entries}) if pods is None else pods
+    return {"attachments": list(entries[:MAX_ATTACHMENTS]), "attachedPods": count}
+
+
+NONE = attachment_status([])
 
 
 class AttachmentPublisher:
@@ -64,16 +71,16 @@ class AttachmentPublisher:
         its status as listed, for replicas with no status write pending), also every one of those whose object
         says otherwise."""
         with self._lock:
-            now = self._server.attachments()
+            now = {key: attachment_status(entries) for key, entries in self._server.attachments().items()}
             recorded = dict(self._published)
             for key, status in (observed or {}).items():
-                recorded[key] = list((status or {}).get("attachments") or [])
+                status = status or {}
+                recorded[key] = attachment_status(status.get("attachments") or [], status.get("attachedPods") or 0)
             for key in set(now) | set(recorded):
-                entries = now.get(key, [])
-                if recorded.get(key, []) == entries:
-                    self._published[key] = entries
-                    continue
-                self._patch(key, attachment_status(entries))
-                self._published[key] = entries
-            for key in [k for k, v in self._published.items() if not v and k not in now]:
-                del self._published[key]  # nothing attached and nothing to undo: forget the replica
+                wanted = now.get(key, NONE)
+                if recorded.get(key, NONE) != wanted:
+                    self._patch(key, wanted)
+                if wanted == NONE:
+                    self._published.pop(key, None)  # nothing attached and nothing to undo: forget the replica
+                else:
+                    self._published[key] = wanted
