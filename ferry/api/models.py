@@ -492,6 +492,7 @@ class WeightReplica(_Model):
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Source", "type": "string", "jsonPath": ".status.source"},
         {"name": "Live", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Live")].status'},
+        {"name": "Attached", "type": "integer", "jsonPath": ".status.attachedPods"},
         {"name": "Done", "type": "integer", "jsonPath": ".status.bytesDone", "priority": 1},
         {"name": "Total", "type": "integer", "jsonPath": ".status.bytesTotal", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -90,6 +90,8 @@ def test_attached_pod_is_counted_and_blocks_the_release_of_its_version_until_kil
         wait_for(lambda: engines(cluster, namespace) == ("True", "Attached", 1), 30, "EnginesAttached", describe)
         columns = cluster.kubectl("get", "ml", "serve", "-n", namespace).stdout.splitlines()
         assert columns[0].split()[5] == "ATTACHED" and columns[1].split()[5] == "1", columns
+        columns = cluster.kubectl("get", "wr", "-n", namespace).stdout.splitlines()
+        assert columns[0].split()[6] == "ATTACHED" and columns[1].split()[6] == "1", columns
 
         # The node moves to v2; the engine has not refit and keeps v1 (the agent no longer offers it).
         cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p",
