@@ -30,6 +30,7 @@ from ferry.api.models import GROUP, VERSION, ReplicaReason
 from ferry_agent import metrics
 from ferry_agent.apiretry import REQUEST_TIMEOUT_S, Backoff, StatusOutbox, describe, is_transient
 from ferry_agent.attach.service import AttachService
+from ferry_agent.attach.status import AttachmentPublisher
 from ferry_agent.checkpoint_store import CheckpointStore, model_key
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import Progress, TransferSettings
@@ -155,6 +156,8 @@ class NodeAgent:
         self._attach = attach
         self._renewing: dict[tuple[str, str], Renewal] = {}  # replicas whose Lease this agent renews
         self._status = StatusOutbox(self._write_status)
+        # status.attachments of each replica, written through the same outbox.
+        self._attachments = AttachmentPublisher(attach.server, self._patch_status) if attach is not None else None
         self._stopping = threading.Event()
         self._wake = threading.Event()
 
@@ -163,6 +166,8 @@ class NodeAgent:
     def run(self) -> None:
         log.info("agent %s serving node %s", self.agent_name, self.node)
         threading.Thread(target=self._watch, name="ferry-watch", daemon=True).start()
+        if self._attachments is not None:
+            self._attachments.start()
         backoff = Backoff()
         while not self._stopping.is_set():
             self._wake.clear()
@@ -186,6 +191,8 @@ class NodeAgent:
     def stop(self) -> None:
         self._stopping.set()
         self._wake.set()
+        if self._attachments is not None:
+            self._attachments.stop()
 
     def _watch(self) -> None:
         """Wake the loop on any change to this node's WeightReplicas. Each (re)started watch lists first, so the
@@ -217,6 +224,10 @@ class NodeAgent:
             for wr in listed["items"]
             if wr["spec"]["nodeName"] == self.node and not wr["metadata"].get("deletionTimestamp")
         }
+        if self._attachments is not None:  # what the objects say against the leases: a restart's leftovers go
+            self._attachments.publish(
+                observed={key: wr.get("status") for key, wr in assigned.items() if not self._status.pending(key)}
+            )
         for key in list(self._served):
             wr = assigned.get(key)
             failure = self._served[key].handle.failure()

@@ -12,6 +12,7 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 CATEGORY = "ferry"
 MAX_CHAIN_LENGTH = 64
+MAX_ATTACHMENTS = 1024  # entries of a WeightReplica's status.attachments
 
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 S3_INDEX_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/([^/]+/)*[^/]+\.index\.json$"
@@ -249,6 +250,14 @@ class RetentionReason(StrEnum):
     STORAGE_NOT_DELETED = "StorageNotDeleted"  # Warning, on the WeightVersion: objects left; the message says why
 
 
+class EnginesAttachedReason(StrEnum):
+    """Reasons of the ModelLoad's `EnginesAttached` condition (docs/conditions.md)."""
+
+    ATTACHED = "Attached"  # True: at least one consumer pod holds the desired version on a live replica
+    ON_OLDER_VERSION = "EnginesOnOlderVersion"  # False: pods are attached, but none holds the desired version yet
+    NO_ENGINES = "NoEngines"  # False: no consumer pod is attached to a live replica
+
+
 class ModelLoadSpec(_Model):
     modelName: str = Field(min_length=1, max_length=253)
     desiredVersion: ObjectName = Field(description="Name of the WeightVersion to make resident.")
@@ -295,7 +304,9 @@ class ModelLoadStatus(_Model):
     ready: str | None = Field(default=None, max_length=32, description="readyReplicas/replicas, for kubectl.")
     loadedVersion: str | None = None
     attachedPods: int | None = Field(
-        default=None, ge=0, description="Consumer pods attached to this ModelLoad's replicas, over all nodes."
+        default=None,
+        ge=0,
+        description="Consumer pods attached to this ModelLoad's live replicas (any version they hold), over all nodes.",
     )
     conditions: Conditions
     observedGeneration: int | None = Field(default=None, ge=0)
@@ -311,6 +322,7 @@ class ModelLoad(_Model):
         {"name": "Desired", "type": "string", "jsonPath": ".spec.desiredVersion"},
         {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Attached", "type": "integer", "jsonPath": ".status.attachedPods"},
         {"name": "Loaded", "type": "string", "jsonPath": ".status.loadedVersion", "priority": 1},
         {
             "name": "Reason",
@@ -445,7 +457,10 @@ class WeightReplicaStatus(_Model):
     ]
     activeLeases: int | None = Field(default=None, ge=0)
     attachments: list[Attachment] | None = Field(
-        default=None, max_length=1024, description="Consumer pods attached on this node, one entry per held version."
+        default=None,
+        max_length=MAX_ATTACHMENTS,
+        description="Consumer pods attached on this node, one entry per held version (at most 1024 listed; "
+        "attachedPods counts them all).",
     )
     attachedPods: int | None = Field(default=None, ge=0, description="Distinct consumer pods attached.")
     residentBytes: int | None = Field(
@@ -477,6 +492,7 @@ class WeightReplica(_Model):
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Source", "type": "string", "jsonPath": ".status.source"},
         {"name": "Live", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Live")].status'},
+        {"name": "Attached", "type": "integer", "jsonPath": ".status.attachedPods"},
         {"name": "Done", "type": "integer", "jsonPath": ".status.bytesDone", "priority": 1},
         {"name": "Total", "type": "integer", "jsonPath": ".status.bytesTotal", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -10,6 +10,7 @@ import asyncio
 import copy
 import datetime as dt
 import functools
+import hashlib
 import logging
 import time
 from typing import Any
@@ -31,6 +32,7 @@ from ferry_operator.config import CONFIG
 from ferry_operator.kubeapi import ML, WR, WV
 from ferry_operator.modelloads import (
     DEGRADED,
+    ENGINES_ATTACHED,
     LEASE_OF_OTHER_NODE_DELETED,
     PEER_STALLED,
     PROGRESSING,
@@ -46,6 +48,7 @@ from ferry_operator.modelloads import (
 )
 from ferry_operator.versions import (
     READY,
+    attachment_blockers,
     plan_version_status,
     release_blockers,
     storage_from_status,
@@ -97,10 +100,16 @@ def desired_index(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, *
 
 
 @kopf.index(*WR)
-def lease_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict | None:
-    if not status.get("activeLeases"):
-        return None
-    return {(namespace, spec.get("version")): name}
+def lease_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict:
+    # {} rather than None when the reads end: None would keep the replica's previous entry (a blocker for good).
+    return {(namespace, spec.get("version")): name} if status.get("activeLeases") else {}
+
+
+@kopf.index(*WR)
+def attach_index(namespace: str, body: kopf.Body, **_: Any) -> dict:
+    """(namespace, version) -> the consumer pods a replica holds it for (`attachment_blockers`). Empty, never None,
+    once they are gone: kopf keeps an object's previous entries when its handler returns None."""
+    return {(namespace, version): names for version, names in attachment_blockers(body).items()}
 
 
 def _lookup(index: kopf.Index, namespace: str):
@@ -196,24 +205,26 @@ async def _storage_report(namespace: str, name: str, uid: str, body: kopf.Body) 
 
 
 def _blockers(
-    namespace: str, name: str, version_index: kopf.Index, desired_index: kopf.Index, lease_index: kopf.Index
-) -> list[str]:
+    namespace: str, name: str, version_index: kopf.Index, desired_index: kopf.Index, lease_index: kopf.Index,
+    attach_index: kopf.Index,
+) -> list[str]:  # fmt: skip
     return release_blockers(
         dependents(name, _views_in(version_index, namespace)),
         desired_index.get((namespace, name), []),
         lease_index.get((namespace, name), []),
+        [blocker for names in attach_index.get((namespace, name), []) for blocker in names],
     )
 
 
 async def _reconcile_version(
     namespace: str, name: str, body: kopf.Body, patch: kopf.Patch, logger: logging.Logger,
-    version_index: kopf.Index, desired_index: kopf.Index, lease_index: kopf.Index,
+    version_index: kopf.Index, desired_index: kopf.Index, lease_index: kopf.Index, attach_index: kopf.Index,
 ) -> None:  # fmt: skip
     started = time.perf_counter()
     chain = resolve_chain(name, _lookup(version_index, namespace), CONFIG.max_chain_length)
     storage = await _storage_report(namespace, name, body["metadata"]["uid"], body)
     blockers = (
-        _blockers(namespace, name, version_index, desired_index, lease_index)
+        _blockers(namespace, name, version_index, desired_index, lease_index, attach_index)
         if body["metadata"].get("deletionTimestamp")
         else []
     )
@@ -232,12 +243,13 @@ async def _reconcile_version(
 @kopf.on.event(*WV)
 async def version_changed(event: dict, namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
                           logger: logging.Logger, version_index: kopf.Index, desired_index: kopf.Index,
-                          lease_index: kopf.Index, **_: Any) -> None:  # fmt: skip
+                          lease_index: kopf.Index, attach_index: kopf.Index, **_: Any) -> None:  # fmt: skip
     if event.get("type") == "DELETED":
         metrics.forget(namespace, name)
         _forget_announced(body)
         return
-    await _reconcile_version(namespace, name, body, patch, logger, version_index, desired_index, lease_index)
+    await _reconcile_version(namespace, name, body, patch, logger, version_index, desired_index, lease_index,
+                             attach_index)  # fmt: skip
     await _wake_dependents(namespace, name, body, version_index)
 
 
@@ -256,7 +268,7 @@ async def _wake_dependents(namespace: str, name: str, body: kopf.Body, version_i
 @kopf.timer(*WV, interval=CONFIG.resync_seconds, initial_delay=CONFIG.resync_seconds)
 async def version_resync(namespace: str, name: str, body: kopf.Body, patch: kopf.Patch, logger: logging.Logger,
                          version_index: kopf.Index, desired_index: kopf.Index, lease_index: kopf.Index,
-                         **_: Any) -> None:  # fmt: skip
+                         attach_index: kopf.Index, **_: Any) -> None:  # fmt: skip
     """Level-based safety net: missed nudges, S3 objects that appear later, operator restarts."""
     status = body.get("status") or {}
     if status.get("phase") == "Ready" and not body["metadata"].get("deletionTimestamp"):
@@ -265,15 +277,18 @@ async def version_resync(namespace: str, name: str, body: kopf.Body, patch: kopf
             chain = resolve_chain(name, _lookup(version_index, namespace), CONFIG.max_chain_length)
             if chain.ok:
                 return
-    await _reconcile_version(namespace, name, body, patch, logger, version_index, desired_index, lease_index)
+    await _reconcile_version(namespace, name, body, patch, logger, version_index, desired_index, lease_index,
+                             attach_index)  # fmt: skip
 
 
 @kopf.on.delete(*WV)
 async def release_version(namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
                           version_index: kopf.Index, desired_index: kopf.Index, lease_index: kopf.Index,
-                          storage_folder_index: kopf.Index, **_: Any) -> None:  # fmt: skip
-    """Deletion is a release: the finalizer holds the version while anything still depends on it."""
-    blockers = _blockers(namespace, name, version_index, desired_index, lease_index)
+                          attach_index: kopf.Index, storage_folder_index: kopf.Index,
+                          **_: Any) -> None:  # fmt: skip
+    """Deletion is a release: the finalizer holds the version while anything still depends on it, consumer pods
+    attached to it on any node included."""
+    blockers = _blockers(namespace, name, version_index, desired_index, lease_index, attach_index)
     if not blockers:
         await retention_handlers.release_storage(namespace, name, body, storage_folder_index)
         kopf.info(body, reason="Released", message="no dependents left; releasing")
@@ -314,7 +329,7 @@ def _emit_transitions(body: kopf.Body, before: list, after: list) -> None:
     for c in after:
         if old.get(c["type"], "Unknown") != c["status"]:
             bad = c["status"] == "True" if c["type"] in (DEGRADED, PEER_STALLED) else c["status"] == "False"
-            warning = c["type"] != PROGRESSING and bad
+            warning = c["type"] not in (PROGRESSING, ENGINES_ATTACHED) and bad
             _announce(body, c["type"], c["status"], c["reason"], c["message"], warning=warning)
 
 
@@ -427,20 +442,26 @@ async def replica_lease_changed(event: dict, namespace: str, name: str, body: ko
                                 f"{replica}@{body['metadata'].get('resourceVersion')}")  # fmt: skip
 
 
-_replica_phases: dict[tuple[str, str], str | None] = {}
+# (namespace, replica) -> its phase and a digest of who is attached, as last seen.
+_replica_states: dict[tuple[str, str], tuple[str | None, str]] = {}
 
 
 @kopf.on.event(*WR)
 async def replica_changed(event: dict, namespace: str, name: str, spec: kopf.Spec, status: kopf.Status,
                           **_: Any) -> None:  # fmt: skip
-    """A replica changed phase (or went away): re-reconcile its ModelLoad now, not at the next resync."""
+    """A replica changed phase or consumers (or went away): re-reconcile its ModelLoad now, not at the next
+    resync (its attachedPods and EnginesAttached follow the attachments)."""
     key = (namespace, name)
-    phase = None if event.get("type") == "DELETED" else status.get("phase")
-    if _replica_phases.get(key, "") == phase:
+    gone = event.get("type") == "DELETED"
+    phase = None if gone else status.get("phase")
+    held = [] if gone else sorted(f"{e.get('podUid')}/{e.get('version')}" for e in status.get("attachments") or [])
+    state = (phase, hashlib.sha256("\n".join(held).encode()).hexdigest()[:12])
+    if _replica_states.get(key) == state:
         return
-    _replica_phases[key] = phase
-    if phase is None:
-        _replica_phases.pop(key, None)
+    _replica_states[key] = state
+    if gone:
+        _replica_states.pop(key, None)
     owner = spec.get("modelLoad")
     if owner:
-        await asyncio.to_thread(kubeapi.nudge, ML[2], namespace, owner, f"{GROUP}/replica-phase", f"{name}={phase}")
+        await asyncio.to_thread(kubeapi.nudge, ML[2], namespace, owner, f"{GROUP}/replica-phase",
+                                f"{name}={phase}@{state[1]}")  # fmt: skip

@@ -19,6 +19,7 @@ from ferry.api.models import (
     LABEL_MODELLOAD,
     LABEL_NODE,
     LABEL_VERSION,
+    EnginesAttachedReason,
     LiveReason,
     ReplicaConditionType,
     replica_lease_name,
@@ -26,6 +27,8 @@ from ferry.api.models import (
 from ferry.chain import VersionView
 
 READY, PROGRESSING, DEGRADED, PEER_STALLED = "Ready", "Progressing", "Degraded", "PeerStalled"
+# Whether consumer pods hold the desired version through the attach sockets (informational: no engines is no fault).
+ENGINES_ATTACHED = "EnginesAttached"
 # Event reason: a replica's Lease named another node (or none) and was deleted (`foreign_leases`).
 LEASE_OF_OTHER_NODE_DELETED = "LeaseOfOtherNodeDeleted"
 # Ready=False reasons for a desired version that cannot be placed: nothing is created or rolled out meanwhile.
@@ -372,6 +375,57 @@ def live_conditions(
     return updates
 
 
+@dataclass(frozen=True)
+class Attached:
+    """Consumer pods attached to a ModelLoad's replicas, from their `status.attachments`."""
+
+    pods: int  # distinct pods, whatever version they hold
+    on_desired: int  # of them, holding the desired version
+    versions: tuple[str, ...]  # every version held
+    uncounted: tuple[str, ...]  # stale replicas whose attachments are not counted (their agent is not renewing)
+
+    def condition(self, desired: str) -> tuple[bool, EnginesAttachedReason, str]:
+        """`EnginesAttached`: True while at least one pod holds the desired version."""
+        stale = f"; not counted: the attachments of stale {', '.join(self.uncounted)}" if self.uncounted else ""
+        if self.on_desired:
+            others = self.pods - self.on_desired
+            older = ", ".join(v for v in self.versions if v != desired)
+            rest = f"; {others} attached only to {older}" if others else ""
+            return True, EnginesAttachedReason.ATTACHED, f"{_pods(self.on_desired)} attached to {desired}{rest}{stale}"
+        if self.pods:
+            return (
+                False, EnginesAttachedReason.ON_OLDER_VERSION,
+                f"{_pods(self.pods)} attached, none to {desired} yet (they hold {', '.join(self.versions)}){stale}",
+            )  # fmt: skip
+        return False, EnginesAttachedReason.NO_ENGINES, f"no pod is attached to a replica of this ModelLoad{stale}"
+
+
+def _pods(n: int) -> str:
+    return f"{n} pod" if n == 1 else f"{n} pods"
+
+
+def attached_pods(replicas: Iterable[Mapping[str, Any]], desired: str, stale: Iterable[str] = ()) -> Attached:
+    """Distinct pods (by uid) over the replicas' attachments; a stale replica's are left out: its agent is gone or
+    cut off, and its consumers' sockets with it."""
+    stale = set(stale)
+    pods: set[str] = set()
+    on_desired: set[str] = set()
+    versions: set[str] = set()
+    uncounted = []
+    for r in replicas:
+        entries = (r.get("status") or {}).get("attachments") or []
+        if r["metadata"]["name"] in stale:
+            if entries:
+                uncounted.append(r["metadata"]["name"])
+            continue
+        for entry in entries:
+            pods.add(entry["podUid"])
+            versions.add(entry["version"])
+            if entry["version"] == desired:
+                on_desired.add(entry["podUid"])
+    return Attached(len(pods), len(on_desired), tuple(sorted(versions)), tuple(sorted(uncounted)))
+
+
 def aggregate_status(
     modelload: Mapping[str, Any],
     replicas: list[Mapping[str, Any]],
@@ -447,6 +501,10 @@ def aggregate_status(
     else:
         put(PEER_STALLED, False, "Progressing", "no replica is stalled")
 
+    attached = attached_pods(replicas, desired, stale)
+    engines, engines_reason, engines_message = attached.condition(desired)
+    put(ENGINES_ATTACHED, engines, str(engines_reason), engines_message)
+
     if all_ready:
         phase = "Ready"
     elif failed or stale:
@@ -461,6 +519,7 @@ def aggregate_status(
         "readyReplicas": len(ready),
         "ready": f"{len(ready)}/{wanted}",
         "loadedVersion": desired if all_ready else current.get("loadedVersion"),
+        "attachedPods": attached.pods,
         "conditions": conds,
         "observedGeneration": generation,
     }

@@ -78,9 +78,12 @@ class LoadFacts:
 
 
 def held_versions(replica: Mapping[str, Any]) -> frozenset[str]:
-    """Versions a WeightReplica holds or is about to: the one it is assigned and the one it last reported (a
-    retargeted replica serves the old bytes until the new ones are in)."""
-    names = ((replica.get("spec") or {}).get("version"), (replica.get("status") or {}).get("version"))
+    """Versions a WeightReplica holds or is about to: the one it is assigned, the one it last reported (a
+    retargeted replica serves the old bytes until the new ones are in), and those its consumer pods are attached to
+    (an engine that has not refit yet)."""
+    status = replica.get("status") or {}
+    attached = [a.get("version") for a in status.get("attachments") or []]
+    names = ((replica.get("spec") or {}).get("version"), status.get("version"), *attached)
     return frozenset(n for n in names if n)
 
 

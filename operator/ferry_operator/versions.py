@@ -171,10 +171,23 @@ def release_blockers(
     dependent_versions: Iterable[str],
     desiring_modelloads: Iterable[str],
     leasing_replicas: Iterable[str],
+    attached: Iterable[str] = (),
 ) -> list[str]:
-    """Everything that must go before a deleted version may be released, named for `kubectl describe`."""
+    """Everything that must go before a deleted version may be released, named for `kubectl describe`; `attached`
+    are `attachment_blockers` of replicas holding it for consumer pods."""
     return (
         [f"WeightVersion/{d}" for d in sorted(set(dependent_versions))]
         + [f"ModelLoad/{m}" for m in sorted(set(desiring_modelloads))]
         + [f"WeightReplica/{r}" for r in sorted(set(leasing_replicas))]
+        + sorted(set(attached))
     )
+
+
+def attachment_blockers(replica: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Per version a replica's consumers hold (`status.attachments`), its blockers: `attached: <ns>/<pod> on
+    <node>`. A version a replica merely serves blocks nothing; one that a pod is attached to must stay."""
+    node = (replica.get("spec") or {}).get("nodeName") or "?"
+    found: dict[str, set[str]] = {}
+    for entry in (replica.get("status") or {}).get("attachments") or []:
+        found.setdefault(entry["version"], set()).add(f"attached: {entry['podNamespace']}/{entry['pod']} on {node}")
+    return {version: tuple(sorted(names)) for version, names in found.items()}

@@ -3,7 +3,8 @@
 A pod mounts only its own directory, so reaching a socket proves which pod is asking (the path is the capability);
 a pod sees and attaches only versions served for ModelLoads of its own namespace. A lease is the connection: the
 versions a connection attached stay held until it releases them or closes (the kernel closes it when the consumer
-dies, SIGKILL included), and a held version is never freed, whatever the agent stops offering meanwhile.
+dies, SIGKILL included), and a held version is never freed, whatever the agent stops offering meanwhile. Every
+lease taken or let go is announced (`on_leases_changed`); `attachments()` says who holds what, per replica.
 
 Each request gets one reply, in order (`ferry.client.protocol`). A client that breaks the framing (garbage, an
 oversized length, descriptors sent to the agent, EOF mid-frame) is sent an error where possible and disconnected;
@@ -31,6 +32,7 @@ from typing import Any
 
 from prometheus_client import Gauge
 
+from ferry.api.conditions import now_rfc3339
 from ferry.client import protocol as p
 from ferry_agent.attach.memstore import SealedVersion
 
@@ -68,6 +70,10 @@ class Offer:
 class _Lease:
     id: str
     offer: Offer
+    replica: tuple[str, str]  # the WeightReplica whose status names the pod (namespace, name)
+    pod: Pod
+    rank: int | None  # None: all shares
+    since: str
 
 
 @dataclass
@@ -96,6 +102,8 @@ class AttachServer:
         self._changed = threading.Condition(self._lock)  # notified on every offer and withdrawal (watchers)
         self._offers: dict[tuple[str, str], Offer] = {}  # (namespace, WeightReplica name) -> what is offered
         self._held: list[Offer] = []  # withdrawn, still leased
+        self._leases: dict[str, _Lease] = {}  # every connection's leases, by id: who holds what (status)
+        self._on_leases: list[Callable[[], None]] = []
         self._listeners: dict[str, _Listener] = {}  # pod uid ->
         self._selector = selectors.DefaultSelector()
         self._pending: list[Callable[[], None]] = []  # selector changes, applied by the accept thread
@@ -159,6 +167,36 @@ class AttachServer:
             for group, offered in ((offers, True), (held, False))
             for o in group
         ]  # fmt: skip
+
+    def on_leases_changed(self, callback: Callable[[], None]) -> None:
+        """`callback()` after every lease taken or let go (from the connection's thread: it must not block)."""
+        self._on_leases.append(callback)
+
+    def attachments(self) -> dict[tuple[str, str], list[dict[str, Any]]]:
+        """Per replica, the pods that hold its versions: one `status.attachments` entry per pod, version and rank
+        (several connections of one pod are one entry, since its first lease), in pod order."""
+        with self._lock:
+            leases = list(self._leases.values())
+        found: dict[tuple[str, str], dict[tuple[str, str, int | None], dict[str, Any]]] = {}
+        for lease in leases:
+            entry: dict[str, Any] = {
+                "pod": lease.pod.name, "podNamespace": lease.pod.namespace, "podUid": lease.pod.uid,
+                "version": lease.offer.version, "since": lease.since,
+            }  # fmt: skip
+            if lease.rank is not None:
+                entry["rank"] = lease.rank
+            per_replica = found.setdefault(lease.replica, {})
+            key = (lease.pod.uid, lease.offer.version, lease.rank)
+            if key not in per_replica or entry["since"] < per_replica[key]["since"]:
+                per_replica[key] = entry
+        return {replica: sorted(entries.values(), key=_entry_order) for replica, entries in found.items()}
+
+    def _leases_changed(self) -> None:
+        for callback in self._on_leases:
+            try:
+                callback()
+            except Exception:  # a status hook must not cost the consumer its reply
+                log.exception("lease change callback failed")
 
     # ------------------------------------------------------------------ pods
 
@@ -291,7 +329,11 @@ class AttachServer:
             with self._lock:
                 listener.connections.discard(conn)
                 self._held = [o for o in self._held if o.sealed.leases]
+                for lease_id in leases:
+                    self._leases.pop(lease_id, None)
             conn.close()
+            if leases:
+                self._leases_changed()
 
     def _handle(self, pod: Pod, request: dict[str, Any], leases: dict[str, _Lease]) -> tuple[dict[str, Any], list]:
         op = request.get("op")
@@ -311,6 +353,8 @@ class AttachServer:
             lease.offer.sealed.unlease()
             with self._lock:
                 self._held = [o for o in self._held if o.sealed.leases]
+                self._leases.pop(lease.id, None)
+            self._leases_changed()
             return {"ok": True}, []
         return p.error(p.BAD_REQUEST, f"unknown op {op!r}"), []
 
@@ -374,8 +418,11 @@ class AttachServer:
             if rank not in (None, 0):
                 return p.error(p.BAD_REQUEST, f"{offer.model_load} has one rank here; rank {rank} does not exist"), []
             offer.sealed.lease()  # under the lock: a concurrent withdraw cannot free it between lookup and lease
-        lease = _Lease(uuid.uuid4().hex, offer)
+            replica = next(k for k, o in self._offers.items() if o is offer)
+            lease = _Lease(uuid.uuid4().hex, offer, replica, pod, rank, now_rfc3339())
+            self._leases[lease.id] = lease
         leases[lease.id] = lease
+        self._leases_changed()
         log.info("pod %s/%s attached %s %s (lease %s)", pod.namespace, pod.name, offer.model_load, offer.version,
                  lease.id[:8])  # fmt: skip
         reply = {
@@ -384,6 +431,10 @@ class AttachServer:
             **offer.sealed.manifest(),
         }  # fmt: skip
         return reply, list(offer.sealed.fds)
+
+
+def _entry_order(entry: dict[str, Any]) -> tuple[str, str, str, int]:
+    return entry["podNamespace"], entry["pod"], entry["version"], entry.get("rank", -1)
 
 
 def _readable_or_closed(conn: socket.socket) -> bool:
