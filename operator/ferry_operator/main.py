@@ -70,13 +70,26 @@ _verify_slots = asyncio.Semaphore(CONFIG.verify_concurrency)
 _background: set[asyncio.Task] = set()
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """No diff base: every handler here is an event handler or the deletion handler, and neither looks at a diff.
+    kopf's default would write a last-handled-configuration annotation at each creation and each annotation change
+    (every nudge), one more patch and event per object each time. Add a create/update handler and this must go."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> Any:
+        return {}
+
+    def fetch(self, *, body: kopf.Body) -> Any:
+        return {}
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: Any) -> None:
+        pass
+
+
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.finalizer = RELEASE_FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
-    )
+    settings.persistence.diffbase_storage = NoDiffBase()
     settings.watching.server_timeout = CONFIG.watch_server_timeout
     settings.watching.client_timeout = CONFIG.watch_server_timeout + 10
     settings.posting.level = logging.INFO
