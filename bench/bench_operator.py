@@ -168,6 +168,29 @@ def measure(n: int, spread: int) -> dict:
     return row
 
 
+def duration(seconds: float) -> str:
+    if seconds < 0.1:
+        return f"{seconds * 1000:.1f} ms"
+    return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| versions | namespaces | apply→Ready p50 | p99 | all Ready | apiserver: watch p50 / all seen (reference) "
+        "| single new version: Ready / watch event | ratio | operator RSS |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = r["single_ready_s"] / max(r["single_watch_s"], 1e-6)
+        lines.append(
+            f"| {r['count']} | {r['namespaces']} | {duration(r['ready_p50_s'])} | {duration(r['ready_p99_s'])} "
+            f"| {r['ready_all_s']:.1f} s | {duration(r['apiserver_watch_p50_s'])} / {r['apiserver_all_s']:.1f} s "
+            f"| {duration(r['single_ready_s'])} / {duration(r['single_watch_s'])} | {ratio:.1f}x "
+            f"| {r['operator_rss_mib']:.0f} MiB |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="1,100,1000", help="comma-separated N or NxM (N versions over M namespaces)")
@@ -178,20 +201,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    lines = [
-        "| versions | namespaces | apply→Ready p50 | p99 | all Ready | apiserver watch p50 / all seen (reference) "
-        "| single new version Ready / its watch event | ratio | operator RSS (peak) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        ratio = r["single_ready_s"] / max(r["single_watch_s"], 1e-6)
-        lines.append(
-            f"| {r['count']} | {r['namespaces']} | {r['ready_p50_s'] * 1000:.0f} ms | {r['ready_p99_s'] * 1000:.0f} ms "
-            f"| {r['ready_all_s']:.1f} s | {r['apiserver_watch_p50_s'] * 1000:.1f} ms / {r['apiserver_all_s']:.1f} s "
-            f"| {r['single_ready_s'] * 1000:.0f} ms / {r['single_watch_s'] * 1000:.1f} ms | {ratio:.1f}x "
-            f"| {r['operator_rss_mib']} MiB ({r['operator_peak_rss_mib']}) |"
-        )
-    write_results("operator", rows, "\n".join(lines))
+    write_results("operator", rows, table(rows))
 
 
 if __name__ == "__main__":
