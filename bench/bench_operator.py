@@ -155,7 +155,7 @@ def measure(n: int, spread: int) -> dict:
         for name, data in cf.build_full_checkpoint(weights, shard_bytes=1 << 20).items():
             s3.client().put_object(Bucket=BUCKET, Key=f"m/{name}", Body=data)
         uri = f"s3://{BUCKET}/m/{cf.INDEX_NAME}"
-        operator = start_operator(cluster, cluster.workdir, env={**s3.env(), "FERRY_RESYNC_SECONDS": "60"})
+        operator = start_operator(cluster, cluster.workdir, env=s3.env())
         wait_until(lambda: "metrics on" in operator.log_tail(200), 30, "operator", operator)
         api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
         api.configuration.connection_pool_maxsize = CREATE_THREADS
