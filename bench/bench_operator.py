@@ -1,8 +1,14 @@
-"""Operator latency: apply → Ready for 1, 100 and 1000 WeightVersions (p50/p99), and operator RSS at 1000.
+"""Operator latency and scale: apply → WeightVersion Ready (p50/p99, all Ready) and operator RSS, for N versions
+applied at once, in one namespace or spread over several.
 
-Reference, measured in the same run: apply → the same object's ADDED watch event, i.e. what the apiserver alone
-costs. Our figure includes S3 verification of every version (index GET, shard HEAD + header GET) and the status patch.
-Writes bench/results/operator.json and operator.md.
+Each row runs on a fresh stack (apiserver, SeaweedFS, operator), so its RSS and latencies are its own. References,
+measured in the same run: apply → the same object's ADDED watch event (what the apiserver alone costs), and when the
+apiserver had delivered every object. After each row a single new version is applied, one at a time, into the loaded
+cluster: its apply → Ready beside its apply → watch event is the "single new version" ratio. Our figure includes S3
+verification of every version (index GET, shard HEAD + header GET) and the status patch.
+
+Rows: `--rows 1,100,1000,10000,10000x100` (`NxM`: N versions over M namespaces). Writes bench/results/operator.json
+and operator.md.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import json
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +31,8 @@ from ferry.api.models import API_VERSION, GROUP, VERSION
 from ferry.localcluster import local_stack, start_operator, wait_until
 
 BUCKET = "bench"
+SINGLE_PROBES = 5  # single versions applied one at a time after each row
+CREATE_THREADS = 8
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -31,24 +40,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def rss_mib(pid: int) -> float:
+def proc_mib(pid: int, field: str) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
+        if line.startswith(f"{field}:"):
+            return round(int(line.split()[1]) / 1024, 1)
     return float("nan")
 
 
 class Watcher:
-    """Records the first time each object is seen at all, and seen Ready=True."""
+    """Records, per (namespace, name), the first time each WeightVersion is seen at all, and seen Ready=True."""
 
-    def __init__(self, api: client.ApiClient, namespace: str) -> None:
-        self.seen: dict[str, float] = {}
-        self.ready: dict[str, float] = {}
+    def __init__(self, api: client.ApiClient) -> None:
+        self.seen: dict[tuple[str, str], float] = {}
+        self.ready: dict[tuple[str, str], float] = {}
         self._api = client.CustomObjectsApi(api)
-        self._namespace = namespace
         self._stop = False
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
 
     def _run(self) -> None:
         # A watch can drop (server timeout, a broken chunk); re-establish it until stopped. The re-list replays
@@ -59,87 +70,138 @@ class Watcher:
 
     def _consume(self, w: watch.Watch) -> None:
         for event in w.stream(
-            self._api.list_namespaced_custom_object, GROUP, VERSION, self._namespace, "weightversions",
-            timeout_seconds=60,
-        ):  # fmt: skip
+            self._api.list_cluster_custom_object, GROUP, VERSION, "weightversions", timeout_seconds=60
+        ):
             now = time.monotonic()
             obj = event["object"]
-            name = obj["metadata"]["name"]
-            self.seen.setdefault(name, now)
+            key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+            self.seen.setdefault(key, now)
             conditions = (obj.get("status") or {}).get("conditions") or []
             if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
-                self.ready.setdefault(name, now)
+                self.ready.setdefault(key, now)
             if self._stop:
                 w.stop()
 
 
-def run_batch(api: client.ApiClient, namespace: str, n: int, uri: str, timeout: float) -> dict:
-    core = client.CoreV1Api(api)
-    core.create_namespace({"metadata": {"name": namespace}})
-    watcher = Watcher(api, namespace)
-    time.sleep(0.5)
-    objects = client.CustomObjectsApi(api)
-    created: dict[str, float] = {}
-    for i in range(n):
-        name = f"v{i}"
-        body = {
-            "apiVersion": API_VERSION,
-            "kind": "WeightVersion",
-            "metadata": {"name": name},
-            "spec": {"modelName": "bench", "format": "FullCheckpoint", "storage": {"uri": uri}},
-        }
-        created[name] = time.monotonic()
-        objects.create_namespaced_custom_object(GROUP, VERSION, namespace, "weightversions", body)
-    wait_until(lambda: len(watcher.ready) == n, timeout, f"{n} WeightVersions Ready")
-    watcher._stop = True
-    ours = [watcher.ready[k] - created[k] for k in created]
-    raw = [watcher.seen[k] - created[k] for k in created]
+def body(name: str, uri: str) -> dict:
     return {
-        "count": n,
-        "ready_p50_s": percentile(ours, 0.5),
-        "ready_p99_s": percentile(ours, 0.99),
-        "ready_all_s": max(watcher.ready.values()) - min(created.values()),
-        "apiserver_watch_p50_s": percentile(raw, 0.5),
-        "apiserver_watch_p99_s": percentile(raw, 0.99),
-        "mean_ready_s": statistics.fmean(ours),
+        "apiVersion": API_VERSION,
+        "kind": "WeightVersion",
+        "metadata": {"name": name},
+        "spec": {"modelName": "bench", "format": "FullCheckpoint", "storage": {"uri": uri}},
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sizes", default="1,100,1000")
-    args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+def run_row(api: client.ApiClient, n: int, spread: int, uri: str, timeout: float) -> dict:
+    core, objects = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    namespaces = [f"bench-{i}" for i in range(spread)]
+    for ns in namespaces:
+        core.create_namespace({"metadata": {"name": ns}})
+    watcher = Watcher(api)
+    time.sleep(1.0)
+    keys = [(namespaces[i % spread], f"v{i}") for i in range(n)]
+    created: dict[tuple[str, str], float] = {}
+
+    def create(key: tuple[str, str]) -> None:
+        created[key] = time.monotonic()
+        objects.create_namespaced_custom_object(GROUP, VERSION, key[0], "weightversions", body(key[1], uri))
+
+    # "At once": several clients in parallel, as a fleet of trainers would publish.
+    with ThreadPoolExecutor(CREATE_THREADS) as pool:
+        list(pool.map(create, keys))
+    applied_s = max(created.values()) - min(created.values())
+    wait_until(lambda: all(k in watcher.ready for k in keys), timeout, f"{n} WeightVersions Ready")
+    ours = [watcher.ready[k] - created[k] for k in keys]
+    raw = [watcher.seen[k] - created[k] for k in keys]
+    start = min(created.values())
+
+    # One new version at a time into the loaded cluster.
+    single, single_raw = [], []
+    for i in range(SINGLE_PROBES):
+        key = (namespaces[0], f"single-{i}")
+        create(key)
+        wait_until(lambda key=key: key in watcher.ready, 60, f"single version {key} Ready")
+        single.append(watcher.ready[key] - created[key])
+        single_raw.append(watcher.seen[key] - created[key])
+    watcher.stop()
+    return {
+        "count": n,
+        "namespaces": spread,
+        "applied_in_s": round(applied_s, 2),
+        "ready_p50_s": round(percentile(ours, 0.5), 4),
+        "ready_p99_s": round(percentile(ours, 0.99), 4),
+        "ready_all_s": round(max(watcher.ready[k] for k in keys) - start, 2),
+        "apiserver_watch_p50_s": round(percentile(raw, 0.5), 4),
+        "apiserver_watch_p99_s": round(percentile(raw, 0.99), 4),
+        "apiserver_all_s": round(max(watcher.seen[k] for k in keys) - start, 2),
+        "mean_ready_s": round(statistics.fmean(ours), 4),
+        "single_ready_s": round(statistics.median(single), 4),
+        "single_watch_s": round(statistics.median(single_raw), 4),
+    }
+
+
+def parse_rows(text: str) -> list[tuple[int, int]]:
     rows = []
+    for item in text.split(","):
+        count, _, spread = item.partition("x")
+        rows.append((int(count), int(spread or 1)))
+    return rows
+
+
+def measure(n: int, spread: int) -> dict:
     with local_stack() as (cluster, s3):
         s3.create_bucket(BUCKET)
         weights = {f"w{i}": np.ones((256, 256), np.float32) for i in range(8)}
         for name, data in cf.build_full_checkpoint(weights, shard_bytes=1 << 20).items():
             s3.client().put_object(Bucket=BUCKET, Key=f"m/{name}", Body=data)
         uri = f"s3://{BUCKET}/m/{cf.INDEX_NAME}"
-        operator = start_operator(cluster, cluster.workdir, env={**s3.env(), "FERRY_RESYNC_SECONDS": "60"})
+        operator = start_operator(cluster, cluster.workdir, env=s3.env())
         wait_until(lambda: "metrics on" in operator.log_tail(200), 30, "operator", operator)
         api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
-        for n in sizes:
-            row = run_batch(api, f"bench-{n}", n, uri, timeout=120 + n)
-            row["operator_rss_mib"] = round(rss_mib(operator.proc.pid), 1)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        api.configuration.connection_pool_maxsize = CREATE_THREADS
+        row = run_row(api, n, spread, uri, timeout=180 + 0.2 * n)
+        row["operator_rss_mib"] = proc_mib(operator.proc.pid, "VmRSS")
+        row["operator_peak_rss_mib"] = proc_mib(operator.proc.pid, "VmHWM")
+        log = (cluster.workdir / "operator.log").read_text(errors="replace")
+        row["operator_log_lines"] = log.count("\n")
         operator.stop()
+    return row
 
+
+def duration(seconds: float) -> str:
+    if seconds < 0.1:
+        return f"{seconds * 1000:.1f} ms"
+    return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def table(rows: list[dict]) -> str:
     lines = [
-        "| versions | apply→Ready p50 | p99 | apiserver watch p50 (reference) | ratio p50 "
-        "| all Ready after | operator RSS |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| versions | namespaces | apply→Ready p50 | p99 | all Ready | apiserver: watch p50 / all seen (reference) "
+        "| single new version: Ready / watch event | ratio | operator RSS |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        ratio = r["ready_p50_s"] / max(r["apiserver_watch_p50_s"], 1e-6)
+        ratio = r["single_ready_s"] / max(r["single_watch_s"], 1e-6)
         lines.append(
-            f"| {r['count']} | {r['ready_p50_s'] * 1000:.0f} ms | {r['ready_p99_s'] * 1000:.0f} ms | "
-            f"{r['apiserver_watch_p50_s'] * 1000:.1f} ms | {ratio:.0f}x | {r['ready_all_s']:.1f} s | "
-            f"{r['operator_rss_mib']} MiB |"
+            f"| {r['count']} | {r['namespaces']} | {duration(r['ready_p50_s'])} | {duration(r['ready_p99_s'])} "
+            f"| {r['ready_all_s']:.1f} s | {duration(r['apiserver_watch_p50_s'])} / {r['apiserver_all_s']:.1f} s "
+            f"| {duration(r['single_ready_s'])} / {duration(r['single_watch_s'])} | {ratio:.1f}x "
+            f"| {r['operator_rss_mib']:.0f} MiB |"
         )
-    write_results("operator", rows, "\n".join(lines))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", default="1,100,1000", help="comma-separated N or NxM (N versions over M namespaces)")
+    args = parser.parse_args()
+    rows = []
+    for n, spread in parse_rows(args.rows):
+        row = measure(n, spread)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    write_results("operator", rows, table(rows))
 
 
 if __name__ == "__main__":

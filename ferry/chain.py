@@ -45,6 +45,10 @@ class VersionView:
     deleting: bool
     has_storage: bool
     uid: str = ""  # metadata.uid: a deleted and republished name is another object
+    namespace: str = ""
+    created: str = ""  # metadata.creationTimestamp (RFC 3339, so it sorts as text): retention's publish order
+    ready_time: str = ""  # status.readyTime
+    storage_uri: str = ""
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> VersionView:
@@ -63,6 +67,10 @@ class VersionView:
             deleting=bool(metadata.get("deletionTimestamp")),
             has_storage=bool(storage.get("uri")),
             uid=metadata.get("uid", ""),
+            namespace=metadata.get("namespace", ""),
+            created=metadata.get("creationTimestamp") or "",
+            ready_time=status.get("readyTime") or "",
+            storage_uri=storage.get("uri") or "",
         )
 
 

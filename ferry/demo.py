@@ -145,7 +145,7 @@ def run(wait: bool, workdir: Path | None, size_mib: int) -> int:
         print(f"  apiserver {cluster.server}   S3 {s3.endpoint}\n  export KUBECONFIG={cluster.kubeconfig}")
         s3.create_bucket(BUCKET)
         say("Starting the operator (kopf run) and three node agents")
-        operator = start_operator(cluster, root / "operator", env={**s3.env(), "FERRY_RESYNC_SECONDS": "2"})
+        operator = start_operator(cluster, root / "operator", env=s3.env())
         agents = start_agents(cluster, s3, root / "agents")
         print(f"  logs under {root}")
         try:

@@ -202,6 +202,27 @@ def _read(
     return _call(what, response["Body"].read)
 
 
+def _get_prefix(client: Any, bucket: str, key: str, nbytes: int) -> dict[str, Any] | None:
+    try:
+        return client.get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{nbytes - 1}")
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+            return None  # an empty object has no byte 0
+        raise
+
+
+def _read_prefix(client: Any, bucket: str, key: str, what: str, nbytes: int) -> tuple[bytes, int]:
+    """The first `nbytes` of an object and its size, in one ranged GET: the size is in its Content-Range
+    (`bytes 0-N/size`), so no HEAD is needed, a request fewer per shard."""
+    response = _call(what, _get_prefix, client=client, bucket=bucket, key=key, nbytes=nbytes)
+    if response is None:
+        return b"", 0
+    content_range = response.get("ContentRange") or ""
+    # Without a Content-Range the server sent the whole object (it ignored the Range).
+    size = int(content_range.rpartition("/")[2]) if "/" in content_range else response["ContentLength"]
+    return _call(what, response["Body"].read), size
+
+
 def verify_checkpoint(client: Any, uri: str, *, fmt: str, version: str, base_version: str | None) -> StorageReport:
     """Check the checkpoint at `uri` (its index) is complete and canonical for WeightVersion `version`."""
     if fmt == WeightFormat.PEER_ONLY:
@@ -272,12 +293,11 @@ def _verify(client: Any, uri: str, *, delta: bool, version: str, base_version: s
 def _check_shard(
     client: Any, bucket: str, key: str, shard_uri: str, expected: set[str], checksummed: bool
 ) -> tuple[int, dict[str, ckpt.TensorInfo]]:
-    """HEAD + header GET of one shard → (object size, its tensors), checked against the index."""
+    """One header GET of a shard → (object size, its tensors), checked against the index."""
     what = f"shard {shard_uri}"
-    size = _call(what, client.head_object, Bucket=bucket, Key=key)["ContentLength"]
+    first, size = _read_prefix(client, bucket, key, what, HEADER_PROBE_BYTES)
     if size < ckpt.HEADER_PREFIX_BYTES:
         raise _stop(StorageReason.SizeMismatch, f"shard {shard_uri} is only {size} bytes; it is truncated.")
-    first = _read(client, bucket, key, what, f"bytes=0-{min(size, HEADER_PROBE_BYTES) - 1}")
     try:
         header_len = ckpt.header_length(first)
         if ckpt.HEADER_PREFIX_BYTES + header_len > size:

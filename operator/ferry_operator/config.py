@@ -20,7 +20,7 @@ def _float(name: str, default: float) -> float:
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    resync_seconds: float
+    verify_concurrency: int  # storage verifications at once (threads, and the S3 client's connection pool)
     verify_backoff_initial: float
     verify_backoff_max: float
     release_retry_seconds: float
@@ -33,7 +33,7 @@ class OperatorConfig:
     @classmethod
     def from_env(cls) -> OperatorConfig:
         return cls(
-            resync_seconds=_float("FERRY_RESYNC_SECONDS", 30.0),
+            verify_concurrency=int(_float("FERRY_VERIFY_CONCURRENCY", 16)),
             verify_backoff_initial=_float("FERRY_VERIFY_BACKOFF_SECONDS", 2.0),
             verify_backoff_max=_float("FERRY_VERIFY_BACKOFF_MAX_SECONDS", 300.0),
             release_retry_seconds=_float("FERRY_RELEASE_RETRY_SECONDS", 2.0),

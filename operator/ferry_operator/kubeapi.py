@@ -37,7 +37,8 @@ def read_secret_data(namespace: str, name: str) -> dict[str, str]:
 
 
 def nudge(plural: str, namespace: str, name: str, annotation: str, value: str) -> None:
-    """Touch an annotation so kopf re-reconciles the object now instead of at the next resync."""
+    """Touch an annotation so kopf reconciles the object now: the operator has no resync, so this is how a change
+    of one object reaches the objects derived from it."""
     body = {"metadata": {"annotations": {annotation: value}}}
     try:
         _objects().patch_namespaced_custom_object(GROUP, VERSION, namespace, plural, name, body)

@@ -9,26 +9,23 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime as dt
-import functools
 import hashlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
 
-from ferry.api.conditions import now_rfc3339
-from ferry.api.models import GROUP, LABEL_VERSION
+from ferry.api.conditions import get_condition, now_rfc3339
+from ferry.api.liveness import DEFAULT_LEASE_SECONDS
+from ferry.api.models import GROUP, LABEL_VERSION, replica_lease_name
 from ferry.chain import VersionView, dependents, resolve_chain
-from ferry.storage import (
-    StorageReason,
-    StorageReport,
-    credentials_from_secret_data,
-    s3_client,
-    verify_checkpoint,
-)
-from ferry_operator import kubeapi, metrics, retention_handlers  # the import registers retention's handlers
+from ferry.storage import StorageReason, StorageReport, credentials_from_secret_data, verify_checkpoint
+from ferry_operator import kubeapi, logfilter, metrics, retention_handlers  # the import registers retention's
 from ferry_operator.config import CONFIG
+from ferry_operator.deadlines import DEADLINES
+from ferry_operator.indexkeys import dependents_of, named, version_keys
 from ferry_operator.kubeapi import ML, WR, WV
 from ferry_operator.modelloads import (
     DEGRADED,
@@ -37,6 +34,7 @@ from ferry_operator.modelloads import (
     PEER_STALLED,
     PROGRESSING,
     aggregate_status,
+    fell_back,
     foreign_leases,
     live_conditions,
     node_matches,
@@ -44,8 +42,11 @@ from ferry_operator.modelloads import (
     renewal_time,
     renewed_after_expiry,
     serves,
+    stall_deadline,
+    stalled_replicas,
     version_problem,
 )
+from ferry_operator.s3clients import client_for
 from ferry_operator.versions import (
     READY,
     attachment_blockers,
@@ -55,25 +56,50 @@ from ferry_operator.versions import (
 )
 
 RELEASE_FINALIZER = f"{GROUP}/release"
-NUDGE_ANNOTATION = f"{GROUP}/base-ready"
+# Annotations the operator touches to have kopf reconcile an object now (their values only need to change).
+NUDGE_ANNOTATION = f"{GROUP}/base-ready"  # a version this one depends on, or desires, changed
+RETRY_ANNOTATION = f"{GROUP}/verify-retry"  # a storage verification backoff ran out
+DEADLINE_ANNOTATION = f"{GROUP}/deadline"  # a Lease expired, or a load may have stalled
+DEADLINE_MARGIN = 0.5  # seconds past a deadline before acting on it: the check then sees it passed
 
 log = logging.getLogger("ferry.operator")
 
 # Storage verification backoff per object uid: (attempts, monotonic time of the next allowed attempt).
 _verify_backoff: dict[str, tuple[int, float]] = {}
+# Verifications run on their own bounded pool, so a burst of new versions neither floods S3 nor starves the
+# threads that patch and nudge.
+_verify_pool = ThreadPoolExecutor(CONFIG.verify_concurrency, thread_name_prefix="verify")
+_verify_slots = asyncio.Semaphore(CONFIG.verify_concurrency)
+_background: set[asyncio.Task] = set()
+
+
+class NoDiffBase(kopf.DiffBaseStorage):
+    """No diff base: every handler here is an event handler or the deletion handler, and neither looks at a diff.
+    kopf's default would write a last-handled-configuration annotation at each creation and each annotation change
+    (every nudge), one more patch and event per object each time. Add a create/update handler and this must go."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> Any:
+        return {}
+
+    def fetch(self, *, body: kopf.Body) -> Any:
+        return {}
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: Any) -> None:
+        pass
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.finalizer = RELEASE_FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
-    )
+    settings.persistence.diffbase_storage = NoDiffBase()
     settings.watching.server_timeout = CONFIG.watch_server_timeout
     settings.watching.client_timeout = CONFIG.watch_server_timeout + 10
     settings.posting.level = logging.INFO
     settings.execution.max_workers = 8
+    logfilter.install()
+    task = asyncio.get_running_loop().create_task(DEADLINES.run(), name="deadlines")
+    _background.add(task)
     # Short retries for Events: a 403 from a terminating namespace must not stall the shared event-posting queue.
     settings.posting.default_backoffs = settings.posting.logging_backoffs = [0.5, 1, 2]
     # Every other request rides out an apiserver restart of about two minutes: kopf ends the whole operator when a
@@ -88,8 +114,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.index(*WV)
-def version_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, name): VersionView.from_body(body)}
+def version_index(body: kopf.Body, **_: Any) -> dict:
+    """The one index over every WeightVersion (see indexkeys): chains, dependents, retention, shared folders."""
+    return version_keys(VersionView.from_body(body))
 
 
 @kopf.index(*ML)
@@ -114,18 +141,21 @@ def attach_index(namespace: str, body: kopf.Body, **_: Any) -> dict:
 
 def _lookup(index: kopf.Index, namespace: str):
     def lookup(name: str) -> VersionView | None:
-        store = index.get((namespace, name))
+        store = index.get(named(namespace, name))
         return next(iter(store), None) if store else None
 
     return lookup
 
 
-def _views_in(index: kopf.Index, namespace: str) -> list[VersionView]:
-    return [view for (ns, _), store in index.items() if ns == namespace for view in store]
+def _nudge_later(plural: str, namespace: str, name: str, annotation: str, value: str):
+    async def nudge() -> None:
+        await asyncio.to_thread(kubeapi.nudge, plural, namespace, name, annotation, value)
+
+    return nudge
 
 
-# (object uid, condition type) -> (status, reason) last announced as an Event. The timer and the event handler of one
-# object can both see the same flip in a stale body; one Event per flip is enough.
+# (object uid, condition type) -> (status, reason) last announced as an Event. Two handler runs of one object can
+# both see the same flip in a stale body; one Event per flip is enough.
 _announced: dict[tuple[str, str], tuple[str, str]] = {}
 
 
@@ -153,12 +183,6 @@ def _credentials(namespace: str, storage: dict) -> dict[str, str] | None:
     return credentials_from_secret_data(kubeapi.read_secret_data(namespace, secret))
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_client(endpoint: str | None, region: str | None, credentials: tuple[tuple[str, str], ...]) -> Any:
-    # Creating a boto3 client costs far more than a verification; clients are thread-safe once built.
-    return s3_client(endpoint, region, dict(credentials) or None)
-
-
 def _verify_storage(namespace: str, spec: dict, name: str) -> StorageReport:
     storage = spec.get("storage") or {}
     if not storage.get("uri"):
@@ -173,11 +197,7 @@ def _verify_storage(namespace: str, spec: dict, name: str) -> StorageReport:
         )
     except ValueError as exc:
         return StorageReport(ok=False, reason=StorageReason.CredentialsMissing, message=str(exc))
-    client = _cached_client(
-        storage.get("endpoint") or CONFIG.s3_endpoint,
-        storage.get("region"),
-        tuple(sorted((credentials or {}).items())),
-    )
+    client = client_for(storage.get("endpoint") or CONFIG.s3_endpoint, storage.get("region"), credentials)
     return verify_checkpoint(
         client, storage["uri"], fmt=spec["format"], version=name, base_version=spec.get("baseVersion")
     )
@@ -194,12 +214,20 @@ async def _storage_report(namespace: str, name: str, uid: str, body: kopf.Body) 
     attempts, not_before = _verify_backoff.get(uid, (0, 0.0))
     if recorded is not None and time.monotonic() < not_before:
         return recorded  # backing off: keep showing the last outcome until the next attempt
-    report = await asyncio.to_thread(_verify_storage, namespace, dict(body["spec"]), name)
+    async with _verify_slots:
+        loop = asyncio.get_running_loop()
+        report = await loop.run_in_executor(_verify_pool, _verify_storage, namespace, dict(body["spec"]), name)
     if report.ok:
         _verify_backoff.pop(uid, None)
+        DEADLINES.cancel(("verify", uid))
     else:
+        # The objects may appear later (uploaded after the apply), the endpoint may come back: the backoff running
+        # out is the next event.
         delay = min(CONFIG.verify_backoff_max, CONFIG.verify_backoff_initial * 2**attempts)
         _verify_backoff[uid] = (attempts + 1, time.monotonic() + delay)
+        DEADLINES.after(
+            ("verify", uid), delay, _nudge_later(WV[2], namespace, name, RETRY_ANNOTATION, str(attempts + 1))
+        )
     metrics.VERIFICATIONS.labels(result=str(report.reason)).inc()
     return report
 
@@ -209,7 +237,7 @@ def _blockers(
     attach_index: kopf.Index,
 ) -> list[str]:  # fmt: skip
     return release_blockers(
-        dependents(name, _views_in(version_index, namespace)),
+        dependents(name, dependents_of(version_index, namespace, name)),
         desired_index.get((namespace, name), []),
         lease_index.get((namespace, name), []),
         [blocker for names in attach_index.get((namespace, name), []) for blocker in names],
@@ -247,50 +275,60 @@ async def version_changed(event: dict, namespace: str, name: str, body: kopf.Bod
     if event.get("type") == "DELETED":
         metrics.forget(namespace, name)
         _forget_announced(body)
+        uid = body["metadata"].get("uid")
+        _verify_backoff.pop(uid, None)
+        DEADLINES.cancel(("verify", uid))
+        await _wake_watchers(event, namespace, name, body, version_index, desired_index)
         return
     await _reconcile_version(namespace, name, body, patch, logger, version_index, desired_index, lease_index,
                              attach_index)  # fmt: skip
-    await _wake_dependents(namespace, name, body, version_index)
+    await _wake_watchers(event, namespace, name, body, version_index, desired_index)
 
 
-async def _wake_dependents(namespace: str, name: str, body: kopf.Body, version_index: kopf.Index) -> None:
-    """Once this version's Ready=True is persisted (seen in this very event, and so in the index), re-trigger the
-    deltas still waiting on it now rather than at their next resync."""
-    if not VersionView.from_body(body).ready:
-        return
-    stamp = f"{name}@{(body.get('status') or {}).get('readyTime', '')}"
-    waiting = [v.name for v in _views_in(version_index, namespace) if v.base_version == name and not v.ready]
-    await asyncio.gather(
-        *(asyncio.to_thread(kubeapi.nudge, WV[2], namespace, d, NUDGE_ANNOTATION, stamp) for d in waiting)
+# (namespace, name) -> what the versions that depend on this one, and the ModelLoads that desire it, last saw.
+_signatures: dict[tuple[str, str], tuple] = {}
+
+
+def _signature(body: kopf.Body) -> tuple:
+    """What others derive from a version: its identity, readiness, release and why its chain is (not) resolved."""
+    conditions = (body.get("status") or {}).get("conditions")
+    return (
+        body["metadata"].get("uid"),
+        bool(body["metadata"].get("deletionTimestamp")),
+        tuple((get_condition(conditions, t) or {}).get("reason") for t in (READY, "ChainResolved")),
+        VersionView.from_body(body).ready,
     )
 
 
-@kopf.timer(*WV, interval=CONFIG.resync_seconds, initial_delay=CONFIG.resync_seconds)
-async def version_resync(namespace: str, name: str, body: kopf.Body, patch: kopf.Patch, logger: logging.Logger,
-                         version_index: kopf.Index, desired_index: kopf.Index, lease_index: kopf.Index,
-                         attach_index: kopf.Index, **_: Any) -> None:  # fmt: skip
-    """Level-based safety net: missed nudges, S3 objects that appear later, operator restarts."""
-    status = body.get("status") or {}
-    if status.get("phase") == "Ready" and not body["metadata"].get("deletionTimestamp"):
-        ready = next((c for c in status.get("conditions") or [] if c.get("type") == READY), None)
-        if ready and ready.get("observedGeneration") == body["metadata"].get("generation"):
-            chain = resolve_chain(name, _lookup(version_index, namespace), CONFIG.max_chain_length)
-            if chain.ok:
-                return
-    await _reconcile_version(namespace, name, body, patch, logger, version_index, desired_index, lease_index,
-                             attach_index)  # fmt: skip
+async def _wake_watchers(event: dict, namespace: str, name: str, body: kopf.Body, version_index: kopf.Index,
+                         desired_index: kopf.Index) -> None:  # fmt: skip
+    """Event-driven, not a resync: once a change of this version is persisted (seen in this very event, and so in
+    the index), re-trigger the versions based on it and the ModelLoads that desire it. Nothing else has to poll."""
+    key = (namespace, name)
+    gone = event.get("type") == "DELETED"
+    previous = _signatures.pop(key, None) if gone else _signatures.get(key)
+    if not gone:
+        _signatures[key] = _signature(body)
+        if previous == _signatures[key] or (previous is None and event.get("type") is None):
+            return  # unchanged, or first seen in the startup listing (everything is reconciled then anyway)
+    stamp = f"{name}@{body['metadata'].get('resourceVersion', '')}"
+    targets = [(WV[2], v.name) for v in dependents_of(version_index, namespace, name)]
+    targets += [(ML[2], load) for load in desired_index.get((namespace, name), [])]
+    await asyncio.gather(
+        *(asyncio.to_thread(kubeapi.nudge, plural, namespace, target, NUDGE_ANNOTATION, stamp)
+          for plural, target in targets)
+    )  # fmt: skip
 
 
 @kopf.on.delete(*WV)
 async def release_version(namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
                           version_index: kopf.Index, desired_index: kopf.Index, lease_index: kopf.Index,
-                          attach_index: kopf.Index, storage_folder_index: kopf.Index,
-                          **_: Any) -> None:  # fmt: skip
+                          attach_index: kopf.Index, **_: Any) -> None:  # fmt: skip
     """Deletion is a release: the finalizer holds the version while anything still depends on it, consumer pods
     attached to it on any node included."""
     blockers = _blockers(namespace, name, version_index, desired_index, lease_index, attach_index)
     if not blockers:
-        await retention_handlers.release_storage(namespace, name, body, storage_folder_index)
+        await retention_handlers.release_storage(namespace, name, body, version_index)
         kopf.info(body, reason="Released", message="no dependents left; releasing")
         return
     chain = resolve_chain(name, _lookup(version_index, namespace), CONFIG.max_chain_length)
@@ -309,14 +347,24 @@ def _snapshot(body: kopf.Body) -> dict:
     return copy.deepcopy(dict(body))
 
 
+def _node_view(name: str, body: kopf.Body) -> dict:
+    return {"metadata": {"name": name, "labels": dict(body.metadata.labels)}, "spec": dict(body.spec)}
+
+
 @kopf.index("", "v1", "nodes")
 def node_index(name: str, body: kopf.Body, **_: Any) -> dict:
-    return {name: {"metadata": {"name": name, "labels": dict(body.metadata.labels)}, "spec": dict(body.spec)}}
+    return {name: _node_view(name, body)}
 
 
 @kopf.index(*WR)
-def replica_index(namespace: str, spec: kopf.Spec, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, spec.get("modelLoad")): _snapshot(body)}
+def replica_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, body: kopf.Body,
+                  **_: Any) -> dict:  # fmt: skip
+    """By (namespace, ModelLoad); also by name (a Lease's replica) and by the version it reports (holders)."""
+    snapshot = _snapshot(body)
+    keys = {(namespace, spec.get("modelLoad")): snapshot, ("replica", namespace, name): snapshot}
+    if status.get("version"):
+        keys[("serving", namespace, status["version"])] = snapshot
+    return keys
 
 
 @kopf.index("coordination.k8s.io", "v1", "leases", labels={f"{GROUP}/replica": kopf.PRESENT})
@@ -346,12 +394,8 @@ async def _reconcile_modelload(
     desired = body["spec"]["desiredVersion"]
     view = _lookup(version_index, namespace)(desired)
     uid = (view.uid or None) if view else None
-    holders = {
-        r["spec"]["nodeName"]
-        for (ns, _), store in replica_index.items() if ns == namespace
-        for r in store
-        if serves(r, desired, uid)
-    }  # fmt: skip
+    serving = replica_index.get(("serving", namespace, desired), [])
+    holders = {r["spec"]["nodeName"] for r in serving if serves(r, desired, uid)}
     problem = version_problem(body["spec"], view)
     plan = plan_replicas(model_load, replicas, nodes, holders, placeable=problem is None)
     for wr in plan.create:
@@ -364,7 +408,12 @@ async def _reconcile_modelload(
         await asyncio.to_thread(kubeapi.retarget_replica, namespace, replica, desired, LABEL_VERSION)
         kopf.info(body, reason="RollingOut", message=f"{replica} moves to {desired}")
 
-    leases = {n: lease for (ns, n), store in replica_lease_index.items() if ns == namespace for lease in store}
+    leases = {
+        lease_name: lease
+        for r in replicas
+        for lease_name in [replica_lease_name(r["metadata"]["name"])]
+        for lease in replica_lease_index.get((namespace, lease_name), [])
+    }
     # A Lease that names another node (or none) would keep the replica's own agent from writing its Lease for good:
     # delete it, and the agent creates its own at its next renewal. Until then the replica is not Live.
     for foreign in foreign_leases(replicas, leases):
@@ -384,6 +433,20 @@ async def _reconcile_modelload(
     if any(current_status.get(k) != v for k, v in status.items()):
         patch.status.update(status)
         _emit_transitions(body, list(current_status.get("conditions") or []), status["conditions"])
+    # A load that stops progressing sends no event: its stall deadline is one. A stalled one that progresses again
+    # must wake this ModelLoad (replica_changed), where ordinary progress does not.
+    stall_seconds = _stall_seconds(body["spec"])
+    for r in replicas:
+        _stalled.discard((namespace, r["metadata"]["name"]))
+    _stalled.update((namespace, s.replica) for s in stalled_replicas(replicas, stall_seconds, now))
+    stall = stall_deadline(replicas, stall_seconds, now)
+    if stall is None:
+        DEADLINES.cancel(("stall", namespace, name))
+    else:
+        DEADLINES.after(
+            ("stall", namespace, name), (stall - now).total_seconds() + DEADLINE_MARGIN,
+            _nudge_later(ML[2], namespace, name, DEADLINE_ANNOTATION, f"stall@{stall.isoformat()}"),
+        )  # fmt: skip
     metrics.RECONCILES.labels(kind="ModelLoad", phase=status["phase"]).inc()
     metrics.RECONCILE_SECONDS.labels(kind="ModelLoad").observe(time.perf_counter() - started)
 
@@ -400,14 +463,8 @@ async def modelload_changed(event: dict, namespace: str, name: str, body: kopf.B
     )
 
 
-@kopf.timer(*ML, interval=CONFIG.resync_seconds, initial_delay=1)
-async def modelload_resync(namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
-                           node_index: kopf.Index, replica_index: kopf.Index, replica_lease_index: kopf.Index,
-                           version_index: kopf.Index, **_: Any) -> None:  # fmt: skip
-    """Lease expiry and stalls are the passage of time, not events: re-derive them periodically."""
-    await _reconcile_modelload(
-        namespace, name, body, patch, node_index, replica_index, replica_lease_index, version_index
-    )
+def _stall_seconds(spec: kopf.Spec) -> float:
+    return float((spec.get("transfer") or {}).get("stallSeconds", 60))
 
 
 # (namespace, Lease name) -> the last renewal time seen.
@@ -418,50 +475,84 @@ _lease_renewals: dict[tuple[str, str], dt.datetime | None] = {}
 async def replica_lease_changed(event: dict, namespace: str, name: str, body: kopf.Body, labels: kopf.Labels,
                                 replica_index: kopf.Index, **_: Any) -> None:  # fmt: skip
     """A replica's Lease that appears, goes away, or is renewed after it had expired: re-reconcile its ModelLoad
-    now, so that a replica whose agent is back is live (and ready) within a lease period, not at the next resync.
-    Ordinary renewals change nothing."""
+    now, so that a replica whose agent is back is live (and ready) within a lease period. Ordinary renewals change
+    nothing but the Lease's expiry deadline: only a Lease that is not renewed in time wakes its ModelLoad."""
     key = (namespace, name)
     kind = event.get("type")
+    replica = labels.get(f"{GROUP}/replica")
+    owner = next((r["spec"].get("modelLoad") for r in replica_index.get(("replica", namespace, replica), [])), None)
     if kind == "DELETED":
         _lease_renewals.pop(key, None)
+        DEADLINES.cancel(("lease", namespace, name))
         changed = True
     else:
         previous = _lease_renewals.get(key)
-        _lease_renewals[key] = renewal_time(body)
+        renewed = _lease_renewals[key] = renewal_time(body)
         changed = kind == "ADDED" or renewed_after_expiry(previous, body)
-    replica = labels.get(f"{GROUP}/replica")
-    if not changed or not replica:
-        return
-    owner = next(
-        (r["spec"].get("modelLoad") for (ns, _), store in replica_index.items() if ns == namespace
-         for r in store if r["metadata"]["name"] == replica),
-        None,
-    )  # fmt: skip
-    if owner:
+        if renewed is not None and owner:
+            duration = (body.get("spec") or {}).get("leaseDurationSeconds") or DEFAULT_LEASE_SECONDS
+            expires = renewed + dt.timedelta(seconds=duration) - dt.datetime.now(dt.UTC)
+            DEADLINES.after(
+                ("lease", namespace, name), expires.total_seconds() + DEADLINE_MARGIN,
+                _nudge_later(ML[2], namespace, owner, DEADLINE_ANNOTATION, f"{name}@{renewed.isoformat()}"),
+            )  # fmt: skip
+    if changed and owner:
         await asyncio.to_thread(kubeapi.nudge, ML[2], namespace, owner, f"{GROUP}/lease",
                                 f"{replica}@{body['metadata'].get('resourceVersion')}")  # fmt: skip
 
 
-# (namespace, replica) -> its phase and a digest of who is attached, as last seen.
-_replica_states: dict[tuple[str, str], tuple[str | None, str]] = {}
+# (namespace, replica) -> what its ModelLoad derives from it, as last seen.
+_replica_states: dict[tuple[str, str], tuple] = {}
+_stalled: set[tuple[str, str]] = set()  # (namespace, replica) its ModelLoad last found stalled
+
+
+def _attached_digest(status: kopf.Status) -> str:
+    held = sorted(f"{e.get('podUid')}/{e.get('version')}" for e in status.get("attachments") or [])
+    return hashlib.sha256("\n".join(held).encode()).hexdigest()[:12]
 
 
 @kopf.on.event(*WR)
-async def replica_changed(event: dict, namespace: str, name: str, spec: kopf.Spec, status: kopf.Status,
-                          **_: Any) -> None:  # fmt: skip
-    """A replica changed phase or consumers (or went away): re-reconcile its ModelLoad now, not at the next
-    resync (its attachedPods and EnginesAttached follow the attachments)."""
+async def replica_changed(event: dict, namespace: str, name: str, body: kopf.Body, spec: kopf.Spec,
+                          status: kopf.Status, **_: Any) -> None:  # fmt: skip
+    """A replica changed what its ModelLoad's status is made of (phase, the version it serves, a fallback, who is
+    attached) or went away: re-reconcile the ModelLoad now. Progress within a load changes nothing there."""
     key = (namespace, name)
-    gone = event.get("type") == "DELETED"
-    phase = None if gone else status.get("phase")
-    held = [] if gone else sorted(f"{e.get('podUid')}/{e.get('version')}" for e in status.get("attachments") or [])
-    state = (phase, hashlib.sha256("\n".join(held).encode()).hexdigest()[:12])
-    if _replica_states.get(key) == state:
-        return
-    _replica_states[key] = state
-    if gone:
+    if event.get("type") == "DELETED":
+        state: tuple | None = None
         _replica_states.pop(key, None)
+        _stalled.discard(key)
+    else:
+        state = (
+            status.get("phase"), status.get("version"), status.get("versionUid"), spec.get("version"),
+            spec.get("nodeName"), fell_back(body), bool(body["metadata"].get("deletionTimestamp")),
+            status.get("lastProgressTime") if key in _stalled else None,
+            _attached_digest(status),
+        )  # fmt: skip
+        if _replica_states.get(key) == state:
+            return
+        _replica_states[key] = state
     owner = spec.get("modelLoad")
     if owner:
+        phase = state[0] if state else None
         await asyncio.to_thread(kubeapi.nudge, ML[2], namespace, owner, f"{GROUP}/replica-phase",
-                                f"{name}={phase}@{state[1]}")  # fmt: skip
+                                f"{name}={phase}@{body['metadata'].get('resourceVersion', '')}")  # fmt: skip
+
+
+_node_views: dict[str, dict] = {}
+
+
+@kopf.on.event("", "v1", "nodes")
+async def node_changed(event: dict, name: str, body: kopf.Body, desired_index: kopf.Index, **_: Any) -> None:
+    """A node that appears, goes, or changes labels or schedulability moves placements: wake every ModelLoad.
+    Status heartbeats (most node events) change neither."""
+    view = None if event.get("type") == "DELETED" else _node_view(name, body)
+    previous = _node_views.pop(name, None) if view is None else _node_views.get(name)
+    if view is not None:
+        _node_views[name] = view
+        if previous == view or (previous is None and event.get("type") is None):
+            return
+    loads = {(ns, load) for (ns, _), store in desired_index.items() for load in store}
+    stamp = f"{name}@{body['metadata'].get('resourceVersion', '')}"
+    await asyncio.gather(
+        *(asyncio.to_thread(kubeapi.nudge, ML[2], ns, load, f"{GROUP}/node", stamp) for ns, load in loads)
+    )

@@ -252,6 +252,20 @@ def stalled_replicas(
     return found
 
 
+def stall_deadline(replicas: Iterable[Mapping[str, Any]], stall_seconds: float, now: dt.datetime) -> dt.datetime | None:
+    """When the next Loading replica that still progresses would count as stalled, if it makes no progress by
+    then (None: no such replica). A stall is the absence of events, so this is the moment to look again."""
+    times = []
+    for r in replicas:
+        status = r.get("status") or {}
+        last = parse_time(status.get("lastProgressTime") or status.get("startedTime"))
+        if status.get("phase") == "Loading" and last is not None:
+            due = last + dt.timedelta(seconds=stall_seconds)
+            if due > now:
+                times.append(due)
+    return min(times, default=None)
+
+
 def fell_back(replica: Mapping[str, Any]) -> bool:
     """Loaded from object storage after a peer was tried and failed."""
     status = replica.get("status") or {}

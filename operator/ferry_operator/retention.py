@@ -11,39 +11,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ferry.api.conditions import is_true
 from ferry.api.models import API_VERSION, GROUP, MAX_CHAIN_LENGTH
+from ferry.chain import VersionView
 
 # Set by the operator on a version it retires: who retired it, and whether its objects go with it at release.
 RETIRED_BY_ANNOTATION = f"{GROUP}/retired-by"
 DELETE_STORAGE_ANNOTATION = f"{GROUP}/delete-storage"
-
-
-@dataclass(frozen=True)
-class VersionFacts:
-    name: str
-    uid: str
-    model: str
-    base: str | None
-    ready: bool
-    deleting: bool
-    created: str  # metadata.creationTimestamp (RFC 3339, so it sorts as text)
-    ready_time: str
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> VersionFacts:
-        metadata, spec = body.get("metadata") or {}, body.get("spec") or {}
-        status = body.get("status") or {}
-        return cls(
-            name=metadata.get("name", ""),
-            uid=metadata.get("uid", ""),
-            model=spec.get("modelName", ""),
-            base=spec.get("baseVersion") or None,
-            ready=is_true(status.get("conditions"), "Ready"),
-            deleting=bool(metadata.get("deletionTimestamp")),
-            created=metadata.get("creationTimestamp") or "",
-            ready_time=status.get("readyTime") or "",
-        )
 
 
 @dataclass(frozen=True)
@@ -132,27 +105,27 @@ def _natural(name: str) -> tuple:
     return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name))
 
 
-def newest_first(versions: Iterable[VersionFacts]) -> list[VersionFacts]:
+def newest_first(versions: Iterable[VersionView]) -> list[VersionView]:
     """By creation (publish order is training order: a slow verification does not make a version newer), then
     readiness, then name, since timestamps have one-second resolution."""
     return sorted(versions, key=lambda v: (v.created, v.ready_time, _natural(v.name)), reverse=True)
 
 
-def _ancestors(names: Iterable[str], by_name: Mapping[str, VersionFacts]) -> set[str]:
+def _ancestors(names: Iterable[str], by_name: Mapping[str, VersionView]) -> set[str]:
     """Every version the given ones replay from (their transitive bases), bounded like a chain."""
     found: set[str] = set()
     for name in names:
         current = by_name.get(name)
         for _ in range(MAX_CHAIN_LENGTH):
-            if current is None or current.base is None or current.base in found:
+            if current is None or current.base_version is None or current.base_version in found:
                 break
-            found.add(current.base)
-            current = by_name.get(current.base)
+            found.add(current.base_version)
+            current = by_name.get(current.base_version)
     return found
 
 
 def plan_retirements(
-    versions: Iterable[VersionFacts], loads: Iterable[LoadFacts], held: Iterable[str]
+    versions: Iterable[VersionView], loads: Iterable[LoadFacts], held: Iterable[str]
 ) -> list[Retirement]:
     """The versions to delete now, newest first: for each model with a policy, Ready versions older than its
     newest `keepLast` Ready ones that are not desired by any ModelLoad (of any model), not held by any replica,
@@ -164,9 +137,9 @@ def plan_retirements(
     live = [v for v in versions if not v.deleting]
     by_name = {v.name: v for v in live}
     protected = {load.desired for load in loads} | set(held)
-    candidates: dict[str, tuple[VersionFacts, Policy]] = {}
+    candidates: dict[str, tuple[VersionView, Policy]] = {}
     for model, policy in policies.items():
-        ready = newest_first(v for v in live if v.model == model and v.ready)
+        ready = newest_first(v for v in live if v.model_name == model and v.ready)
         for version in ready[policy.keep_last :]:
             if version.name not in protected:
                 candidates[version.name] = (version, policy)
@@ -174,7 +147,7 @@ def plan_retirements(
     needed = _ancestors(staying, by_name)
     retire = newest_first(v for name, (v, _) in candidates.items() if name not in needed)
     return [
-        Retirement(v.name, v.uid, v.model, p.owner, p.keep_last, p.delete_storage)
+        Retirement(v.name, v.uid, v.model_name, p.owner, p.keep_last, p.delete_storage)
         for v in retire
         for p in [candidates[v.name][1]]
     ]

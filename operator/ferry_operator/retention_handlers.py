@@ -17,18 +17,19 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api.models import RetentionReason
-from ferry.storage import DeletionReport, credentials_from_secret_data, delete_checkpoint, parse_s3_uri, s3_client
+from ferry.storage import DeletionReport, credentials_from_secret_data, delete_checkpoint, parse_s3_uri
 from ferry_operator import kubeapi
 from ferry_operator.config import CONFIG
+from ferry_operator.indexkeys import in_folder, in_namespace
 from ferry_operator.kubeapi import ML, WR, WV
 from ferry_operator.retention import (
     DELETE_STORAGE_ANNOTATION,
     RETIRED_BY_ANNOTATION,
     LoadFacts,
-    VersionFacts,
     held_versions,
     plan_retirements,
 )
+from ferry_operator.s3clients import client_for
 
 REFUSED_RETRY_SECONDS = 60.0  # a refused delete (RBAC) is tried again after this long, at the next change
 STORAGE_DELETE_TRIES = 3  # transient storage failures retried at release before it goes ahead without
@@ -36,15 +37,11 @@ STORAGE_DELETE_TRIES = 3  # transient storage failures retried at release before
 log = logging.getLogger("ferry.operator.retention")
 
 _locks: dict[str, asyncio.Lock] = {}
+_queued: set[str] = set()  # namespaces with a policy run waiting for the lock: later requests join it
 # uids this process deleted: the index shows their deletionTimestamp only once the watch delivers it.
 _retired: set[str] = set()
 _refused: dict[str, float] = {}  # uid -> monotonic time of the last refused delete
 _storage_tries: dict[str, int] = {}  # uid -> failed storage deletions at release
-
-
-@kopf.index(*WV)
-def retention_version_index(namespace: str, body: kopf.Body, **_: Any) -> dict:
-    return {namespace: VersionFacts.from_body(body)}
 
 
 @kopf.index(*ML)
@@ -59,24 +56,20 @@ def retention_hold_index(namespace: str, body: kopf.Body, **_: Any) -> dict:
     return {namespace: held_versions(body)}
 
 
-@kopf.index(*WV)
-def storage_folder_index(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict | None:
-    """(bucket, folder) -> the versions stored there, deleting ones included: a folder shared with any other
-    version is never cleaned up by one of them."""
-    uri = (spec.get("storage") or {}).get("uri")
-    try:
-        bucket, key = parse_s3_uri(uri)
-    except ValueError:
-        return None
-    return {(bucket, key.rpartition("/")[0]): (namespace, name)}
-
-
 async def _apply_policy(namespace: str, versions: kopf.Index, loads: kopf.Index, holds: kopf.Index) -> None:
+    """Coalesced per namespace: a burst of events (10,000 versions published at once) costs a few runs, since a
+    run reads the indexes as they are when it starts and a request made before then is served by it."""
+    load_facts = list(loads.get(namespace, []))
+    if not any(load.keep_last is not None for load in load_facts) or namespace in _queued:
+        return  # no policy here (nothing to walk), or a run that has not started yet will see this change
+    _queued.add(namespace)
     async with _locks.setdefault(namespace, asyncio.Lock()):
-        facts = [
-            v if v.uid not in _retired else dataclasses.replace(v, deleting=True) for v in versions.get(namespace, [])
-        ]
+        _queued.discard(namespace)
         load_facts = list(loads.get(namespace, []))
+        facts = [
+            v if v.uid not in _retired else dataclasses.replace(v, deleting=True)
+            for v in versions.get(in_namespace(namespace), [])
+        ]
         held = {name for names in holds.get(namespace, []) for name in names}
         owners = {load.name: load for load in load_facts}
         for retirement in plan_retirements(facts, load_facts, held):
@@ -106,7 +99,7 @@ async def _apply_policy(namespace: str, versions: kopf.Index, loads: kopf.Index,
 
 
 @kopf.on.event(*WV)
-async def retention_on_version(event: dict, namespace: str, body: kopf.Body, retention_version_index: kopf.Index,
+async def retention_on_version(event: dict, namespace: str, body: kopf.Body, version_index: kopf.Index,
                                retention_load_index: kopf.Index, retention_hold_index: kopf.Index,
                                **_: Any) -> None:  # fmt: skip
     if event.get("type") == "DELETED":
@@ -114,21 +107,21 @@ async def retention_on_version(event: dict, namespace: str, body: kopf.Body, ret
         _retired.discard(uid)
         _refused.pop(uid, None)
         _storage_tries.pop(uid, None)
-    await _apply_policy(namespace, retention_version_index, retention_load_index, retention_hold_index)
+    await _apply_policy(namespace, version_index, retention_load_index, retention_hold_index)
 
 
 @kopf.on.event(*ML)
-async def retention_on_modelload(namespace: str, retention_version_index: kopf.Index,
+async def retention_on_modelload(namespace: str, version_index: kopf.Index,
                                  retention_load_index: kopf.Index, retention_hold_index: kopf.Index,
                                  **_: Any) -> None:  # fmt: skip
-    await _apply_policy(namespace, retention_version_index, retention_load_index, retention_hold_index)
+    await _apply_policy(namespace, version_index, retention_load_index, retention_hold_index)
 
 
 @kopf.on.event(*WR)
-async def retention_on_replica(namespace: str, retention_version_index: kopf.Index,
+async def retention_on_replica(namespace: str, version_index: kopf.Index,
                                retention_load_index: kopf.Index, retention_hold_index: kopf.Index,
                                **_: Any) -> None:  # fmt: skip
-    await _apply_policy(namespace, retention_version_index, retention_load_index, retention_hold_index)
+    await _apply_policy(namespace, version_index, retention_load_index, retention_hold_index)
 
 
 def _delete_objects(namespace: str, storage: dict, index_digest: str | None) -> DeletionReport:
@@ -142,11 +135,11 @@ def _delete_objects(namespace: str, storage: dict, index_digest: str | None) -> 
         return DeletionReport(ok=False, message=f"Not deleted: Secret {secret} does not exist.", transient=True)
     except ValueError as exc:
         return DeletionReport(ok=False, message=f"Not deleted: Secret {secret}: {exc}.")
-    client = s3_client(storage.get("endpoint") or CONFIG.s3_endpoint, storage.get("region"), credentials)
+    client = client_for(storage.get("endpoint") or CONFIG.s3_endpoint, storage.get("region"), credentials)
     return delete_checkpoint(client, storage["uri"], index_digest=index_digest)
 
 
-async def release_storage(namespace: str, name: str, body: kopf.Body, storage_folder_index: kopf.Index) -> None:
+async def release_storage(namespace: str, name: str, body: kopf.Body, version_index: kopf.Index) -> None:
     """Called by the release handler once nothing blocks the release: delete the objects of a version marked
     `ferry.dev/delete-storage`. A transient failure is retried a few times (TemporaryError); after that, or on
     any other failure, the release goes ahead with a Warning naming what was left."""
@@ -159,7 +152,9 @@ async def release_storage(namespace: str, name: str, body: kopf.Body, storage_fo
     bucket, key = parse_s3_uri(storage["uri"])
     folder = key.rpartition("/")[0]
     others = sorted(
-        f"{ns}/{n}" for ns, n in storage_folder_index.get((bucket, folder), []) if (ns, n) != (namespace, name)
+        f"{v.namespace}/{v.name}"
+        for v in version_index.get(in_folder(bucket, folder), [])
+        if (v.namespace, v.name) != (namespace, name)
     )
     if others:
         report = DeletionReport(

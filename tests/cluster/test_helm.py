@@ -159,7 +159,7 @@ def test_rendered_objects(helm_env):
     assert "--liveness=http://0.0.0.0:8081/healthz" in op["command"]
     assert op["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     env = {e["name"]: e["value"] for e in op["env"]}
-    assert env["FERRY_METRICS_PORT"] == "8080" and env["FERRY_RESYNC_SECONDS"] == "30"
+    assert env["FERRY_METRICS_PORT"] == "8080" and env["FERRY_VERIFY_CONCURRENCY"] == "16"
     assert {p["name"]: p["containerPort"] for p in op["ports"]} == {"metrics": 8080, "healthz": 8081}
     (svc,) = docs["Service"]
     assert svc["spec"]["ports"][0]["port"] == 8080

@@ -9,8 +9,9 @@ import pytest
 
 from ferry.localcluster import LocalCluster, ManagedProcess, S3Server, start_operator, wait_until
 
+# No resync interval: the operator has no periodic timers, so every test here shows that events (and deadlines)
+# alone drive it.
 OPERATOR_ENV = {
-    "FERRY_RESYNC_SECONDS": "2",
     "FERRY_VERIFY_BACKOFF_SECONDS": "1",
     "FERRY_VERIFY_BACKOFF_MAX_SECONDS": "4",
     "FERRY_RELEASE_RETRY_SECONDS": "1",

@@ -46,17 +46,17 @@ def test_nothing_is_placed_until_the_version_is_ready_and_of_the_model(cluster, 
         return json.dumps((get(cluster, namespace, "ml", "serve") or {}).get("status"), indent=1) + agent.log_tail(20)
 
     try:
-        # A missing version: Ready=False VersionNotFound, and over several resyncs no replica and no new Event.
+        # A missing version: Ready=False VersionNotFound, and for several seconds no replica and no new Event.
         apply(cluster, namespace, modelload(namespace, "v1"))
         wait_for(lambda: ready(cluster, namespace).get("reason") == "VersionNotFound", 30, "VersionNotFound", describe)
         settled = len(events(cluster, namespace))
-        time.sleep(8)  # four operator resyncs (FERRY_RESYNC_SECONDS=2)
+        time.sleep(8)
         assert replicas(cluster, namespace) == [], describe()
         assert len(events(cluster, namespace)) == settled, events(cluster, namespace)
         assert settled <= 4, events(cluster, namespace)  # one per condition at most, not one per retry
 
         # A version that exists but is not Ready (its checkpoint is not in S3): VersionNotReady, and again no
-        # replica and no new Event over several resyncs while the operator keeps retrying its verification.
+        # replica and no new Event for several seconds while the operator keeps retrying its verification.
         apply(cluster, namespace, wv_body(namespace, "v0"), modelload(namespace, "v0", name="early"))
         wait_for(lambda: ready(cluster, namespace, "early").get("reason") == "VersionNotReady", 30, "v0", describe)
         assert condition(get(cluster, namespace, "wv", "v0"), "Ready").get("status") == "False"
@@ -74,7 +74,8 @@ def test_nothing_is_placed_until_the_version_is_ready_and_of_the_model(cluster, 
         assert "'other'" in ready(cluster, namespace, "wrong")["message"]
         assert replicas(cluster, namespace) == []
 
-        # The version appears and is Ready: now the replica is created and serves it.
+        # The version appears and is Ready: that wakes the ModelLoad (no resync), and the replica is created and
+        # serves it.
         apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"))
         wait_for(lambda: ready(cluster, namespace).get("reason") == "AllReplicasReady", 60, "Ready", describe)
         assert [r["spec"]["version"] for r in replicas(cluster, namespace)] == ["v1"]

@@ -66,7 +66,7 @@ def test_last_transition_time_moves_only_on_flips(cluster, s3, namespace, operat
     apply(cluster, namespace, wv_body(namespace, "v1"))
     obj = wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")
     before = {c["type"]: c["lastTransitionTime"] for c in obj["status"]["conditions"]}
-    time.sleep(3)  # at least one resync (2 s) passes
+    time.sleep(3)  # time passes, and reconciles from other events: nothing flips
     after = {c["type"]: c["lastTransitionTime"] for c in get(cluster, namespace, "wv", "v1")["status"]["conditions"]}
     assert before == after
 
@@ -209,6 +209,30 @@ def test_release_waits_for_dependents_and_modelloads(cluster, s3, namespace, ope
     cluster.kubectl("delete", "ml", "serve", "-n", namespace)
     wait_for(lambda: get(cluster, namespace, "wv", "v1") is None, 20, "v1 released")
     # The operator deleted nothing itself: the ModelLoad and v2 are gone only because the test deleted them.
+
+
+def test_a_base_being_released_takes_its_delta_out_of_ready(cluster, s3, namespace, operator):
+    """Event-driven: the base's deletion wakes the delta at once; no resync has to find it."""
+    publish_chain(s3, namespace, ["v1", "v2"])
+    apply(cluster, namespace, wv_body(namespace, "v1"), wv_body(namespace, "v2", base="v1"))
+    cluster.kubectl("wait", "--for=condition=Ready", "wv/v2", "-n", namespace, "--timeout=60s")
+    cluster.kubectl("delete", "wv", "v1", "-n", namespace, "--wait=false")
+    obj = wait_reason(cluster, namespace, "v2", "ChainResolved", "False", "BaseNotReady", timeout=20)
+    assert "being released" in condition(obj, "ChainResolved")["message"]
+    assert condition(obj, "Ready")["status"] == "False" and obj["status"]["phase"] == "Pending"
+    cluster.kubectl("delete", "wv", "v2", "-n", namespace)
+    wait_for(lambda: get(cluster, namespace, "wv", "v1") is None, 20, "v1 released")
+
+
+def test_info_log_shows_transitions_not_handler_bookkeeping(cluster, s3, namespace, operator):
+    publish_chain(s3, namespace, ["v1", "v2"])
+    apply(cluster, namespace, wv_body(namespace, "v1"), wv_body(namespace, "v2", base="v1"))
+    cluster.kubectl("wait", "--for=condition=Ready", "wv/v2", "-n", namespace, "--timeout=60s")
+    cluster.kubectl("delete", "wv", "v2", "-n", namespace)
+    log = operator.process.log_tail(100_000)
+    assert f"{namespace}/v2 is Ready (chain v1 → v2)" in log
+    mine = [line for line in log.splitlines() if f"[{namespace}/" in line]
+    assert mine and not [line for line in mine if "succeeded." in line or "is processed:" in line], mine
 
 
 def test_operator_killed_mid_reconcile_converges(cluster, s3, namespace, operator):

@@ -19,6 +19,7 @@ from ferry_operator.modelloads import (
     replica_body,
     replica_name,
     stale_replicas,
+    stall_deadline,
     stalled_replicas,
     version_problem,
 )
@@ -176,6 +177,14 @@ def test_stalled_peer_names_replica_source_bytes_and_time():
     for part in (RC, f"peer/{RA}", "1024 of 4096 bytes", "45s", ts(45)):
         assert part in message
     assert conds(status)["Progressing"]["reason"] == "Loading"
+
+
+def test_the_stall_deadline_is_the_next_loading_replica_to_go_quiet():
+    slow = wr("a", phase="Loading", lastProgressTime=ts(20))
+    fresh = wr("b", phase="Loading", lastProgressTime=ts(5))
+    stalled = wr("c", phase="Loading", lastProgressTime=ts(45))  # already stalled: no deadline of its own
+    assert stall_deadline([fresh, slow, stalled, wr("d")], 30, NOW) == NOW + dt.timedelta(seconds=10)
+    assert stall_deadline([stalled, wr("d")], 30, NOW) is None
 
 
 def test_fallback_to_object_storage_is_degraded():

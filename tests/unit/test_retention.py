@@ -11,10 +11,10 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 
 from ferry import checkpoint_format as ckpt
 from ferry.api.models import ModelLoadSpec, RetentionReason
+from ferry.chain import VersionView
 from ferry.storage import delete_checkpoint
 from ferry_operator.retention import (
     LoadFacts,
-    VersionFacts,
     held_versions,
     model_policies,
     newest_first,
@@ -25,15 +25,18 @@ pytestmark = pytest.mark.unit
 
 
 def wv(name: str, base: str | None = None, *, model: str = "m", ready: bool = True, deleting: bool = False,
-       created: str = "2026-01-01T00:00:00Z") -> VersionFacts:  # fmt: skip
-    return VersionFacts(name, f"uid-{name}", model, base, ready, deleting, created, created if ready else "")
+       created: str = "2026-01-01T00:00:00Z") -> VersionView:  # fmt: skip
+    return VersionView(
+        name, model, "XorDelta" if base else "FullCheckpoint", base, None, ready, deleting, True, uid=f"uid-{name}",
+        created=created, ready_time=created if ready else "",
+    )  # fmt: skip
 
 
 def ml(name: str, desired: str, keep: int | None = None, *, model: str = "m", storage: bool = False) -> LoadFacts:
     return LoadFacts(name, f"uid-{name}", model, desired, keep, storage)
 
 
-def chain(*names: str, keyframes: tuple[str, ...] = ()) -> list[VersionFacts]:
+def chain(*names: str, keyframes: tuple[str, ...] = ()) -> list[VersionView]:
     """names[0] full, each next a delta on the previous unless it is a keyframe (a full checkpoint)."""
     out, previous = [], None
     for name in names:
@@ -137,9 +140,8 @@ def test_facts_from_bodies():
         "spec": {"modelName": "m", "format": "XorDelta", "baseVersion": "v1"},
         "status": {"conditions": [{"type": "Ready", "status": "True"}], "readyTime": "2026-01-01T00:00:01Z"},
     }
-    assert VersionFacts.from_body(body) == VersionFacts(
-        "v2", "u", "m", "v1", True, False, "2026-01-01T00:00:00Z", "2026-01-01T00:00:01Z"
-    )
+    view = VersionView.from_body(body)
+    assert (view.created, view.ready_time) == ("2026-01-01T00:00:00Z", "2026-01-01T00:00:01Z")
     load = {"metadata": {"name": "s", "uid": "w"}, "spec": {"modelName": "m", "desiredVersion": "v2"}}
     assert LoadFacts.from_body(load).keep_last is None
     load["spec"]["retention"] = {"keepLast": 3, "deleteStorage": True}

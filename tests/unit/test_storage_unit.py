@@ -82,11 +82,18 @@ class FakeS3:
 
     def get_object(self, *, Bucket: str, Key: str, Range: str | None = None) -> dict[str, Any]:
         self.requests.append(("get", Key, Range))
-        data = self._find("get", Bucket, Key)
-        if Range:
-            first, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", Range).groups())  # type: ignore[union-attr]
-            data = data[first : last + 1]
-        return {"ContentLength": len(data), "Body": FakeBody(data, self.body_fail.get(Key))}
+        whole = self._find("get", Bucket, Key)
+        if not Range:
+            return {"ContentLength": len(whole), "Body": FakeBody(whole, self.body_fail.get(Key))}
+        first, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", Range).groups())  # type: ignore[union-attr]
+        if first >= len(whole):
+            raise client_error("InvalidRange", 416, "The requested range is not satisfiable")
+        data = whole[first : last + 1]
+        return {
+            "ContentLength": len(data),
+            "ContentRange": f"bytes {first}-{first + len(data) - 1}/{len(whole)}",
+            "Body": FakeBody(data, self.body_fail.get(Key)),
+        }
 
 
 def full_files(**kw: Any) -> dict[str, bytes]:
@@ -222,8 +229,9 @@ def test_verified_full_checkpoint() -> None:
     assert report.total_bytes == sum(len(files[s]) for s in shards(files))
     assert report.tensor_count == 5 and report.shard_count == len(shards(files)) > 1
     assert "5 tensors" in report.message
-    # No tensor data is downloaded: one index GET, then a HEAD and a header-sized ranged GET per shard.
-    assert [r[0] for r in fake.requests] == ["get"] + ["head", "get"] * len(shards(files))
+    # No tensor data is downloaded: one index GET, then one header-sized ranged GET per shard (its Content-Range
+    # gives the shard's size: no HEAD).
+    assert [r[0] for r in fake.requests] == ["get"] + ["get"] * len(shards(files))
     assert all(r[2] is not None for r in fake.requests[1:] if r[0] == "get")
 
 
@@ -310,10 +318,12 @@ def test_shard_cut_inside_its_header() -> None:
     assert report.reason == StorageReason.SizeMismatch and "header alone needs" in report.message
 
 
-def test_tiny_shard() -> None:
+@pytest.mark.parametrize("data", [b"\x00" * 3, b""])  # an empty object answers a ranged GET with InvalidRange
+def test_tiny_shard(data: bytes) -> None:
     files = full_files()
-    files[shards(files)[0]] = b"\x00" * 3
-    assert verify(FakeS3(files)).reason == StorageReason.SizeMismatch
+    files[shards(files)[0]] = data
+    report = verify(FakeS3(files))
+    assert report.reason == StorageReason.SizeMismatch and f"only {len(data)} bytes" in report.message
 
 
 def test_padded_shard() -> None:
