@@ -196,7 +196,7 @@ def test_rendered_objects(helm_env):
     assert volumes["attach"]["hostPath"] == {"path": "/run/ferry", "type": "DirectoryOrCreate"}
     assert {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}["attach"] == "/run/ferry"
     assert set(volumes) == {"checkpoint-store", "attach"}
-    (role,) = docs["Role"]
+    (role,) = [r for r in docs["Role"] if r["metadata"]["name"] == "ferry-agent-worker-token"]
     assert role["metadata"]["namespace"] == "ferry-system" and role["rules"] == [
         {
             "apiGroups": [""],
@@ -205,8 +205,7 @@ def test_rendered_objects(helm_env):
             "verbs": ["create"],
         }
     ]
-    (binding,) = docs["RoleBinding"]
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    (binding,) = [b for b in docs["RoleBinding"] if b["roleRef"]["name"] == role["metadata"]["name"]]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ferry-agent", "namespace": "ferry-system"}]
 
     # RDMA on: /dev/infiniband is mounted and IPC_LOCK added; UCX settings reach the env.
@@ -295,10 +294,14 @@ def test_tenant_namespaces_get_role_bindings_and_nothing_reads_secrets_cluster_w
     assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["delete"]} in roles[
         "ferry-operator-tenant"
     ]
-    # Tenants listed by name share the ClusterRoles: the one Role is the agent's own, for minting worker tokens.
-    assert [r["metadata"]["name"] for r in docs["Role"]] == ["ferry-agent-worker-token"]
-    # No tenant namespaces: no RoleBinding but that Role's in the release namespace.
-    assert [b["roleRef"]["kind"] for b in by_kind(render(helm_env))["RoleBinding"]] == ["Role"]
+    # Tenants listed by name share the ClusterRoles: the Roles are the agent's own, for minting worker tokens, and
+    # the operator's, for its leader-election Lease.
+    assert [r["metadata"]["name"] for r in docs["Role"]] == [
+        "ferry-agent-worker-token",
+        "ferry-operator-leader-election",
+    ]
+    # No tenant namespaces: no RoleBinding but those Roles' in the release namespace.
+    assert [b["roleRef"]["kind"] for b in by_kind(render(helm_env))["RoleBinding"]] == ["Role", "Role"]
 
 
 def test_a_tenant_namespace_may_list_its_own_secret_names(helm_env, tmp_path):
@@ -315,8 +318,9 @@ def test_a_tenant_namespace_may_list_its_own_secret_names(helm_env, tmp_path):
         for ns in ("team-b", "team-c"):
             assert refs[(ns, f"ferry-{component}")] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                                         "name": f"ferry-{component}-tenant"}  # fmt: skip
+    own = ("ferry-agent-worker-token", "ferry-operator-leader-election")  # in the release namespace
     roles = {(r["metadata"]["namespace"], r["metadata"]["name"]): r["rules"] for r in docs["Role"]
-             if r["metadata"]["name"] != "ferry-agent-worker-token"}  # fmt: skip
+             if r["metadata"]["name"] not in own}  # fmt: skip
     assert set(roles) == {(ns, f"ferry-{c}-tenant") for ns in ("team-b", "team-c") for c in ("agent", "operator")}
     cluster_roles = {r["metadata"]["name"]: r["rules"] for r in docs["ClusterRole"]}
     for component in ("agent", "operator"):
@@ -504,15 +508,21 @@ def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
                                ("delete", "leases.coordination.k8s.io")]:  # fmt: skip
             assert not can_i(cluster, "kube-system", agent_sa, verb, resource), f"agent may {verb} {resource}"
         # The operator's role is broader than the agent's; it too reads Secrets only in tenant namespaces (only the
-        # listed ones), and deletes Leases only there (a replica's Lease written for another node); it writes none.
+        # listed ones), and deletes Leases only there (a replica's Lease written for another node). It writes only
+        # its leader-election Lease, in the release namespace (here also the tenant namespace).
         operator_sa = f"system:serviceaccount:{namespace}:{name}-operator"
         assert can_i(cluster, namespace, operator_sa, "get", "secrets/s3-creds")
         assert not can_i(cluster, namespace, operator_sa, "get", "secrets/other-secret")
         assert not can_i(cluster, "kube-system", operator_sa, "get", "secrets/s3-creds")
         assert can_i(cluster, namespace, operator_sa, "delete", "leases.coordination.k8s.io")
         assert not can_i(cluster, "kube-system", operator_sa, "delete", "leases.coordination.k8s.io")
-        for verb in ("create", "update", "patch"):
-            assert not can_i(cluster, namespace, operator_sa, verb, "leases.coordination.k8s.io"), verb
+        leader_lease = f"leases.coordination.k8s.io/{name}-operator"
+        assert can_i(cluster, namespace, operator_sa, "create", "leases.coordination.k8s.io")
+        assert can_i(cluster, namespace, operator_sa, "update", leader_lease)
+        assert not can_i(cluster, namespace, operator_sa, "update", "leases.coordination.k8s.io/ferry-wr-x")
+        assert not can_i(cluster, namespace, operator_sa, "patch", leader_lease)
+        for verb in ("create", "update"):
+            assert not can_i(cluster, "kube-system", operator_sa, verb, leader_lease), verb
         assert can_i(cluster, namespace, operator_sa, "create", "weightreplicas.ferry.dev")
         assert can_i(cluster, namespace, operator_sa, "patch", "weightversions.ferry.dev/status")
         assert not can_i(cluster, namespace, operator_sa, "create", "weightversions.ferry.dev")
