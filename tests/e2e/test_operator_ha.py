@@ -156,6 +156,8 @@ def test_standby_takes_over_mid_rollout(cluster, s3, namespace, candidates, tmp_
         print(f"\ntakeover after kill -9: Lease held by b after {took_lease:.1f}s, first reconcile at "
               f"{first_reconcile:.1f}s")  # fmt: skip
         b_id = holder(cluster, namespace)
+        # The standby's liveness endpoint gave way to kopf's own on the same port.
+        assert "standby" not in urllib.request.urlopen(b.healthz, timeout=5).read().decode()
         assert lease(cluster, namespace)["leaseTransitions"] == 1
         os.kill(frozen.proc.pid, signal.SIGCONT)
         frozen = None
