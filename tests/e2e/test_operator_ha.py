@@ -198,6 +198,12 @@ def test_standby_takes_over_mid_rollout(cluster, s3, namespace, candidates, tmp_
         wait_for(lambda: not c.process.alive, 30, "c exits", c.process.log_tail)
         assert c.process.proc.returncode == 1
         assert "is held by intruder; exiting" in c.process.log_tail(50)
+        # A standby stops promptly on SIGTERM (ManagedProcess.stop kills it after 10 s), having done nothing.
+        d = candidates("ha-d")
+        wait_for(lambda: "standby; intruder holds" in d.process.log_tail(50), 30, "d is a standby", d.process.log_tail)
+        assert not d.reconciled()
+        d.process.stop()
+        assert d.process.proc.returncode == 0, d.process.log_tail()
     finally:
         if frozen is not None:
             os.kill(frozen.proc.pid, signal.SIGCONT)
