@@ -135,8 +135,8 @@ def _views_in(index: kopf.Index, namespace: str) -> list[VersionView]:
     return [view for (ns, _), store in index.items() if ns == namespace for view in store]
 
 
-# (object uid, condition type) -> (status, reason) last announced as an Event. The timer and the event handler of one
-# object can both see the same flip in a stale body; one Event per flip is enough.
+# (object uid, condition type or `RollingOut/<replica>`) -> what was last announced as an Event. The timer and the
+# event handler of one object can both see the same change in a stale body; one Event per change is enough.
 _announced: dict[tuple[str, str], tuple[str, str]] = {}
 
 
