@@ -608,9 +608,14 @@ def local_stack(
 
 
 def start_operator(
-    cluster: LocalCluster, workdir: Path, *, env: dict[str, str] | None = None, name: str = "operator"
+    cluster: LocalCluster,
+    workdir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    name: str = "operator",
+    args: Sequence[str] = (),
 ) -> ManagedProcess:
-    """The real operator: `kopf run` in its own process, against the local cluster."""
+    """The real operator: `kopf run` in its own process, against the local cluster; `args` go to `kopf run`."""
     workdir.mkdir(parents=True, exist_ok=True)
     full_env = {
         **os.environ,
@@ -620,5 +625,5 @@ def start_operator(
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
-    argv = [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "-m", "ferry_operator.main"]
+    argv = [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "-m", "ferry_operator.main", *args]
     return ManagedProcess(name, argv, workdir / f"{name}.log", env=full_env).start()

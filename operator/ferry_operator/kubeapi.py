@@ -21,14 +21,14 @@ class NotFound(LookupError):
 
 
 @functools.cache
-def _api() -> client.ApiClient:
+def api_client() -> client.ApiClient:
     return kube_client()
 
 
 def read_secret_data(namespace: str, name: str) -> dict[str, str]:
     """The Secret's `.data`, still base64-encoded as the API returns it."""
     try:
-        secret = client.CoreV1Api(_api()).read_namespaced_secret(name, namespace)
+        secret = client.CoreV1Api(api_client()).read_namespaced_secret(name, namespace)
     except ApiException as exc:
         if exc.status == 404:
             raise NotFound(f"Secret {namespace}/{name} not found") from exc
@@ -48,25 +48,31 @@ def nudge(plural: str, namespace: str, name: str, annotation: str, value: str) -
 
 
 def _objects() -> client.CustomObjectsApi:
-    return client.CustomObjectsApi(_api())
+    return client.CustomObjectsApi(api_client())
 
 
-def create_replica(body: dict) -> None:
+def create_replica(body: dict) -> bool:
+    """False when it is already there (a previous reconcile created it)."""
     try:
         _objects().create_namespaced_custom_object(
             GROUP, VERSION, body["metadata"]["namespace"], "weightreplicas", body
         )
     except ApiException as exc:
-        if exc.status != 409:  # already there: a previous reconcile created it
+        if exc.status != 409:
             raise
+        return False
+    return True
 
 
-def delete_replica(namespace: str, name: str) -> None:
+def delete_replica(namespace: str, name: str) -> bool:
+    """False when it was already gone."""
     try:
         _objects().delete_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas", name)
     except ApiException as exc:
         if exc.status != 404:
             raise
+        return False
+    return True
 
 
 def retarget_replica(namespace: str, name: str, version: str, version_label: str) -> None:
@@ -106,7 +112,7 @@ def delete_lease(namespace: str, name: str, uid: str) -> bool:
     """Delete that very Lease object (a precondition on its uid: never a Lease its rightful agent wrote since).
     False when it is gone or was replaced meanwhile."""
     try:
-        client.CoordinationV1Api(_api()).delete_namespaced_lease(
+        client.CoordinationV1Api(api_client()).delete_namespaced_lease(
             name, namespace, body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
         )
     except ApiException as exc:

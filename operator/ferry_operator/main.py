@@ -11,6 +11,7 @@ import copy
 import datetime as dt
 import hashlib
 import logging
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,17 +23,16 @@ from ferry.api.liveness import DEFAULT_LEASE_SECONDS
 from ferry.api.models import GROUP, LABEL_VERSION, replica_lease_name
 from ferry.chain import VersionView, dependents, resolve_chain
 from ferry.storage import StorageReason, StorageReport, credentials_from_secret_data, verify_checkpoint
-from ferry_operator import kubeapi, logfilter, metrics, retention_handlers  # the import registers retention's
+
+# the retention_handlers import registers retention's handlers
+from ferry_operator import kubeapi, leadership, logfilter, metrics, retention_handlers
 from ferry_operator.config import CONFIG
 from ferry_operator.deadlines import DEADLINES
+from ferry_operator.events import condition_event
 from ferry_operator.indexkeys import dependents_of, named, version_keys
 from ferry_operator.kubeapi import ML, WR, WV
 from ferry_operator.modelloads import (
-    DEGRADED,
-    ENGINES_ATTACHED,
     LEASE_OF_OTHER_NODE_DELETED,
-    PEER_STALLED,
-    PROGRESSING,
     aggregate_status,
     fell_back,
     foreign_leases,
@@ -61,6 +61,7 @@ NUDGE_ANNOTATION = f"{GROUP}/base-ready"  # a version this one depends on, or de
 RETRY_ANNOTATION = f"{GROUP}/verify-retry"  # a storage verification backoff ran out
 DEADLINE_ANNOTATION = f"{GROUP}/deadline"  # a Lease expired, or a load may have stalled
 DEADLINE_MARGIN = 0.5  # seconds past a deadline before acting on it: the check then sees it passed
+EVENT_COMPONENT = "ferry-operator"  # reportingComponent and source.component of every Event the operator posts
 
 log = logging.getLogger("ferry.operator")
 
@@ -88,8 +89,13 @@ class NoDiffBase(kopf.DiffBaseStorage):
         pass
 
 
+# Set by `configure` when FERRY_LEADER_ELECTION is on: several replicas, one active.
+_leadership: leadership.Leadership | None = None
+
+
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    global _leadership
     settings.persistence.finalizer = RELEASE_FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = NoDiffBase()
@@ -102,12 +108,27 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     _background.add(task)
     # Short retries for Events: a 403 from a terminating namespace must not stall the shared event-posting queue.
     settings.posting.default_backoffs = settings.posting.logging_backoffs = [0.5, 1, 2]
+    settings.posting.reporting_component = EVENT_COMPONENT  # kopf says "kopf"
+    settings.posting.event_name_prefix = f"{EVENT_COMPONENT}-"
+    settings.posting.reporting_instance = socket.gethostname()
     # Every other request rides out an apiserver restart of about two minutes: kopf ends the whole operator when a
     # watch's retries run out on a 5xx, which a starting apiserver answers for a while.
     settings.networking.error_backoffs = [0.5, 1, 2, 4, 8] + [15] * 7
     if CONFIG.metrics_port >= 0:
         port = metrics.serve(CONFIG.metrics_address, CONFIG.metrics_port)
         log.info("metrics on http://%s:%d/metrics", CONFIG.metrics_address, port)
+    _leadership = leadership.from_env()
+    if _leadership is not None:
+        settings.posting.reporting_instance = _leadership.config.identity
+        # Startup handlers run before kopf starts any watch: until this returns, the process is a standby.
+        await _leadership.acquire()
+
+
+@kopf.on.cleanup()
+async def step_down(**_: Any) -> None:
+    """After the last handler: hand the Lease over now rather than let the standby wait for it to expire."""
+    if _leadership is not None:
+        await asyncio.to_thread(_leadership.release)
 
 
 # ---------------------------------------------------------------- indexes (one watch per kind)
@@ -154,17 +175,28 @@ def _nudge_later(plural: str, namespace: str, name: str, annotation: str, value:
     return nudge
 
 
-# (object uid, condition type) -> (status, reason) last announced as an Event. Two handler runs of one object can
-# both see the same flip in a stale body; one Event per flip is enough.
+# (object uid, condition type or `RollingOut/<replica>`) -> what was last announced as an Event. Two handler runs
+# of one object can both see the same change in a stale body; one Event per change is enough.
 _announced: dict[tuple[str, str], tuple[str, str]] = {}
 
 
-def _announce(body: kopf.Body, type_: str, status: str, reason: str, message: str, *, warning: bool) -> None:
-    key = (body["metadata"]["uid"], type_)
-    if _announced.get(key) == (status, reason):
-        return
-    _announced[key] = (status, reason)
-    (kopf.warn if warning else kopf.info)(body, reason=reason, message=f"{type_}={status}: {message}")
+def _emit_transitions(body: kopf.Body, before: list, after: list) -> None:
+    """The Events of the condition changes from `before` to `after` (`ferry_operator.events` says which)."""
+    old = {c["type"]: c for c in before}
+    for c in after:
+        warning = condition_event(c["type"], old.get(c["type"]), c)
+        if warning is not None and _first_time(body, c["type"], (c["status"], c["reason"])):
+            message = f"{c['type']}={c['status']}: {c['message']}"
+            (kopf.warn if warning else kopf.info)(body, reason=c["reason"], message=message)
+
+
+def _first_time(body: kopf.Body, key: str, value: tuple[str, str]) -> bool:
+    """Record `value` as the last one announced for (`body`, `key`); False when it already was."""
+    slot = (body["metadata"]["uid"], key)
+    if _announced.get(slot) == value:
+        return False
+    _announced[slot] = value
+    return True
 
 
 def _forget_announced(body: kopf.Body) -> None:
@@ -259,8 +291,7 @@ async def _reconcile_version(
     plan = plan_version_status(body, chain, storage, release_blockers=blockers, now=now_rfc3339())
     if plan.differs_from(body.get("status")):
         patch.status.update(plan.status)
-    for t in plan.transitions:
-        _announce(body, t.type, t.status, t.reason, t.message, warning=t.warning)
+        _emit_transitions(body, list((body.get("status") or {}).get("conditions") or []), plan.status["conditions"])
     if plan.became_ready:
         logger.info("%s/%s is Ready (chain %s)", namespace, name, " → ".join(plan.status["chain"] or []))
     metrics.record_phase(namespace, name, plan.status["phase"])
@@ -336,7 +367,7 @@ async def release_version(namespace: str, name: str, body: kopf.Body, patch: kop
     plan = plan_version_status(body, chain, storage, release_blockers=blockers, now=now_rfc3339())
     if plan.differs_from(body.get("status")):
         patch.status.update(plan.status)
-        kopf.warn(body, reason="ReleaseBlocked", message=f"release waits for {', '.join(blockers)}")
+        _emit_transitions(body, list((body.get("status") or {}).get("conditions") or []), plan.status["conditions"])
     raise kopf.TemporaryError(f"release blocked by {', '.join(blockers)}", delay=CONFIG.release_retry_seconds)
 
 
@@ -372,15 +403,6 @@ def replica_lease_index(namespace: str, name: str, body: kopf.Body, **_: Any) ->
     return {(namespace, name): _snapshot(body)}
 
 
-def _emit_transitions(body: kopf.Body, before: list, after: list) -> None:
-    old = {c["type"]: c["status"] for c in before}
-    for c in after:
-        if old.get(c["type"], "Unknown") != c["status"]:
-            bad = c["status"] == "True" if c["type"] in (DEGRADED, PEER_STALLED) else c["status"] == "False"
-            warning = c["type"] not in (PROGRESSING, ENGINES_ATTACHED) and bad
-            _announce(body, c["type"], c["status"], c["reason"], c["message"], warning=warning)
-
-
 async def _reconcile_modelload(
     namespace: str, name: str, body: kopf.Body, patch: kopf.Patch,
     node_index: kopf.Index, replica_index: kopf.Index, replica_lease_index: kopf.Index, version_index: kopf.Index,
@@ -399,14 +421,15 @@ async def _reconcile_modelload(
     problem = version_problem(body["spec"], view)
     plan = plan_replicas(model_load, replicas, nodes, holders, placeable=problem is None)
     for wr in plan.create:
-        await asyncio.to_thread(kubeapi.create_replica, wr)
-        kopf.info(body, reason="ReplicaCreated", message=f"{wr['metadata']['name']} on {wr['spec']['nodeName']}")
+        if await asyncio.to_thread(kubeapi.create_replica, wr):  # False: an earlier reconcile created it
+            kopf.info(body, reason="ReplicaCreated", message=f"{wr['metadata']['name']} on {wr['spec']['nodeName']}")
     for replica in plan.delete:
-        await asyncio.to_thread(kubeapi.delete_replica, namespace, replica)
-        kopf.info(body, reason="ReplicaDeleted", message=replica)
+        if await asyncio.to_thread(kubeapi.delete_replica, namespace, replica):
+            kopf.info(body, reason="ReplicaDeleted", message=replica)
     for replica in plan.retarget:
         await asyncio.to_thread(kubeapi.retarget_replica, namespace, replica, desired, LABEL_VERSION)
-        kopf.info(body, reason="RollingOut", message=f"{replica} moves to {desired}")
+        if _first_time(body, f"RollingOut/{replica}", ("RollingOut", desired)):  # a stale index retargets again
+            kopf.info(body, reason="RollingOut", message=f"{replica} moves to {desired}")
 
     leases = {
         lease_name: lease

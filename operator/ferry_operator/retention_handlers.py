@@ -84,12 +84,11 @@ async def _apply_policy(namespace: str, versions: kopf.Index, loads: kopf.Index,
                     kubeapi.retire_version, namespace, retirement.version, retirement.uid, annotations
                 )
             except ApiException as exc:
+                message = f"could not delete WeightVersion {retirement.version}: {exc.status} {exc.reason}"
+                if retirement.uid not in _refused:  # one Warning per refused version, not one per retry
+                    kopf.warn(owner, reason=RetentionReason.RETIREMENT_FAILED, message=message)
+                log.warning("%s/%s: %s", namespace, retirement.owner, message)
                 _refused[retirement.uid] = time.monotonic()
-                kopf.warn(
-                    owner,
-                    reason=RetentionReason.RETIREMENT_FAILED,
-                    message=f"could not delete WeightVersion {retirement.version}: {exc.status} {exc.reason}",
-                )
                 continue
             _retired.add(retirement.uid)
             _refused.pop(retirement.uid, None)
@@ -168,8 +167,8 @@ async def release_storage(namespace: str, name: str, body: kopf.Body, version_in
         kopf.info(body, reason=RetentionReason.STORAGE_DELETED, message=report.message)
         return
     tries = _storage_tries[uid] = _storage_tries.get(uid, 0) + 1
-    if report.transient and tries < STORAGE_DELETE_TRIES:
-        kopf.warn(body, reason=RetentionReason.STORAGE_NOT_DELETED, message=f"{report.message} Retrying.")
+    if report.transient and tries < STORAGE_DELETE_TRIES:  # the outcome, not each try, is the Event
+        log.warning("%s/%s: %s Retrying.", namespace, name, report.message)
         raise kopf.TemporaryError(report.message, delay=CONFIG.release_retry_seconds)
     _storage_tries.pop(uid, None)
     kopf.warn(body, reason=RetentionReason.STORAGE_NOT_DELETED, message=f"{report.message} Released without them.")

@@ -6,7 +6,7 @@ Pure: the kopf handlers feed in the object, a chain result and a storage report,
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ferry.api.conditions import get_condition, human_bytes, set_condition
@@ -36,24 +36,9 @@ PERMANENT_REASONS = frozenset(
 )
 
 
-@dataclass(frozen=True)
-class Transition:
-    """A condition that changed status: becomes a Kubernetes Event."""
-
-    type: str
-    status: str
-    reason: str
-    message: str
-
-    @property
-    def warning(self) -> bool:
-        return self.status != "True"
-
-
 @dataclass
 class VersionStatusPlan:
     status: dict[str, Any]
-    transitions: list[Transition] = field(default_factory=list)
     became_ready: bool = False
 
     def differs_from(self, current: Mapping[str, Any] | None) -> bool:
@@ -157,14 +142,7 @@ def plan_version_status(
     if ready:
         status["readyTime"] = current.get("readyTime") or now
 
-    transitions = [
-        Transition(c["type"], c["status"], c["reason"], c["message"])
-        for c in conditions
-        if previous.get(c["type"]) != c["status"] and not (c["status"] == "Unknown" and c["type"] not in previous)
-    ]
-    return VersionStatusPlan(
-        status=status, transitions=transitions, became_ready=ready and previous.get(READY) != "True"
-    )
+    return VersionStatusPlan(status=status, became_ready=ready and previous.get(READY) != "True")
 
 
 def release_blockers(

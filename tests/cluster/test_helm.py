@@ -121,6 +121,8 @@ def test_values_schema_is_closed_at_every_level():
         (sets(agent__leaseSeconds="soon"), "at '/agent/leaseSeconds': got string, want integer"),
         (sets(agent__hostNetwork="maybe"), "at '/agent/hostNetwork': got string, want boolean"),
         (sets(operator__metrics__port="70000"), "at '/operator/metrics/port'"),
+        (sets(operator__replicas="0"), "at '/operator/replicas'"),
+        (sets(operator__leaderElection__retryPeriodSeconds="0"), "at '/operator/leaderElection/retryPeriodSeconds'"),
         (["--set", "agent.tolerations[0].keyy=x"], "at '/agent/tolerations/0': additional properties 'keyy'"),
         (["--set-string", "agent.ucx.extraEnv.LD_PRELOAD=x"], "invalid propertyName 'LD_PRELOAD'"),
     ],
@@ -143,7 +145,7 @@ def test_chart_refuses_kubernetes_older_than_1_30(helm_env):
 def test_rendered_objects(helm_env):
     docs = by_kind(render(helm_env))
     assert {k: len(v) for k, v in docs.items()} == {
-        "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2, "Role": 1, "RoleBinding": 1, "Service": 1,
+        "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2, "Role": 2, "RoleBinding": 2, "Service": 1,
         "Deployment": 1, "DaemonSet": 1, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
     }  # fmt: skip
     for obj in (o for objs in docs.values() for o in objs):
@@ -158,8 +160,15 @@ def test_rendered_objects(helm_env):
                                  "ferry_operator.main", "--log-format=json"]  # fmt: skip
     assert "--liveness=http://0.0.0.0:8081/healthz" in op["command"]
     assert op["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
-    env = {e["name"]: e["value"] for e in op["env"]}
+    env = {e["name"]: e.get("value") or e["valueFrom"] for e in op["env"]}
     assert env["FERRY_METRICS_PORT"] == "8080" and env["FERRY_VERIFY_CONCURRENCY"] == "16"
+    # One replica, still with leader election: an upgrade's new Pod stands by until the old one hands over.
+    assert deploy["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert env["FERRY_LEADER_ELECTION"] == "true" and env["FERRY_LEADER_ELECTION_LEASE"] == "ferry-operator"
+    assert env["FERRY_LEADER_ELECTION_NAMESPACE"] == "ferry-system"
+    assert env["FERRY_LEADER_ELECTION_IDENTITY"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["FERRY_STANDBY_HEALTHZ"] == "http://0.0.0.0:8081/healthz", "the same endpoint as kopf's --liveness"
+    assert "affinity" not in deploy["spec"]["template"]["spec"] and "PodDisruptionBudget" not in docs
     assert {p["name"]: p["containerPort"] for p in op["ports"]} == {"metrics": 8080, "healthz": 8081}
     (svc,) = docs["Service"]
     assert svc["spec"]["ports"][0]["port"] == 8080
@@ -187,7 +196,7 @@ def test_rendered_objects(helm_env):
     assert volumes["attach"]["hostPath"] == {"path": "/run/ferry", "type": "DirectoryOrCreate"}
     assert {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}["attach"] == "/run/ferry"
     assert set(volumes) == {"checkpoint-store", "attach"}
-    (role,) = docs["Role"]
+    (role,) = [r for r in docs["Role"] if r["metadata"]["name"] == "ferry-agent-worker-token"]
     assert role["metadata"]["namespace"] == "ferry-system" and role["rules"] == [
         {
             "apiGroups": [""],
@@ -196,8 +205,7 @@ def test_rendered_objects(helm_env):
             "verbs": ["create"],
         }
     ]
-    (binding,) = docs["RoleBinding"]
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    (binding,) = [b for b in docs["RoleBinding"] if b["roleRef"]["name"] == role["metadata"]["name"]]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ferry-agent", "namespace": "ferry-system"}]
 
     # RDMA on: /dev/infiniband is mounted and IPC_LOCK added; UCX settings reach the env.
@@ -213,6 +221,48 @@ def test_rendered_objects(helm_env):
     assert "IPC_LOCK" in agent["securityContext"]["capabilities"]["add"]
     assert {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1"} in agent["env"]
     assert "--lease-seconds=20" in agent["command"]
+
+
+def test_two_operator_replicas_elect_a_leader(helm_env):
+    docs = by_kind(render(helm_env, *sets(operator__replicas="2")))
+    (deploy,) = docs["Deployment"]
+    selector = deploy["spec"]["selector"]["matchLabels"]
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    (pdb,) = docs["PodDisruptionBudget"]
+    assert pdb["spec"] == {"minAvailable": 1, "selector": {"matchLabels": selector}}
+    (term,) = deploy["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["podAffinityTerm"] == {
+        "topologyKey": "kubernetes.io/hostname",
+        "labelSelector": {"matchLabels": selector},
+    }
+    # The Lease: create (RBAC cannot name what does not exist yet), and get/update of that one name only.
+    (role,) = [r for r in docs["Role"] if r["metadata"]["name"] == "ferry-operator-leader-election"]
+    assert role["metadata"]["namespace"] == "ferry-system"
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["ferry-operator"],
+         "verbs": ["get", "update"]},
+    ]  # fmt: skip
+    (binding,) = [b for b in docs["RoleBinding"] if b["roleRef"]["name"] == role["metadata"]["name"]]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ferry-operator", "namespace": "ferry-system"}]
+
+
+def test_without_leader_election_one_operator_runs(helm_env):
+    docs = by_kind(render(helm_env, *sets(operator__leaderElection__enabled="false")))
+    (deploy,) = docs["Deployment"]
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    (op,) = deploy["spec"]["template"]["spec"]["containers"]
+    assert not any(e["name"].startswith("FERRY_LEADER_ELECTION") for e in op["env"])
+    assert all(r["metadata"]["name"] != "ferry-operator-leader-election" for r in docs["Role"])
+    proc = helm(helm_env, "template", "ferry", str(CHART), "--kube-version", KUBE_VERSION,
+                *sets(operator__leaderElection__enabled="false", operator__replicas="2"), check=False)  # fmt: skip
+    assert proc.returncode != 0 and "operator.replicas > 1 needs operator.leaderElection.enabled" in proc.stderr
 
 
 def test_cluster_scoped_names_include_the_release(helm_env):
@@ -244,10 +294,14 @@ def test_tenant_namespaces_get_role_bindings_and_nothing_reads_secrets_cluster_w
     assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["delete"]} in roles[
         "ferry-operator-tenant"
     ]
-    # Tenants listed by name share the ClusterRoles: the one Role is the agent's own, for minting worker tokens.
-    assert [r["metadata"]["name"] for r in docs["Role"]] == ["ferry-agent-worker-token"]
-    # No tenant namespaces: no RoleBinding but that Role's in the release namespace.
-    assert [b["roleRef"]["kind"] for b in by_kind(render(helm_env))["RoleBinding"]] == ["Role"]
+    # Tenants listed by name share the ClusterRoles: the Roles are the agent's own, for minting worker tokens, and
+    # the operator's, for its leader-election Lease.
+    assert [r["metadata"]["name"] for r in docs["Role"]] == [
+        "ferry-agent-worker-token",
+        "ferry-operator-leader-election",
+    ]
+    # No tenant namespaces: no RoleBinding but those Roles' in the release namespace.
+    assert [b["roleRef"]["kind"] for b in by_kind(render(helm_env))["RoleBinding"]] == ["Role", "Role"]
 
 
 def test_a_tenant_namespace_may_list_its_own_secret_names(helm_env, tmp_path):
@@ -264,8 +318,9 @@ def test_a_tenant_namespace_may_list_its_own_secret_names(helm_env, tmp_path):
         for ns in ("team-b", "team-c"):
             assert refs[(ns, f"ferry-{component}")] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                                         "name": f"ferry-{component}-tenant"}  # fmt: skip
+    own = ("ferry-agent-worker-token", "ferry-operator-leader-election")  # in the release namespace
     roles = {(r["metadata"]["namespace"], r["metadata"]["name"]): r["rules"] for r in docs["Role"]
-             if r["metadata"]["name"] != "ferry-agent-worker-token"}  # fmt: skip
+             if r["metadata"]["name"] not in own}  # fmt: skip
     assert set(roles) == {(ns, f"ferry-{c}-tenant") for ns in ("team-b", "team-c") for c in ("agent", "operator")}
     cluster_roles = {r["metadata"]["name"]: r["rules"] for r in docs["ClusterRole"]}
     for component in ("agent", "operator"):
@@ -329,8 +384,9 @@ def test_admission_policy_names_the_agent_and_the_api_constants(helm_env):
                agent__secretNames="{s3-creds,other}", operator__s3CredentialsSecret="s3-creds",
                operator__config__s3Endpoint="http://s3.example:8333"), "--set", "imagePullSecrets[0].name=regcred"],
         sets(operator__metrics__enabled="false", agent__enabled="false"),
+        sets(operator__replicas="2"),
     ],
-    ids=["defaults", "rdma-and-options", "operator-only"],
+    ids=["defaults", "rdma-and-options", "operator-only", "two-operators"],
 )  # fmt: skip
 def test_rendered_objects_pass_server_dry_run(cluster, namespace, helm_env, values):
     values = [*values, "--set", f"tenantNamespaces={{{namespace}}}"]
@@ -452,15 +508,21 @@ def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
                                ("delete", "leases.coordination.k8s.io")]:  # fmt: skip
             assert not can_i(cluster, "kube-system", agent_sa, verb, resource), f"agent may {verb} {resource}"
         # The operator's role is broader than the agent's; it too reads Secrets only in tenant namespaces (only the
-        # listed ones), and deletes Leases only there (a replica's Lease written for another node); it writes none.
+        # listed ones), and deletes Leases only there (a replica's Lease written for another node). It writes only
+        # its leader-election Lease, in the release namespace (here also the tenant namespace).
         operator_sa = f"system:serviceaccount:{namespace}:{name}-operator"
         assert can_i(cluster, namespace, operator_sa, "get", "secrets/s3-creds")
         assert not can_i(cluster, namespace, operator_sa, "get", "secrets/other-secret")
         assert not can_i(cluster, "kube-system", operator_sa, "get", "secrets/s3-creds")
         assert can_i(cluster, namespace, operator_sa, "delete", "leases.coordination.k8s.io")
         assert not can_i(cluster, "kube-system", operator_sa, "delete", "leases.coordination.k8s.io")
-        for verb in ("create", "update", "patch"):
-            assert not can_i(cluster, namespace, operator_sa, verb, "leases.coordination.k8s.io"), verb
+        leader_lease = f"leases.coordination.k8s.io/{name}-operator"
+        assert can_i(cluster, namespace, operator_sa, "create", "leases.coordination.k8s.io")
+        assert can_i(cluster, namespace, operator_sa, "update", leader_lease)
+        assert not can_i(cluster, namespace, operator_sa, "update", "leases.coordination.k8s.io/ferry-wr-x")
+        assert not can_i(cluster, namespace, operator_sa, "patch", leader_lease)
+        for verb in ("create", "update"):
+            assert not can_i(cluster, "kube-system", operator_sa, verb, leader_lease), verb
         assert can_i(cluster, namespace, operator_sa, "create", "weightreplicas.ferry.dev")
         assert can_i(cluster, namespace, operator_sa, "patch", "weightversions.ferry.dev/status")
         assert not can_i(cluster, namespace, operator_sa, "create", "weightversions.ferry.dev")

@@ -11,7 +11,8 @@ TokenRequest bound to such a Pod gives what the kubelet would mount, a token who
   namespace listed with its own secretNames, only those.
 - Leases: only in tenant namespaces, only named like a replica's Lease and labelled with the agent's node; an agent
   may also delete a replica's Lease without the node label (an older agent's), and then write it labelled. The
-  operator may delete Leases in tenant namespaces, and write none.
+  operator may delete Leases in tenant namespaces, and write none but its leader-election Lease: create it in the
+  release namespace, and get and update that one name only.
 - A namespace enabled later with the chart README's two RoleBindings gets the same rights.
 - Worker tokens: an agent mints tokens for its own ServiceAccount, bound to its own Pod, for ferry.dev/worker/<node>
   audiences only; not bound to another agent's Pod (that would pose as the other node), not an API token, not for
@@ -375,6 +376,25 @@ def test_operator_may_delete_leases_only_in_tenant_namespaces(setup, kube):
     assert by_rbac(forbidden(lambda: operator.create_namespaced_lease(setup.tenant, mine)))
     kept = admin.read_namespaced_lease(lease_name("sq"), setup.other)
     assert by_rbac(forbidden(lambda: operator.patch_namespaced_lease(kept.metadata.name, setup.other, {"spec": {}})))
+
+
+def test_operator_writes_only_its_leader_election_lease(setup, kube):
+    admin, operator = client.CoordinationV1Api(kube), setup.leases("operator")
+    ns, name = setup.release_ns, f"{setup.release}-operator"
+    record = {"holderIdentity": "op-1", "leaseDurationSeconds": 10, "renewTime": now()}
+    created = operator.create_namespaced_lease(ns, {"metadata": {"name": name}, "spec": record})
+    created.spec.holder_identity = "op-2"
+    assert operator.replace_namespaced_lease(name, ns, created).spec.holder_identity == "op-2"
+    assert operator.read_namespaced_lease(name, ns).spec.holder_identity == "op-2"
+    # Only that name: another Lease there (it may create one: RBAC cannot limit create to a name) it cannot write.
+    other = admin.create_namespaced_lease(ns, {"metadata": {"name": "someone-elses"}, "spec": record})
+    other.spec.holder_identity = "op-2"
+    assert by_rbac(forbidden(lambda: operator.replace_namespaced_lease("someone-elses", ns, other)))
+    assert by_rbac(forbidden(lambda: operator.patch_namespaced_lease(name, ns, {"spec": {"holderIdentity": "x"}})))
+    assert by_rbac(forbidden(lambda: operator.delete_namespaced_lease(name, ns)))
+    for elsewhere in (setup.other, "kube-system"):
+        body = {"metadata": {"name": name}, "spec": record}
+        assert by_rbac(forbidden(lambda ns=elsewhere, body=body: operator.create_namespaced_lease(ns, body)))
 
 
 def test_agent_may_review_worker_tokens(setup):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -29,14 +29,17 @@ class OperatorHandle:
 
     def start(self) -> ManagedProcess:
         self.starts += 1
-        self.process = start_operator(
-            self.cluster, self.workdir, env={**self.s3.env(), **OPERATOR_ENV}, name=f"operator-{self.starts}"
-        )
-        wait_until(lambda: "metrics on" in self.process.log_tail(200), 30, "operator startup", self.process)
-        match = re.search(r"metrics on (http://\S+)", self.process.log_tail(200))
-        assert match, self.process.log_tail()
-        self.metrics_url = match.group(1)
+        self.process = self.spawn(f"operator-{self.starts}")
+        self.metrics_url = metrics_url(self.process)
         return self.process
+
+    def spawn(self, name: str, env: dict[str, str] | None = None, args: Sequence[str] = ()) -> ManagedProcess:
+        """Another operator process (e.g. a leader-election candidate), started up to its metrics endpoint."""
+        process = start_operator(
+            self.cluster, self.workdir, env={**self.s3.env(), **OPERATOR_ENV, **(env or {})}, name=name, args=args
+        )
+        wait_until(lambda: "metrics on" in process.log_tail(200), 30, f"{name} startup", process)
+        return process
 
     def ensure_running(self) -> None:
         if self.process is None or not self.process.alive:
@@ -49,6 +52,12 @@ class OperatorHandle:
     def stop(self) -> None:
         if self.process:
             self.process.stop()
+
+
+def metrics_url(process: ManagedProcess) -> str:
+    match = re.search(r"metrics on (http://\S+)", process.log_path.read_text(errors="replace"))
+    assert match, process.log_tail()
+    return match.group(1)
 
 
 @pytest.fixture(scope="session")

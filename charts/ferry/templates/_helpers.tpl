@@ -62,6 +62,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-operator" (include "ferry.fullname" .) }}
 {{- end }}
 
+{{/* The coordination Lease the operator replicas elect their leader on (in the release namespace). */}}
+{{- define "ferry.operator.leaseName" -}}
+{{- include "ferry.operator.fullname" . }}
+{{- end }}
+
 {{- define "ferry.agent.fullname" -}}
 {{- printf "%s-agent" (include "ferry.fullname" .) }}
 {{- end }}
