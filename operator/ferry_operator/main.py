@@ -17,7 +17,7 @@ from typing import Any
 import kopf
 
 from ferry.api.conditions import now_rfc3339
-from ferry.api.models import GROUP, LABEL_VERSION
+from ferry.api.models import GROUP, LABEL_PLACEMENT, LABEL_VERSION, warm_node_label
 from ferry.chain import VersionView, dependents, resolve_chain
 from ferry.storage import (
     StorageReason,
@@ -26,7 +26,7 @@ from ferry.storage import (
     s3_client,
     verify_checkpoint,
 )
-from ferry_operator import kubeapi, metrics, retention_handlers  # the import registers retention's handlers
+from ferry_operator import kubeapi, metrics, pod_placement, retention_handlers  # the imports register handlers
 from ferry_operator.config import CONFIG
 from ferry_operator.kubeapi import ML, WR, WV
 from ferry_operator.modelloads import (
@@ -42,6 +42,7 @@ from ferry_operator.modelloads import (
     renewal_time,
     renewed_after_expiry,
     serves,
+    stale_replicas,
     version_problem,
 )
 from ferry_operator.versions import (
@@ -338,7 +339,8 @@ async def _reconcile_modelload(
         if serves(r, desired, uid)
     }  # fmt: skip
     problem = version_problem(body["spec"], view)
-    plan = plan_replicas(model_load, replicas, nodes, holders, placeable=problem is None)
+    pod_nodes = pod_placement.pod_nodes(namespace, name, body["spec"].get("podSelector"))
+    plan = plan_replicas(model_load, replicas, nodes, holders, placeable=problem is None, pod_nodes=pod_nodes)
     for wr in plan.create:
         await asyncio.to_thread(kubeapi.create_replica, wr)
         kopf.info(body, reason="ReplicaCreated", message=f"{wr['metadata']['name']} on {wr['spec']['nodeName']}")
@@ -348,6 +350,9 @@ async def _reconcile_modelload(
     for replica in plan.retarget:
         await asyncio.to_thread(kubeapi.retarget_replica, namespace, replica, desired, LABEL_VERSION)
         kopf.info(body, reason="RollingOut", message=f"{replica} moves to {desired}")
+    for replica, placement in plan.relabel.items():
+        await asyncio.to_thread(kubeapi.label_replica, namespace, replica, LABEL_PLACEMENT, placement)
+    pod_placement.announce_held(body, plan.held)
 
     leases = {n: lease for (ns, n), store in replica_lease_index.items() if ns == namespace for lease in store}
     # A Lease that names another node (or none) would keep the replica's own agent from writing its Lease for good:
@@ -360,11 +365,13 @@ async def _reconcile_modelload(
     # (its own field) and never in their phase, which is the agent's.
     for replica, conditions in live_conditions(replicas, leases, now, now_rfc3339()).items():
         await asyncio.to_thread(kubeapi.set_replica_conditions, namespace, replica, conditions)
+    await pod_placement.sync_warm_labels(namespace, name, replicas, nodes, stale_replicas(replicas, leases, now))
     matching = sum(1 for n in nodes if node_matches(n, body["spec"].get("nodeSelector") or {}))
     status = aggregate_status(
         model_load, replicas, leases, nodes_available=matching, now=now, now_text=now_rfc3339(),
-        problem=problem, version_uid=uid,
+        problem=problem, version_uid=uid, extra_replicas=plan.extra,
     )  # fmt: skip
+    status["warmNodeLabel"] = warm_node_label(namespace, name)
     current_status = body.get("status") or {}
     if any(current_status.get(k) != v for k, v in status.items()):
         patch.status.update(status)
