@@ -22,6 +22,7 @@ from typing import Any
 
 import kopf
 from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
 
 from ferry.api.models import GROUP, warm_node_label
 from ferry.kube import kube_client
@@ -39,7 +40,8 @@ RETRY_CAP_S = 30.0
 
 class NamespacePods:
     """The pods of one namespace as `PodFacts`: listed, then watched; on any failure listed again after a backoff.
-    `on_change(before, after)` runs in the watch thread for every pod whose facts changed (None: absent)."""
+    `on_change(before, after)` runs in the watch thread for every pod whose facts changed (None: absent), and
+    `on_change(None, None)` after each list."""
 
     def __init__(self, namespace: str, on_change: Callable[[PodFacts | None, PodFacts | None], None]) -> None:
         self.namespace = namespace
@@ -68,6 +70,14 @@ class NamespacePods:
         if before != facts and not self._stopping.is_set():
             self._on_change(before, facts)
 
+    def _replace(self, pods: dict[str, PodFacts]) -> None:
+        """A fresh list: the view is synced from now on; every ModelLoad of the namespace may have moved."""
+        with self._lock:
+            self._pods = pods
+        self.synced = True
+        if not self._stopping.is_set():
+            self._on_change(None, None)
+
     def _run(self) -> None:
         api = kube_client()  # its own connection: a watch holds one for minutes
         core = client.CoreV1Api(api)
@@ -75,12 +85,7 @@ class NamespacePods:
         while not self._stopping.is_set():
             try:
                 listed = core.list_namespaced_pod(self.namespace, _request_timeout=REQUEST_TIMEOUT_S)
-                now = {p.metadata.uid: _facts(api, p) for p in listed.items}
-                for uid in set(self._pods) - set(now):
-                    self._put(uid, None)
-                for uid, facts in now.items():
-                    self._put(uid, facts)
-                self.synced = True
+                self._replace({p.metadata.uid: _facts(api, p) for p in listed.items})
                 failures = 0
                 for event in watch.Watch().stream(
                     core.list_namespaced_pod, self.namespace, resource_version=listed.metadata.resource_version,
@@ -110,12 +115,15 @@ _lock = threading.Lock()
 
 
 def _changed(namespace: str, before: PodFacts | None, after: PodFacts | None) -> None:
-    """In a watch thread: nudge each ModelLoad whose followed nodes this pod change moves."""
+    """In a watch thread: nudge each ModelLoad whose followed nodes this pod change (or a fresh list: both None)
+    moves."""
+    relisted = before is None and after is None
     with _lock:
         selectors = [(key, sel) for key, sel in _selectors.items() if key[0] == namespace]
         pods = _namespaces.get(namespace)
     for key, selector in selectors:
-        if not any(p is not None and p.node and selector_matches(selector, p.labels) for p in (before, after)):
+        involved = any(p is not None and p.node and selector_matches(selector, p.labels) for p in (before, after))
+        if not (relisted or involved):
             continue
         nodes = frozenset(followed_nodes(selector, pods.pods() if pods else []))
         if _nudged.get(key) == nodes:
@@ -171,9 +179,15 @@ def announce_held(body: kopf.Body, held: Iterable[str]) -> None:
 
 async def sync_warm_labels(namespace: str, name: str, replicas: Iterable[Mapping[str, Any]],
                            nodes: Iterable[Mapping[str, Any]], stale: Iterable[str]) -> None:  # fmt: skip
+    """Set and remove the ModelLoad's warm-node label where it differs. A refusal (e.g. a chart older than the
+    operator, without `patch nodes`) is logged and leaves placement and status alone."""
     key = warm_node_label(namespace, name)
     for node, value in warm_label_changes(key, replicas, nodes, stale).items():
-        await asyncio.to_thread(kubeapi.label_node, node, key, value)
+        try:
+            await asyncio.to_thread(kubeapi.label_node, node, key, value)
+        except ApiException as exc:
+            log.warning("could not %s label %s on node %s: %s %s", "set" if value else "remove", key, node,
+                        exc.status, exc.reason)  # fmt: skip
 
 
 @kopf.on.event(*ML)
