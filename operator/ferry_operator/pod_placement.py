@@ -8,7 +8,8 @@ reconcile reads the pods from memory (`pod_nodes`), never from the API.
 
 Warm nodes: every node where a ModelLoad's replica is Serving carries `warm_node_label(namespace, modelload)` set to
 the version, so engine pods may prefer it (docs/consumers.md); the reconcile sets and removes it (`sync_warm_labels`),
-and a deleted ModelLoad's label is removed from every node.
+a deleted ModelLoad's label is removed from every node, and a node event removes labels of ModelLoads that no
+longer exist (deleted while the operator was down).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import kopf
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from ferry.api.models import GROUP, warm_node_label
+from ferry.api.models import GROUP, WARM_LABEL_PREFIX, warm_node_label
 from ferry.kube import kube_client
 from ferry_operator import kubeapi
 from ferry_operator.kubeapi import ML, WR
@@ -200,6 +201,24 @@ async def forget_deleted_modelload(event: dict, namespace: str, name: str, node_
         _forget((namespace, name))
     nodes = [n for store in node_index.values() for n in store]
     await sync_warm_labels(namespace, name, [], nodes, [])
+
+
+@kopf.on.event("", "v1", "nodes")
+async def drop_orphaned_warm_labels(name: str, labels: kopf.Labels, desired_index: kopf.Index,
+                                    **_: Any) -> None:  # fmt: skip
+    """A warm-node label of no ModelLoad that exists (one deleted while the operator was down) is removed. kopf
+    runs handlers only once its indexes are filled, so every existing ModelLoad is in `desired_index`."""
+    warm = [key for key in labels if key.startswith(WARM_LABEL_PREFIX)]
+    if not warm:
+        return
+    live = {warm_node_label(ns, ml) for (ns, _), store in desired_index.items() for ml in store}
+    for key in warm:
+        if key not in live:
+            log.info("node %s: removing %s, the label of no ModelLoad", name, key)
+            try:
+                await asyncio.to_thread(kubeapi.label_node, name, key, None)
+            except ApiException as exc:
+                log.warning("could not remove label %s of node %s: %s %s", key, name, exc.status, exc.reason)
 
 
 _attached: dict[tuple[str, str], bool] = {}

@@ -5,7 +5,8 @@ nodeSelector. A Pod object matching the podSelector, bound to node B (no kubelet
 a replica on B, which B's agent loads from A's replica over NIXL; a consumer process with that pod's socket
 directory attaches and holds sha256-identical tensors. Nodes serving the ModelLoad carry its warm-node label.
 When the pod goes (graceful deletion: without a kubelet it stays Terminating), B's replica is released; while a
-consumer is attached, it stays until the attachment is gone. A deleted ModelLoad leaves no node labelled warm.
+consumer is attached, it stays until the attachment is gone. A deleted ModelLoad leaves no node labelled warm (nor one
+deleted while the operator was away).
 
 The agent does not report attachments in WeightReplica status yet (`status.attachments`/`attachedPods`), so this
 test writes them as the agent would, while its consumer really holds its lease, and clears them once the consumer
@@ -162,9 +163,12 @@ def test_a_pod_on_a_second_node_makes_it_load_over_p2p_and_serve_its_consumer(cl
         wait_for(lambda: node_b not in replicas_by_node(cluster, namespace), 30, "released once detached", describe)
         assert agent_a.alive and agent_b.alive, describe()
 
-        # The ModelLoad goes: no node is warm for it any more.
+        # The ModelLoad goes: no node is warm for it any more. Nor for one that went while the operator was away.
         cluster.kubectl("delete", "ml", "serve", "-n", namespace)
         wait_for(lambda: node_label(cluster, node_a, key) is None, 30, "node A no longer warm", describe)
+        orphan = warm_node_label(namespace, "deleted-long-ago")
+        cluster.kubectl("label", "node", node_b, f"{orphan}=v1")
+        wait_for(lambda: node_label(cluster, node_b, orphan) is None, 30, "an orphaned warm label removed", describe)
     finally:
         for proc in procs:
             if proc.poll() is None:
