@@ -152,17 +152,6 @@ def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> 
     return True
 
 
-def selector_string(selector: Mapping[str, Any]) -> str:
-    """The selector in the API's `labelSelector` query syntax, so the apiserver sends matching pods only. Keys and
-    values are validated label syntax (the CRD), which has no `,`, `(`, `)`, `=` or `!`."""
-    terms = [f"{k}={v}" for k, v in sorted((selector.get("matchLabels") or {}).items())]
-    for req in selector.get("matchExpressions") or []:
-        key, op, values = req["key"], req["operator"], ",".join(req.get("values") or [])
-        terms.append({"In": f"{key} in ({values})", "NotIn": f"{key} notin ({values})", "Exists": key,
-                      "DoesNotExist": f"!{key}"}[op])  # fmt: skip
-    return ",".join(terms)
-
-
 def followed_nodes(selector: Mapping[str, Any] | None, pods: Iterable[PodFacts]) -> set[str]:
     """Nodes where a pod matching `selector` is bound now; None selector: none (the ModelLoad follows no pods)."""
     if selector is None:

@@ -25,7 +25,6 @@ from ferry_operator.modelloads import (
     plan_replicas,
     replica_body,
     selector_matches,
-    selector_string,
     warm_label_changes,
 )
 
@@ -88,20 +87,6 @@ NODES = [node("a1", pool="a"), node("a2", pool="a"), node("b1", pool="b"), node(
 )
 def test_selector_matches_like_kubernetes(selector, labels, matches):
     assert selector_matches(selector, labels) is matches
-
-
-def test_selector_string_is_the_api_syntax():
-    selector = {
-        "matchLabels": {"b": "2", "a": "1"},
-        "matchExpressions": [
-            {"key": "t", "operator": "In", "values": ["x", "y"]},
-            {"key": "u", "operator": "NotIn", "values": ["z"]},
-            {"key": "g", "operator": "Exists"},
-            {"key": "h", "operator": "DoesNotExist"},
-        ],
-    }
-    assert selector_string(selector) == "a=1,b=2,t in (x,y),u notin (z),g,!h"
-    assert selector_string({}) == ""
 
 
 def test_only_bound_running_pods_hold_a_node():
