@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from enum import StrEnum
 from typing import Annotated, ClassVar
 
@@ -258,6 +259,62 @@ class EnginesAttachedReason(StrEnum):
     NO_ENGINES = "NoEngines"  # False: no consumer pod is attached to a live replica
 
 
+class SelectorOperator(StrEnum):
+    IN = "In"
+    NOT_IN = "NotIn"
+    EXISTS = "Exists"
+    DOES_NOT_EXIST = "DoesNotExist"
+
+
+class LabelSelectorRequirement(_Model):
+    """metav1.LabelSelectorRequirement: `key` `operator` `values`."""
+
+    cel_rules: ClassVar[list[CelRule]] = [
+        CelRule(
+            rule="(self.operator in ['In', 'NotIn']) == (has(self.values) && size(self.values) > 0)",
+            message="In and NotIn need values; Exists and DoesNotExist take none",
+            reason="FieldValueInvalid",
+            fieldPath=".values",
+        ),
+    ]
+
+    key: str = Field(
+        min_length=1,
+        max_length=317,
+        pattern=LABEL_KEY,
+        description="The label key the requirement applies to ([prefix/]name).",
+    )
+    operator: SelectorOperator = Field(
+        description="In: the label's value is one of values; NotIn: it is none of them (or the label is absent); "
+        "Exists / DoesNotExist: the pod has / lacks the label."
+    )
+    values: list[LabelValue] | None = Field(
+        default=None, max_length=64, description="Label values; only with In and NotIn, and then at least one."
+    )
+
+
+class LabelSelector(_Model):
+    """metav1.LabelSelector. Every requirement must hold (AND); an empty selector matches every pod."""
+
+    matchLabels: dict[str, LabelValue] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Labels a pod must carry with exactly these values.",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.all(k, k.matches('{LABEL_KEY}') && (!k.contains('/') || k.indexOf('/') <= 253))",
+                    "message": "every matchLabels key must be a valid label key ([prefix/]name)",
+                    "reason": "FieldValueInvalid",
+                }
+            ]
+        },
+    )
+    matchExpressions: list[LabelSelectorRequirement] = Field(
+        default_factory=list, max_length=64, description="Set-based requirements, all of which must hold."
+    )
+
+
 class ModelLoadSpec(_Model):
     modelName: str = Field(min_length=1, max_length=253)
     desiredVersion: ObjectName = Field(description="Name of the WeightVersion to make resident.")
@@ -295,6 +352,13 @@ class ModelLoadSpec(_Model):
     retention: RetentionPolicy | None = Field(
         default=None, description="Delete old WeightVersions of this model; unset: the operator deletes none."
     )
+    podSelector: LabelSelector | None = Field(
+        default=None,
+        description="Weights follow pods: every node where a Pod of this namespace matching the selector is bound "
+        "(spec.nodeName set, not terminating, not Succeeded or Failed) holds a replica too, in addition to the "
+        "`replicas` warm pool on nodeSelector nodes (docs/consumers.md). A node whose matching pods are gone "
+        "keeps its replica while any consumer is still attached. Unset: the warm pool alone.",
+    )
 
 
 class ModelLoadStatus(_Model):
@@ -307,6 +371,13 @@ class ModelLoadStatus(_Model):
         default=None,
         ge=0,
         description="Consumer pods attached to this ModelLoad's live replicas (any version they hold), over all nodes.",
+    )
+    warmNodeLabel: str | None = Field(
+        default=None,
+        max_length=317,
+        description="The node label key the operator sets, to the version served, on every node where a replica "
+        "of this ModelLoad is Serving: engine pods may prefer such nodes (preferred node affinity, "
+        "docs/consumers.md).",
     )
     conditions: Conditions
     observedGeneration: int | None = Field(default=None, ge=0)
@@ -514,6 +585,13 @@ LABEL_NODE = f"{GROUP}/node"
 # source cannot replay a token it received to another source.
 WORKER_AUDIENCE_PREFIX = f"{GROUP}/worker/"
 LABEL_MODELLOAD = f"{GROUP}/modelload"
+# Why the operator keeps a WeightReplica: "pool" (the `replicas` warm pool; also when the label is absent) or
+# "pods" (only a matching pod on its node, or a consumer still attached there, keeps it).
+LABEL_PLACEMENT = f"{GROUP}/placement"
+PLACEMENT_POOL, PLACEMENT_PODS = "pool", "pods"
+# Node labels `warm.ferry.dev/<name>=<version>` say where a ModelLoad's replica is Serving (`warm_node_label`).
+WARM_LABEL_PREFIX = f"warm.{GROUP}/"
+_WARM_HASH_CHARS = 10
 REPLICA_LEASE_PREFIX = "ferry-wr-"
 
 
@@ -522,6 +600,21 @@ def worker_audience(node: str) -> str:
     if not node:
         raise ValueError("a worker token audience needs the source's node name")
     return f"{WORKER_AUDIENCE_PREFIX}{node}"
+
+
+def warm_node_label(namespace: str, modelload: str) -> str:
+    """The node label key for the ModelLoad `namespace/modelload`: `warm.ferry.dev/<namespace>_<modelload>-<hash>`,
+    the readable part cut so that the name after the prefix fits Kubernetes' 63 characters, and a hash of the full
+    pair that tells cut (or otherwise equal-looking) pairs apart. `_` cannot occur in either name, so the pair
+    reads back unambiguously when not cut."""
+    digest = hashlib.sha256(f"{namespace}/{modelload}".encode()).hexdigest()[:_WARM_HASH_CHARS]
+    readable = f"{namespace}_{modelload}"[: 63 - _WARM_HASH_CHARS - 1].rstrip("-._")
+    return f"{WARM_LABEL_PREFIX}{readable}-{digest}"
+
+
+def label_value(value: str) -> str:
+    """`value` as a label value: itself when it fits 63 characters, else a 63-character hash of it."""
+    return value if len(value) <= 63 else hashlib.sha256(value.encode()).hexdigest()[:63]
 
 
 def replica_lease_name(replica: str) -> str:

@@ -120,3 +120,22 @@ def delete_lease(namespace: str, name: str, uid: str) -> bool:
             return False
         raise
     return True
+
+
+def label_replica(namespace: str, name: str, key: str, value: str) -> None:
+    body = {"metadata": {"labels": {key: value}}}
+    try:
+        _objects().patch_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas", name, body)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+def label_node(node: str, key: str, value: str | None) -> None:
+    """Set (None: remove) one label of a Node: the operator's only Node write (a warm-node label; the chart's
+    admission policy refuses it any other change of a Node)."""
+    try:
+        client.CoreV1Api(api_client()).patch_node(node, {"metadata": {"labels": {key: value}}})
+    except ApiException as exc:
+        if exc.status != 404:
+            raise

@@ -20,12 +20,12 @@ import kopf
 
 from ferry.api.conditions import get_condition, now_rfc3339
 from ferry.api.liveness import DEFAULT_LEASE_SECONDS
-from ferry.api.models import GROUP, LABEL_VERSION, replica_lease_name
+from ferry.api.models import GROUP, LABEL_PLACEMENT, LABEL_VERSION, replica_lease_name, warm_node_label
 from ferry.chain import VersionView, dependents, resolve_chain
 from ferry.storage import StorageReason, StorageReport, credentials_from_secret_data, verify_checkpoint
 
-# the retention_handlers import registers retention's handlers
-from ferry_operator import kubeapi, leadership, logfilter, metrics, retention_handlers
+# the pod_placement and retention_handlers imports register their handlers
+from ferry_operator import kubeapi, leadership, logfilter, metrics, pod_placement, retention_handlers
 from ferry_operator.config import CONFIG
 from ferry_operator.deadlines import DEADLINES
 from ferry_operator.events import condition_event
@@ -42,6 +42,7 @@ from ferry_operator.modelloads import (
     renewal_time,
     renewed_after_expiry,
     serves,
+    stale_replicas,
     stall_deadline,
     stalled_replicas,
     version_problem,
@@ -419,7 +420,8 @@ async def _reconcile_modelload(
     serving = replica_index.get(("serving", namespace, desired), [])
     holders = {r["spec"]["nodeName"] for r in serving if serves(r, desired, uid)}
     problem = version_problem(body["spec"], view)
-    plan = plan_replicas(model_load, replicas, nodes, holders, placeable=problem is None)
+    pod_nodes = pod_placement.pod_nodes(namespace, name, body["spec"].get("podSelector"))
+    plan = plan_replicas(model_load, replicas, nodes, holders, placeable=problem is None, pod_nodes=pod_nodes)
     for wr in plan.create:
         if await asyncio.to_thread(kubeapi.create_replica, wr):  # False: an earlier reconcile created it
             kopf.info(body, reason="ReplicaCreated", message=f"{wr['metadata']['name']} on {wr['spec']['nodeName']}")
@@ -430,6 +432,9 @@ async def _reconcile_modelload(
         await asyncio.to_thread(kubeapi.retarget_replica, namespace, replica, desired, LABEL_VERSION)
         if _first_time(body, f"RollingOut/{replica}", ("RollingOut", desired)):  # a stale index retargets again
             kopf.info(body, reason="RollingOut", message=f"{replica} moves to {desired}")
+    for replica, placement in plan.relabel.items():
+        await asyncio.to_thread(kubeapi.label_replica, namespace, replica, LABEL_PLACEMENT, placement)
+    pod_placement.announce_held(body, plan.held)
 
     leases = {
         lease_name: lease
@@ -447,11 +452,13 @@ async def _reconcile_modelload(
     # (its own field) and never in their phase, which is the agent's.
     for replica, conditions in live_conditions(replicas, leases, now, now_rfc3339()).items():
         await asyncio.to_thread(kubeapi.set_replica_conditions, namespace, replica, conditions)
+    await pod_placement.sync_warm_labels(namespace, name, replicas, nodes, stale_replicas(replicas, leases, now))
     matching = sum(1 for n in nodes if node_matches(n, body["spec"].get("nodeSelector") or {}))
     status = aggregate_status(
         model_load, replicas, leases, nodes_available=matching, now=now, now_text=now_rfc3339(),
-        problem=problem, version_uid=uid,
+        problem=problem, version_uid=uid, extra_replicas=plan.extra,
     )  # fmt: skip
+    status["warmNodeLabel"] = warm_node_label(namespace, name)
     current_status = body.get("status") or {}
     if any(current_status.get(k) != v for k, v in status.items()):
         patch.status.update(status)

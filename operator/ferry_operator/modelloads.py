@@ -18,10 +18,14 @@ from ferry.api.models import (
     LABEL_MODEL,
     LABEL_MODELLOAD,
     LABEL_NODE,
+    LABEL_PLACEMENT,
     LABEL_VERSION,
+    PLACEMENT_PODS,
+    PLACEMENT_POOL,
     EnginesAttachedReason,
     LiveReason,
     ReplicaConditionType,
+    label_value,
     replica_lease_name,
 )
 from ferry.chain import VersionView
@@ -31,6 +35,8 @@ READY, PROGRESSING, DEGRADED, PEER_STALLED = "Ready", "Progressing", "Degraded",
 ENGINES_ATTACHED = "EnginesAttached"
 # Event reason: a replica's Lease named another node (or none) and was deleted (`foreign_leases`).
 LEASE_OF_OTHER_NODE_DELETED = "LeaseOfOtherNodeDeleted"
+# Event reason: a replica that placement no longer wants stays while a consumer pod is attached to it.
+REPLICA_HELD = "ReplicaHeldByConsumers"
 # Ready=False reasons for a desired version that cannot be placed: nothing is created or rolled out meanwhile.
 VERSION_NOT_FOUND, VERSION_NOT_READY, MODEL_MISMATCH = "VersionNotFound", "VersionNotReady", "ModelMismatch"
 
@@ -105,7 +111,71 @@ def choose_nodes(
     return keep + extra[: max(0, wanted - len(keep))]
 
 
-def replica_body(modelload: Mapping[str, Any], node: str, version: str) -> dict[str, Any]:
+# ---------------------------------------------------------------- weights follow pods
+
+_FINISHED = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class PodFacts:
+    """What placement needs of a Pod: its labels, and the node it holds now (None: unbound, terminating or
+    finished, so it needs no replica)."""
+
+    name: str
+    uid: str
+    labels: Mapping[str, str]
+    node: str | None
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> PodFacts:
+        meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
+        holds = not meta.get("deletionTimestamp") and status.get("phase") not in _FINISHED
+        return cls(
+            name=meta.get("name", ""),
+            uid=meta.get("uid", ""),
+            labels=dict(meta.get("labels") or {}),
+            node=(spec.get("nodeName") or None) if holds else None,
+        )
+
+
+def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """metav1.LabelSelector semantics: every matchLabels pair and every requirement holds; `{}` matches all."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for req in selector.get("matchExpressions") or []:
+        key, op, values = req["key"], req["operator"], req.get("values") or []
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }.get(op, False)  # an unknown operator matches nothing (the CRD admits none)
+        if not ok:
+            return False
+    return True
+
+
+def followed_nodes(selector: Mapping[str, Any] | None, pods: Iterable[PodFacts]) -> set[str]:
+    """Nodes where a pod matching `selector` is bound now; None selector: none (the ModelLoad follows no pods)."""
+    if selector is None:
+        return set()
+    return {p.node for p in pods if p.node and selector_matches(selector, p.labels)}
+
+
+def attached(replica: Mapping[str, Any]) -> bool:
+    """A consumer pod holds this replica's bytes, as its agent reports (`attachedPods`, `attachments`)."""
+    status = replica.get("status") or {}
+    return bool(status.get("attachedPods")) or bool(status.get("attachments"))
+
+
+def placement(replica: Mapping[str, Any]) -> str:
+    """Why the replica is kept; replicas from before the label are the warm pool's."""
+    return ((replica.get("metadata") or {}).get("labels") or {}).get(LABEL_PLACEMENT) or PLACEMENT_POOL
+
+
+def replica_body(
+    modelload: Mapping[str, Any], node: str, version: str, placement: str = PLACEMENT_POOL
+) -> dict[str, Any]:
     meta, spec = modelload["metadata"], modelload["spec"]
     return {
         "apiVersion": API_VERSION,
@@ -114,10 +184,11 @@ def replica_body(modelload: Mapping[str, Any], node: str, version: str) -> dict[
             "name": replica_name(meta["name"], node),
             "namespace": meta["namespace"],
             "labels": {
-                LABEL_MODEL: _label_value(spec["modelName"]),
-                LABEL_VERSION: _label_value(version),
-                LABEL_NODE: _label_value(node),
-                LABEL_MODELLOAD: _label_value(meta["name"]),
+                LABEL_MODEL: label_value(spec["modelName"]),
+                LABEL_VERSION: label_value(version),
+                LABEL_NODE: label_value(node),
+                LABEL_MODELLOAD: label_value(meta["name"]),
+                LABEL_PLACEMENT: placement,
             },
             "ownerReferences": [
                 {
@@ -143,15 +214,14 @@ def replica_body(modelload: Mapping[str, Any], node: str, version: str) -> dict[
     }
 
 
-def _label_value(value: str) -> str:
-    return value if len(value) <= 63 else hashlib.sha256(value.encode()).hexdigest()[:63]
-
-
 @dataclass
 class ReplicaPlan:
     create: list[dict[str, Any]] = field(default_factory=list)
     delete: list[str] = field(default_factory=list)
     retarget: list[str] = field(default_factory=list)  # replica names whose spec.version moves to desired
+    relabel: dict[str, str] = field(default_factory=dict)  # replica name -> its new ferry.dev/placement
+    held: list[str] = field(default_factory=list)  # not wanted any more, kept while a consumer is attached
+    extra: int = 0  # replicas kept besides the warm pool (followed pods' nodes, held ones)
 
 
 def plan_replicas(
@@ -161,22 +231,44 @@ def plan_replicas(
     holders: Iterable[str],
     *,
     placeable: bool = True,
+    pod_nodes: Iterable[str] | None = (),
 ) -> ReplicaPlan:
     """What to create, delete and move to the desired version. A version change rolls one replica at a time,
     so the others keep serving (and stay peer sources) until the new version is loaded somewhere. While the
-    desired version is not `placeable` (missing, not Ready, another model's) nothing is created or moved to it."""
+    desired version is not `placeable` (missing, not Ready, another model's) nothing is created or moved to it.
+
+    The replicas kept are the union of the warm pool (`spec.replicas` nodes that match `spec.nodeSelector`,
+    `choose_nodes`) and the known nodes in `pod_nodes` (where a pod the ModelLoad follows is bound); a replica
+    neither wants is deleted only once no consumer is attached to it. `pod_nodes=None`: the pods are not known yet
+    (the operator has not listed them since it started), so no replica kept for pods is deleted."""
     desired = modelload["spec"]["desiredVersion"]
     replicas = [r for r in replicas if not r["metadata"].get("deletionTimestamp")]
     by_node = {r["spec"]["nodeName"]: r for r in replicas}
-    chosen = choose_nodes(modelload["spec"], nodes, list(by_node), holders, salt=modelload["metadata"]["name"])
-    plan = ReplicaPlan()
+    # The pool keeps its own replicas first; one kept for pods joins it only when the pool lacks a node.
+    current = sorted(by_node, key=lambda n: placement(by_node[n]) == PLACEMENT_PODS)
+    pool = choose_nodes(modelload["spec"], nodes, current, holders, salt=modelload["metadata"]["name"])
+    known = {n["metadata"]["name"] for n in nodes}
+    follow = {n for n in pod_nodes or () if n in known} - set(pool)
+    unknown = pod_nodes is None
+    held = {n for n, r in by_node.items() if n not in pool and n not in follow and attached(r)}
+    waiting = {n for n, r in by_node.items() if unknown and placement(r) == PLACEMENT_PODS} - set(pool) - held
+    chosen = pool + sorted(follow | held | waiting)
+    plan = ReplicaPlan(extra=len(chosen) - len(pool))
     plan.delete = sorted(r["metadata"]["name"] for node, r in by_node.items() if node not in chosen)
+    plan.held = sorted(by_node[n]["metadata"]["name"] for n in held)
+    for node in chosen:
+        if node in by_node and placement(by_node[node]) != (want := PLACEMENT_POOL if node in pool else PLACEMENT_PODS):
+            plan.relabel[by_node[node]["metadata"]["name"]] = want
     if not placeable:
         return plan
     # Created in name order: an agent that sees its replica also sees every smaller-named one, so all agree on
     # which cold replica reads S3 first (ferry_agent.registry.first_loader).
     plan.create = sorted(
-        (replica_body(modelload, node, desired) for node in chosen if node not in by_node),
+        (
+            replica_body(modelload, node, desired, PLACEMENT_POOL if node in pool else PLACEMENT_PODS)
+            for node in chosen
+            if node not in by_node
+        ),
         key=lambda body: body["metadata"]["name"],
     )
     kept = [by_node[n] for n in chosen if n in by_node]
@@ -203,6 +295,26 @@ def serves(replica: Mapping[str, Any], version: str, uid: str | None = None) -> 
     if uid is not None and status.get("versionUid") != uid:
         return False
     return _phase(replica) == "Serving" and status.get("version") == version
+
+
+def warm_label_changes(
+    key: str, replicas: Iterable[Mapping[str, Any]], nodes: Iterable[Mapping[str, Any]], stale: Iterable[str]
+) -> dict[str, str | None]:
+    """Node -> the value its label `key` (`warm_node_label`) gets, where that differs from what it carries: the
+    version a replica there is Serving (not stale); None (remove the label) on a node where none is."""
+    stale = set(stale)
+    want = {
+        r["spec"]["nodeName"]: label_value((r.get("status") or {})["version"])
+        for r in replicas
+        if not r["metadata"].get("deletionTimestamp") and _phase(r) == "Serving"
+        and (r.get("status") or {}).get("version") and r["metadata"]["name"] not in stale
+    }  # fmt: skip
+    changes = {}
+    for node in nodes:
+        name = node["metadata"]["name"]
+        if ((node["metadata"].get("labels") or {}).get(key)) != want.get(name):
+            changes[name] = want.get(name)
+    return changes
 
 
 # ---------------------------------------------------------------- status
@@ -450,14 +562,16 @@ def aggregate_status(
     now: dt.datetime,
     now_text: str,
     version_uid: str | None = None,
+    extra_replicas: int = 0,
 ) -> dict[str, Any]:
     """The ModelLoad's status. With `version_uid` (the desired WeightVersion's metadata.uid), a replica is ready only
-    while it serves that very object."""
+    while it serves that very object. `extra_replicas`: those kept besides the warm pool (`ReplicaPlan.extra`)."""
     meta, spec = modelload["metadata"], modelload["spec"]
     current = modelload.get("status") or {}
     generation = meta.get("generation")
     desired = spec["desiredVersion"]
-    wanted = int(spec.get("replicas", 1))
+    pool = int(spec.get("replicas", 1))
+    wanted = pool + extra_replicas
     stale = set(stale_replicas(replicas, leases, now))
     ready = [r for r in replicas if serves(r, desired, version_uid) and r["metadata"]["name"] not in stale]
     # Serving the name, but an older object of it (deleted and republished): not ready, whatever phase and name say.
@@ -481,9 +595,9 @@ def aggregate_status(
         put(READY, True, "AllReplicasReady", f"{len(ready)}/{wanted} replicas serve {desired}")
     elif problem:
         put(READY, False, problem.reason, problem.message)
-    elif wanted > nodes_available:
+    elif pool > nodes_available:
         put(READY, False, "InsufficientNodes",
-            f"{wanted} replicas requested but only {nodes_available} nodes match spec.nodeSelector")  # fmt: skip
+            f"{pool} replicas requested but only {nodes_available} nodes match spec.nodeSelector")  # fmt: skip
     elif failed:
         r = failed[0]
         put(READY, False, "ReplicaFailed", f"{r['metadata']['name']}: {(r.get('status') or {}).get('message', '')}")

@@ -146,7 +146,7 @@ def test_rendered_objects(helm_env):
     docs = by_kind(render(helm_env))
     assert {k: len(v) for k, v in docs.items()} == {
         "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2, "Role": 2, "RoleBinding": 2, "Service": 1,
-        "Deployment": 1, "DaemonSet": 1, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
+        "Deployment": 1, "DaemonSet": 1, "ValidatingAdmissionPolicy": 2, "ValidatingAdmissionPolicyBinding": 2,
     }  # fmt: skip
     for obj in (o for objs in docs.values() for o in objs):
         labels = obj["metadata"]["labels"]
@@ -294,6 +294,9 @@ def test_tenant_namespaces_get_role_bindings_and_nothing_reads_secrets_cluster_w
     assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["delete"]} in roles[
         "ferry-operator-tenant"
     ]
+    # Weights follow pods: the operator lists and watches Pods in tenant namespaces, nowhere else.
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]} in roles["ferry-operator-tenant"]
+    assert not any("pods" in r["resources"] for r in roles["ferry-operator"])
     # Tenants listed by name share the ClusterRoles: the Roles are the agent's own, for minting worker tokens, and
     # the operator's, for its leader-election Lease.
     assert [r["metadata"]["name"] for r in docs["Role"]] == [
@@ -358,9 +361,21 @@ def test_values_schema_rejects_bad_tenant_entries(helm_env, tmp_path, entry, mes
 
 def test_admission_policy_names_the_agent_and_the_api_constants(helm_env):
     docs = by_kind(render(helm_env, namespace="ferry-system", release="blue"))
-    (policy,) = docs["ValidatingAdmissionPolicy"]
-    (binding,) = docs["ValidatingAdmissionPolicyBinding"]
-    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    policies = {p["metadata"]["name"]: p for p in docs["ValidatingAdmissionPolicy"]}
+    assert set(policies) == {"blue-ferry-agent-node-scope", "blue-ferry-operator-node-labels"}
+    bindings = sorted((b["spec"]["policyName"], b["spec"]["validationActions"])
+                      for b in docs["ValidatingAdmissionPolicyBinding"])  # fmt: skip
+    assert bindings == [(name, ["Deny"]) for name in sorted(policies)]
+
+    # The operator's: Nodes, only warm-node labels (ferry/api/models.py), only for its ServiceAccount.
+    operator = policies["blue-ferry-operator-node-labels"]
+    assert operator["spec"]["failurePolicy"] == "Fail"
+    (match,) = operator["spec"]["matchConditions"]
+    assert "'system:serviceaccount:ferry-system:blue-ferry-operator'" in match["expression"]
+    assert f"startsWith('{models.WARM_LABEL_PREFIX}')" in json.dumps(operator["spec"]["validations"])
+    assert [r["resources"] for r in operator["spec"]["matchConstraints"]["resourceRules"]] == [["nodes"]]
+
+    policy = policies["blue-ferry-agent-node-scope"]
     assert policy["spec"]["failurePolicy"] == "Fail"
     (match,) = policy["spec"]["matchConditions"]
     assert "'system:serviceaccount:ferry-system:blue-ferry-agent'" in match["expression"]
@@ -472,7 +487,8 @@ AGENT_DENIED = [
     *[(verb, "modelloads.ferry.dev") for verb in ("get", "list", "create", "update", "patch", "delete")],
     ("patch", "modelloads.ferry.dev/status"),
     ("get", "secrets/other-secret"), ("list", "secrets"), ("watch", "secrets"), ("create", "secrets"),
-    ("create", "events"), ("get", "pods"), ("create", "pods"), ("delete", "pods"), ("list", "nodes"),
+    ("create", "events"), ("get", "pods"), ("create", "pods"), ("delete", "pods"),
+    ("list", "nodes"), ("patch", "nodes"),
     ("create", "deployments.apps"),
     ("list", "customresourcedefinitions.apiextensions.k8s.io"), ("create", "rolebindings.rbac.authorization.k8s.io"),
 ]  # fmt: skip
@@ -531,6 +547,18 @@ def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
         assert not can_i(cluster, "kube-system", operator_sa, "delete", "weightversions.ferry.dev")
         assert not can_i(cluster, namespace, operator_sa, "deletecollection", "weightversions.ferry.dev")
         assert not can_i(cluster, namespace, operator_sa, "delete", "modelloads.ferry.dev")
+        # Weights follow pods: it lists and watches Pods in tenant namespaces only, and reads or writes none.
+        for verb in ("list", "watch"):
+            assert can_i(cluster, namespace, operator_sa, verb, "pods"), verb
+            assert not can_i(cluster, "kube-system", operator_sa, verb, "pods"), verb
+        for verb in ("get", "create", "update", "patch", "delete"):
+            assert not can_i(cluster, namespace, operator_sa, verb, "pods"), verb
+        # Warm-node labels: it patches Nodes (the admission policy allows warm.ferry.dev/* labels alone,
+        # test_rbac.py); it creates, updates, deletes none and writes no Node status.
+        assert can_i(cluster, namespace, operator_sa, "patch", "nodes")
+        for verb, resource in [("create", "nodes"), ("update", "nodes"), ("delete", "nodes"),
+                               ("patch", "nodes/status")]:  # fmt: skip
+            assert not can_i(cluster, namespace, operator_sa, verb, resource), (verb, resource)
 
         # Real requests, authenticated as the agent's ServiceAccount with a TokenRequest token.
         token = cluster.kubectl("create", "token", f"{name}-agent", "-n", namespace, "--duration=10m").stdout.strip()

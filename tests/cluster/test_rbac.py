@@ -14,6 +14,10 @@ TokenRequest bound to such a Pod gives what the kubelet would mount, a token who
   operator may delete Leases in tenant namespaces, and write none but its leader-election Lease: create it in the
   release namespace, and get and update that one name only.
 - A namespace enabled later with the chart README's two RoleBindings gets the same rights.
+- Nodes: the operator changes only warm-node labels (`warm.ferry.dev/*`: a patch, held to those labels by its own
+  admission policy); no other label, annotation, finalizer or spec field, and it creates or deletes none. Agents
+  write no Node.
+- Pods: the operator lists and watches them only in tenant namespaces (a ModelLoad's podSelector).
 - Worker tokens: an agent mints tokens for its own ServiceAccount, bound to its own Pod, for ferry.dev/worker/<node>
   audiences only; not bound to another agent's Pod (that would pose as the other node), not an API token, not for
   another ServiceAccount.
@@ -476,3 +480,72 @@ def test_a_namespace_enabled_later_by_the_documented_role_bindings(setup, kube):
         assert by_policy(forbidden(lambda: setup.leases("agent-a").create_namespaced_lease(ns, other)))
     finally:
         setup.cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def by_operator_policy(exc: ApiException) -> bool:
+    """Denied by the chart's ValidatingAdmissionPolicy on the operator's Node writes."""
+    return "-operator-node-labels' denied request: the operator" in exc.body
+
+
+def test_operator_changes_only_warm_node_labels(setup, kube):
+    """Warm-node labels: RBAC lets the operator patch Nodes; the chart's policy lets that patch change only
+    `warm.ferry.dev/*` labels, nothing else of a Node. Neither lets an agent write a Node at all."""
+    admin, operator = client.CoreV1Api(kube), setup.core("operator")
+    node, key = setup.node_a, models.warm_node_label(setup.tenant, "serve")
+    admin.patch_node(node, {"metadata": {"labels": {"team": "a"}, "annotations": {"owner": "ops"}}})
+
+    def refused(body: dict) -> ApiException:
+        return forbidden(lambda: operator.patch_node(node, body))
+
+    def policy_denies() -> bool:
+        try:
+            operator.patch_node(node, {"metadata": {"labels": {"team": "b"}}})
+        except ApiException as exc:
+            return exc.status == 403 and by_operator_policy(exc)
+        return False
+
+    wait_until(policy_denies, 30, "the operator policy's first denial")
+    operator.patch_node(node, {"metadata": {"labels": {key: "v1"}}})
+    assert admin.read_node(node).metadata.labels[key] == "v1"
+    operator.patch_node(node, {"metadata": {"labels": {key: "v2", models.warm_node_label(setup.other, "x"): "v9"}}})
+    operator.patch_node(node, {"metadata": {"labels": {key: None}}})
+    assert key not in admin.read_node(node).metadata.labels
+
+    taint = {"key": "evil", "effect": "NoSchedule"}
+    for body in (
+        {"metadata": {"labels": {"team": "b"}}},  # another label: changed, removed, added
+        {"metadata": {"labels": {"team": None}}},
+        {"metadata": {"labels": {"node-role.kubernetes.io/control-plane": ""}}},
+        {"metadata": {"labels": {key: "v1", "team": "b"}}},  # not even alongside a warm label
+        {"metadata": {"annotations": {"owner": "me"}}},
+        {"metadata": {"finalizers": ["example.com/hold"]}},
+        {"spec": {"unschedulable": True}},
+        {"spec": {"taints": [taint]}},
+    ):
+        assert by_operator_policy(refused(body)), body
+    assert by_rbac(forbidden(lambda: operator.delete_node(node)))
+    assert by_rbac(forbidden(lambda: operator.create_node({"metadata": {"name": f"{node}-x"}})))
+    assert by_rbac(forbidden(lambda: operator.patch_node_status(node, {"status": {"capacity": {"cpu": "1"}}})))
+    current = admin.read_node(node)
+    assert by_rbac(forbidden(lambda: operator.replace_node(node, current)))  # update: not granted, patch is
+    warm = {"metadata": {"labels": {key: "1"}}}
+    for agent in ("agent-a", "agent-unbound"):
+        assert by_rbac(forbidden(lambda agent=agent: setup.core(agent).patch_node(node, warm)))
+    after = admin.read_node(node)
+    assert after.metadata.labels.get("team") == "a" and after.metadata.annotations.get("owner") == "ops"
+    assert key not in after.metadata.labels and not after.spec.unschedulable
+    assert "evil" not in [t.key for t in after.spec.taints or []]  # the node controller's own taints may be there
+
+
+def test_operator_lists_and_watches_pods_only_in_tenant_namespaces(setup, kube):
+    """Weights follow pods: the operator lists (and watches) the Pods of a tenant namespace; it gets none by name,
+    and sees none elsewhere, not cluster-wide."""
+    operator = setup.core("operator")
+    for ns in (setup.tenant, setup.restricted):
+        operator.list_namespaced_pod(ns)
+        operator.list_namespaced_pod(ns, watch=True, timeout_seconds=1, _preload_content=False).release_conn()
+    pod = setup.pods["agent-a"]["metadata"]["name"]
+    assert by_rbac(forbidden(lambda: operator.read_namespaced_pod(pod, setup.release_ns)))
+    for ns in (setup.other, setup.release_ns, "kube-system"):
+        assert by_rbac(forbidden(lambda ns=ns: operator.list_namespaced_pod(ns)))
+    assert by_rbac(forbidden(lambda: operator.list_pod_for_all_namespaces()))

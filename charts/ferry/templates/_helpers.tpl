@@ -112,8 +112,9 @@ only for the agent's own node).
 
 {{/*
 The operator's rules in a tenant namespace, given the Secret names it may get (empty: any, by name): those Secrets
-(storage verification), and deleting a replica's Lease that names another node than the replica's, so that the
-replica's own agent can write its Lease (a squatted name).
+(storage verification), deleting a replica's Lease that names another node than the replica's, so that the
+replica's own agent can write its Lease (a squatted name), and listing and watching Pods (a ModelLoad's
+spec.podSelector: weights follow the engine pods of its namespace).
 */}}
 {{- define "ferry.operator.tenantRules" -}}
 - apiGroups: [""]
@@ -129,4 +130,7 @@ replica's own agent can write its Lease (a squatted name).
 - apiGroups: [ferry.dev]
   resources: [weightversions]
   verbs: [delete]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
 {{- end }}
