@@ -1,5 +1,5 @@
 """The Events the operator posts, read back from the real apiserver: a normal create of a WeightVersion and a
-ModelLoad served by two agents is Normal Events only, one per state change (none again on the resyncs that
+ModelLoad served by two agents is Normal Events only, one per state change (none again on the reconciles that
 follow), all reported by `ferry-operator`; a real problem (the checkpoint's objects are missing) is one Warning,
 however often the verification is retried."""
 
@@ -55,8 +55,10 @@ def test_a_normal_create_posts_normal_events_once(cluster, s3, namespace, operat
         wv = wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")
         wait_for(lambda: ml_status(cluster, namespace).get("ready") == "2/2", 90, "2/2 ready", describe)
         ml = json.loads(cluster.kubectl("get", "ml", "serve", "-n", namespace, "-o", "json").stdout)
-        # Resyncs that find nothing new post nothing: wait for a few of them, then read the Events.
+        # Reconciles that find nothing new post nothing: cause a few (there is no resync timer), then read the Events.
         done = counted(operator, "ferry_reconciles_total", 'kind="ModelLoad"')
+        for i in range(3):
+            cluster.kubectl("annotate", "--overwrite", "ml", "serve", "-n", namespace, f"test.ferry.dev/poke={i}")
         wait_for(
             lambda: counted(operator, "ferry_reconciles_total", 'kind="ModelLoad"') >= done + 3,
             30, "three more ModelLoad reconciles",
