@@ -227,9 +227,14 @@ def dev_image(component: str, tag: str) -> Path:
     identity = json.dumps([tag, [x.diff_id for x in layers], image_config(component)])
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     out = IMAGES_DIR / f"ferry-{component}-{key}.docker.tar"
-    if out.is_file():
-        return out
-    return docker_archive(out, f"ferry-{component}:{tag}", layers, image_config(component))
+    if not out.is_file():
+        docker_archive(out, f"ferry-{component}:{tag}", layers, image_config(component))
+    # Each source change makes a new archive (~130 MB): keep only the current one and its sources layer.
+    keep = {out, layers[1].tar, layers[1].tar.with_suffix(".sha256")}
+    for old in [*IMAGES_DIR.glob(f"ferry-{component}-*.docker.tar"), *IMAGES_DIR.glob(f"src-{component}-*")]:
+        if old not in keep:
+            old.unlink(missing_ok=True)
+    return out
 
 
 def pause_image() -> Path:

@@ -325,6 +325,8 @@ class NodePool:
                                    "socat; .ci/run does)")  # fmt: skip
         if not (CNI_BIN_DIR / "bridge").is_file():
             raise ClusterError(f"no CNI plugins in {CNI_BIN_DIR} (apt-get install containernetworking-plugins)")
+        # Pod to pod between nodes crosses two bridges: route between them (this namespace's own sysctl).
+        Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
         _ip("addr", "add", f"{API_SERVICE_IP}/32", "dev", "lo")
         _ip("addr", "add", f"{HOST_IP}/32", "dev", "lo")
         api_port = self.cluster.api_port
