@@ -7,11 +7,12 @@ PYTEST_ARGS ?=
 export FERRY_CACHE
 export UCX_NET_DEVICES := lo
 
-.PHONY: help deps venv bins crds proto lint fmt test test-unit demo bench clean
+.PHONY: help deps venv bins images crds proto lint fmt test test-unit e2e-pods demo bench clean
 
 help:
 	@echo "make demo   - start a local cluster + S3 + operator and walk through the weight lifecycle"
 	@echo "make test   - install everything needed and run the whole test suite (unit, cluster, e2e)"
+	@echo "make e2e-pods - the chart as real pods on 2 local kubelet nodes (tests/pods)"
 	@echo "make bench  - run the benchmarks under bench/ (JSON + markdown into bench/results/)"
 	@echo "make crds   - regenerate crds/*.yaml from the pydantic models"
 	@echo "make lint   - ruff check + format check"
@@ -47,7 +48,15 @@ fmt: venv
 test: deps
 	$(VENV)/bin/pip install -q --no-deps -e .
 	$(MAKE) --no-print-directory lint
-	bash hack/netns.sh $(VENV)/bin/pytest -m "unit or cluster or e2e" $(PYTEST_ARGS)
+	bash hack/netns.sh $(VENV)/bin/pytest -m "unit or cluster or e2e or pods" $(PYTEST_ARGS)
+
+# The daemonless dev images (cached under $(FERRY_CACHE)/images) that tests/pods imports into its kubelet nodes.
+images: venv
+	$(PY) -m ferry.localimages
+
+e2e-pods: deps
+	$(VENV)/bin/pip install -q --no-deps -e .
+	bash hack/netns.sh $(VENV)/bin/pytest -m pods tests/pods $(PYTEST_ARGS)
 
 test-unit: venv
 	$(VENV)/bin/pytest -m unit $(PYTEST_ARGS)

@@ -35,6 +35,12 @@ BIN_DIR = Path(os.environ.get("FERRY_BIN_DIR", CACHE_DIR / "bin"))
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CRD_DIR = REPO_ROOT / "crds"
 
+SERVICE_CIDR = "10.0.0.0/24"
+# The `kubernetes` Service (the first ClusterIP) as pods see it; ferry.localnodes forwards it to the apiserver.
+API_SERVICE_IP = "10.0.0.1"
+IN_CLUSTER_SANS = (API_SERVICE_IP, "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                   "kubernetes.default.svc.cluster.local")  # fmt: skip
+
 S3_ACCESS_KEY = "ferry-access"
 S3_SECRET_KEY = "ferry-secret-key"
 
@@ -200,6 +206,13 @@ def _cert(
     return builder.sign(issuer_key, hashes.SHA256())
 
 
+def _san(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
 @dataclass
 class Pki:
     dir: Path
@@ -212,7 +225,9 @@ class Pki:
     sa_key: Path
 
     @classmethod
-    def create(cls, directory: Path) -> Pki:
+    def create(cls, directory: Path, extra_sans: Sequence[str] = ()) -> Pki:
+        """A CA, the apiserver's serving certificate (localhost, 127.0.0.1 and `extra_sans`: DNS names or IPs) and
+        the admin client certificate."""
         directory.mkdir(parents=True, exist_ok=True)
         ca_key = _key()
         ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ferry-local-ca")])
@@ -236,7 +251,7 @@ class Pki:
             ca_name,
             ca_key,
             usage=ExtendedKeyUsageOID.SERVER_AUTH,
-            sans=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+            sans=[_san(n) for n in ("localhost", "127.0.0.1", *extra_sans)],
         )
         pki.serving_cert.write_bytes(serving.public_bytes(serialization.Encoding.PEM))
         _write_key(pki.serving_key, serving_key)
@@ -381,10 +396,16 @@ class S3Server:
 
 @dataclass
 class LocalCluster:
-    """etcd + kube-apiserver (+ kube-controller-manager) on loopback, with a fresh PKI and kubeconfig."""
+    """etcd + kube-apiserver (+ kube-controller-manager) on loopback, with a fresh PKI and kubeconfig.
+
+    `pods=True` prepares it for real kubelet nodes (ferry.localnodes): the serving certificate also covers the
+    in-cluster `kubernetes` Service (its ClusterIP and DNS names), ServiceAccount admission mounts tokens into
+    pods, the controller manager runs all its default controllers (Deployments, DaemonSets, the root CA publisher,
+    ...) and a kube-scheduler runs."""
 
     workdir: Path
     controller_manager: bool = True
+    pods: bool = False
     crd_dir: Path | None = CRD_DIR
     processes: list[ManagedProcess] = field(default_factory=list)
     pki: Pki | None = None
@@ -397,7 +418,7 @@ class LocalCluster:
 
     def start(self, timeout: float = 120) -> LocalCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.pki = Pki.create(self.workdir / "pki")
+        self.pki = Pki.create(self.workdir / "pki", IN_CLUSTER_SANS if self.pods else ())
         etcd_client, etcd_peer, self.api_port = free_ports(3)
         etcd = ManagedProcess(
             "etcd",
@@ -429,10 +450,13 @@ class LocalCluster:
                 f"--tls-private-key-file={pki.serving_key}", f"--client-ca-file={pki.ca_cert}",
                 f"--service-account-issuer=https://127.0.0.1:{self.api_port}/",
                 f"--service-account-key-file={pki.sa_key}", f"--service-account-signing-key-file={pki.sa_key}",
-                "--service-cluster-ip-range=10.0.0.0/24", "--authorization-mode=Node,RBAC",
-                "--allow-privileged=true", "--disable-admission-plugins=ServiceAccount",
-                "--enable-priority-and-fairness=false", "--max-requests-inflight=0",
+                f"--service-cluster-ip-range={SERVICE_CIDR}", "--authorization-mode=Node,RBAC",
+                "--allow-privileged=true", "--enable-priority-and-fairness=false", "--max-requests-inflight=0",
                 "--max-mutating-requests-inflight=0", "--profiling=false", "--v=1",
+                # Without kubelets no pod mounts a token: the Pod objects tests create need no ServiceAccount
+                # admission. With kubelets, reach them by their node IPs (10.99.0.N), never a hostname.
+                *(["--kubelet-preferred-address-types=InternalIP"] if self.pods
+                  else ["--disable-admission-plugins=ServiceAccount"]),
             ],
             self.workdir / "kube-apiserver.log",
         ).start()  # fmt: skip
@@ -453,6 +477,7 @@ class LocalCluster:
                     "--leader-elect=false", f"--service-account-private-key-file={pki.sa_key}",
                     f"--root-ca-file={pki.ca_cert}", "--bind-address=127.0.0.1", "--secure-port=0",
                     "--use-service-account-credentials=false",
+                    "--controllers=*" if self.pods else
                     "--controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller,"
                     "serviceaccount-token-controller",
                     "--concurrent-gc-syncs=5", "--v=1",
@@ -464,6 +489,25 @@ class LocalCluster:
             time.sleep(2)
             if not kcm.alive:
                 raise ClusterError(f"kube-controller-manager exited:\n{kcm.log_tail()}")
+        if self.pods:
+            port = free_port()
+            scheduler = ManagedProcess(
+                "kube-scheduler",
+                [
+                    binary("kube-scheduler"), f"--kubeconfig={self.kubeconfig}",
+                    f"--authentication-kubeconfig={self.kubeconfig}", f"--authorization-kubeconfig={self.kubeconfig}",
+                    "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={port}", "--v=1",
+                ],
+                self.workdir / "kube-scheduler.log",
+            ).start()  # fmt: skip
+            self.processes.append(scheduler)
+            insecure = ssl._create_unverified_context()  # its self-signed serving cert; /healthz is all we read
+            wait_until(
+                lambda: urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=insecure).status == 200,
+                60,
+                "kube-scheduler /healthz",
+                scheduler,
+            )
         return self
 
     def process(self, name: str) -> ManagedProcess:

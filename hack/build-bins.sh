@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the real control-plane binaries (etcd, kube-apiserver, kube-controller-manager) and helm
-# from Go modules into a cache outside the repo. Rebuilds only when the pins below change.
+# Builds the real control-plane binaries (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet)
+# and helm from Go modules into a cache outside the repo. Rebuilds only when the pins below change.
 set -euo pipefail
 
 K8S_VERSION=${K8S_VERSION:-v1.36.3}
@@ -30,7 +30,9 @@ GO
 }
 
 build_k8s() {
-  stamp_ok kube-apiserver "$K8S_VERSION" && stamp_ok kube-controller-manager "$K8S_VERSION" && return
+  local cmds=(kube-apiserver kube-controller-manager kube-scheduler kubelet) c missing=0
+  for c in "${cmds[@]}"; do stamp_ok "$c" "$K8S_VERSION" || missing=1; done
+  [ $missing = 0 ] && return
   local d=$CACHE/src/k8s-$K8S_VERSION staging_version="v0.${K8S_VERSION#v1.}"
   mkdir -p "$d" && cd "$d"
   local gomod
@@ -54,13 +56,16 @@ package tools
 import (
   _ "k8s.io/kubernetes/cmd/kube-apiserver"
   _ "k8s.io/kubernetes/cmd/kube-controller-manager"
+  _ "k8s.io/kubernetes/cmd/kube-scheduler"
+  _ "k8s.io/kubernetes/cmd/kubelet"
 )
 GO
   go mod tidy
   local ver=${K8S_VERSION#v} pkg=k8s.io/component-base/version
   local ldflags="-s -w -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=${ver%%.*} -X $pkg.gitMinor=$(echo "$ver" | cut -d. -f2) -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
   ldflags="$ldflags -X k8s.io/client-go/pkg/version.gitVersion=$K8S_VERSION"
-  for c in kube-apiserver kube-controller-manager; do
+  for c in "${cmds[@]}"; do
+    stamp_ok "$c" "$K8S_VERSION" && continue
     go build -trimpath -ldflags "$ldflags" -o "$BIN/$c" "k8s.io/kubernetes/cmd/$c"
     stamp "$c" "$K8S_VERSION"
   done

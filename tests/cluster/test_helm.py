@@ -195,7 +195,7 @@ def test_rendered_objects(helm_env):
     # Engine pods' attach sockets: a hostPath directory, the same path inside (`--socket-dir` defaults to it).
     assert volumes["attach"]["hostPath"] == {"path": "/run/ferry", "type": "DirectoryOrCreate"}
     assert {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}["attach"] == "/run/ferry"
-    assert set(volumes) == {"checkpoint-store", "attach"}
+    assert set(volumes) == {"tmp", "checkpoint-store", "attach"}
     (role,) = [r for r in docs["Role"] if r["metadata"]["name"] == "ferry-agent-worker-token"]
     assert role["metadata"]["namespace"] == "ferry-system" and role["rules"] == [
         {

@@ -53,9 +53,9 @@ app.kubernetes.io/component: {{ .component }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
-{{/* The container image. */}}
+{{/* The container images: call with (dict "ctx" $ "repository" ...). */}}
 {{- define "ferry.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- printf "%s:%s" .repository (default .ctx.Chart.AppVersion .ctx.Values.image.tag) }}
 {{- end }}
 
 {{- define "ferry.operator.fullname" -}}
