@@ -29,6 +29,7 @@ from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION, ReplicaReason
 from ferry_agent import metrics
 from ferry_agent.apiretry import REQUEST_TIMEOUT_S, Backoff, StatusOutbox, describe, is_transient
+from ferry_agent.attach.memstore import HostStore, MemoryBudgetExceeded, SealedVersion
 from ferry_agent.attach.service import AttachService
 from ferry_agent.checkpoint_store import CheckpointStore, model_key
 from ferry_agent.nixl_transfer import NixlPeer
@@ -59,12 +60,14 @@ log = logging.getLogger("ferry.agent")
 
 
 class InProcessReplica:
-    """A one-rank replica served from the agent's own process."""
+    """A one-rank replica served from the agent's own process; `sealed` when it lives in the host store."""
 
-    def __init__(self, resident: ResidentWeights, server: WorkerServer, peer: NixlPeer) -> None:
+    def __init__(self, resident: ResidentWeights, server: WorkerServer, peer: NixlPeer,
+                 sealed: SealedVersion | None = None) -> None:  # fmt: skip
         self.resident = resident
         self.server = server
         self._peer = peer
+        self.sealed = sealed
 
     def active_leases(self) -> int:
         return self.server.leases.active_count()
@@ -79,6 +82,8 @@ class InProcessReplica:
             log.warning("readers still active after %.0fs; stopping anyway", drain_s)
         self.server.stop()
         self._peer.deregister(self.resident)
+        if self.sealed is not None:  # the replica's hold; attach leases may keep the memory a while longer
+            self.sealed.unref()
 
 
 @dataclass
@@ -127,10 +132,12 @@ class NodeAgent:
         worker_auth: WorkerAuth | None = None,
         worker_tokens: ReaderTokens | None = None,
         attach: AttachService | None = None,
+        host: HostStore | None = None,
     ) -> None:
         """`worker_auth` checks the readers of what this agent serves and `worker_tokens` are its own credentials
         as a reader (`python -m ferry_agent` always sets both; None leaves the worker services open). `attach`
-        offers what is served to the pods of this node (None: not at all)."""
+        offers what is served to the pods of this node (None: not at all). `host` holds the one-rank CPU
+        replicas' bytes (sealed memfd chunks, with the host-memory budget; default: unlimited)."""
         self.node = node
         self.agent_name = f"{node}-{uuid.uuid4().hex[:8]}"
         self._api = api
@@ -153,6 +160,8 @@ class NodeAgent:
         self._worker_auth = worker_auth
         self._worker_tokens = worker_tokens
         self._attach = attach
+        self._host = host or HostStore()
+        self._host.on_change = lambda: self._wake.set()  # memory a lease held is freed: republish residentBytes
         self._renewing: dict[tuple[str, str], Renewal] = {}  # replicas whose Lease this agent renews
         self._status = StatusOutbox(self._write_status)
         self._stopping = threading.Event()
@@ -237,6 +246,8 @@ class NodeAgent:
                 self._publish_lease_count(key, served)
             elif self._may_try(key, wr["spec"]["version"]):
                 self._load(key, wr)
+            if wr["spec"].get("ranks", 1) == 1:
+                self._publish_memory(key, wr)
 
     def _may_try(self, key: tuple[str, str], version: str) -> bool:
         """A failed load is retried with exponential backoff (a source may appear), at once on a new version."""
@@ -290,12 +301,19 @@ class NodeAgent:
         t0 = time.monotonic()
         try:
             if spec.get("ranks", 1) == 1:
+                self._check_budget(key, spec)
                 loaded = self._load_here(namespace, name, spec, progress, note)
             else:
                 loaded = self._load_ranks(namespace, name, spec, progress, note)
-        except LoadFailed as exc:  # the message names every strategy's (or rank's) failure
+        except (LoadFailed, MemoryBudgetExceeded) as exc:  # the message names every strategy's (or rank's) failure
             metrics.LOADS.labels(source_kind="none", outcome="Failed").inc()
-            self._fail(key, version, generation, ReplicaReason.LOAD_FAILED, str(exc), exc.attempts)
+            attempts = exc.attempts if isinstance(exc, LoadFailed) else []
+            refused = exc if isinstance(exc, MemoryBudgetExceeded) else self._host.take_refusal(key)
+            if refused is not None:  # every source would need the same memory: that is the reason, not a source
+                message = f"{version} {refused}; nothing was loaded"
+                self._fail(key, version, generation, ReplicaReason.MEMORY_BUDGET_EXCEEDED, message, attempts)
+            else:
+                self._fail(key, version, generation, ReplicaReason.LOAD_FAILED, str(exc), attempts)
             return
         seconds = time.monotonic() - t0
         kind = metrics.source_kind(loaded.source)
@@ -310,6 +328,9 @@ class NodeAgent:
             "versionUid": loaded.version_uid,
             "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
         }  # fmt: skip
+        if isinstance(loaded.handle, InProcessReplica):
+            memory = self._memory(key)
+            status.update(residentBytes=memory[0], residentVersions=memory[1])
         self._served[key] = Served(version, loaded.handle, status)
         self._failed.pop(key, None)
         if self._attach is not None and isinstance(loaded.handle, InProcessReplica):  # before Serving is published
@@ -326,21 +347,39 @@ class NodeAgent:
         """A one-rank replica, in this process: the same cold start as a rank process, over a one-rank group."""
         group = SingleRank()
         ctx = rank_context(group, name, spec)
+        label = f"{namespace}/{spec['modelName']}/{spec['version']}"
         try:
             result = load_rank(
                 group, ctx, sources=ApiSources(self._api, namespace, self._stopping), spec=spec,
                 configured=spec["version"], peer=self._peer, store=self._store, s3_endpoint=self._s3_endpoint,
                 seeds=self._seeds, progress=progress, note=note, credentials=self._worker_tokens,
+                allocate=self._host.allocator((namespace, name), label),
             )  # fmt: skip
+            sealed = None
+            if result.resident.host is not None:
+                # The READ's registration goes first: sealing needs no pinned, writable pages; serving registers the
+                # sealed, read-only mapping of the same memory again.
+                self._peer.deregister(result.resident)
+                sealed = self._host.seal(result.resident, label, ctx.version, ctx.version_uid)
         except Exception as exc:
             raise LoadFailed(str(exc), [a.to_status() for a in ctx.attempts]) from exc
         server, entry = serve_rank(
             result.resident, self._peer, rank=0, host=self._bind_address, spec=spec,
             guard=read_guard(self._worker_auth, namespace, ctx),
         )  # fmt: skip
-        handle = InProcessReplica(result.resident, server, self._peer)
+        handle = InProcessReplica(result.resident, server, self._peer, sealed)
         attempts = [a.to_status() for a in ctx.attempts]
         return Loaded(handle, source_label(result), result.bytes_moved, attempts, [entry], ctx.version_uid)
+
+    def _check_budget(self, key: tuple[str, str], spec: Mapping[str, Any]) -> None:
+        """Refuse, before any byte moves, a CPU version whose recorded size does not fit the host-memory budget (the
+        allocation checks again, with what it shares with a version still held)."""
+        if self._host.budget_bytes is None or spec.get("device", "cpu") != "cpu":
+            return
+        body = ApiSources(self._api, key[0], self._stopping).version(spec["version"])
+        total = ((body or {}).get("status") or {}).get("totalBytes")
+        if isinstance(total, int) and not self._host.versions(key):
+            self._host.check_budget(total)
 
     def _load_ranks(self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress,
                     note: Callable[[str], None]) -> Loaded:  # fmt: skip
@@ -485,6 +524,22 @@ class NodeAgent:
         if count != served.published_leases:
             self._patch_status(key, {"activeLeases": count})
             served.published_leases = count
+
+    def _memory(self, key: tuple[str, str]) -> tuple[int, list[str]]:
+        held = self._host.versions(key)
+        return self._host.resident_bytes(key), sorted({v.version for v in held})
+
+    def _publish_memory(self, key: tuple[str, str], wr: Mapping[str, Any]) -> None:
+        """`residentBytes` and `residentVersions`, when the object says otherwise: a version leased by a pod after the
+        replica moved on stays counted until its last lease goes."""
+        status = wr.get("status") or {}
+        memory = self._memory(key)
+        if self._status.pending(key) or memory == (
+            status.get("residentBytes") or 0,
+            status.get("residentVersions") or [],
+        ):
+            return
+        self._patch_status(key, {"residentBytes": memory[0], "residentVersions": memory[1]})
 
     # ------------------------------------------------------------------ release
 

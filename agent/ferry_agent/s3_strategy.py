@@ -426,6 +426,22 @@ def _finish_shard(checkpoint: _Checkpoint, shard: _Shard, path: Path, fd: int) -
     os.fdatasync(fd)
 
 
+def _unchanged_since(plan: _Plan) -> Callable[[Any], list[str]]:
+    """A `share` for the host store: the tensors a held version of the chain (the very WeightVersion object, by
+    uid) has the target's bytes of, because no later delta of the chain changes them."""
+    links = [plan.base, *plan.deltas]
+
+    def share(version: Any) -> list[str]:
+        for i, checkpoint in enumerate(links):
+            link = checkpoint.link
+            if (link.name, link.uid) == (version.version, version.uid):
+                later = {n for d in links[i + 1 :] for shard in d.shards.values() for n in shard.layout.infos}
+                return [e.name for e in version.entries if e.name in plan.layout and e.name not in later]
+        return []
+
+    return share
+
+
 def _run(pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
     """Run tasks in the pool; on the first failure cancel the rest, wait for running ones (they may hold
     files the caller is about to close) and raise it."""
@@ -478,10 +494,12 @@ class ObjectStorageStrategy:
         progress: Progress | None = None,
         range_bytes: int = DEFAULT_RANGE_BYTES,
         timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+        allocate: Callable[[Sequence[TensorSpec], str], ResidentWeights] = ResidentWeights.allocate,
     ) -> None:
         """`fetch_version(name)`: the WeightVersion object (a dict) of that name in the replica's `namespace`, or
         None. `credentials(storage)`: S3 credentials for a `spec.storage` dict, or None for the environment's.
-        `timeout_s` bounds each S3 request, all its tries together (the replica's `spec.transfer.timeoutSeconds`)."""
+        `timeout_s` bounds each S3 request, all its tries together (the replica's `spec.transfer.timeoutSeconds`).
+        `allocate(specs, device)`: the target's memory (the agent's host store on `cpu`)."""
         if download_workers < 1 or range_bytes < 1 or timeout_s <= 0:
             raise ValueError("download_workers, range_bytes and timeout_s must be positive")
         self._namespace = namespace
@@ -493,6 +511,7 @@ class ObjectStorageStrategy:
         self._workers = download_workers
         self._progress = progress
         self._range_bytes = range_bytes
+        self._allocate = allocate
 
     # ------------------------------------------------------------------ LoadStrategy
 
@@ -900,7 +919,7 @@ class ObjectStorageStrategy:
         assert base.path is not None and all(d.path is not None for d in plan.deltas)
         t = time.monotonic()
         try:
-            resident = ResidentWeights.allocate(plan.specs, ctx.device)
+            resident = self._allocate(plan.specs, ctx.device, _unchanged_since(plan))
         except (RuntimeError, ValueError) as exc:  # e.g. out of device memory
             nbytes = sum(s.nbytes for s in plan.specs)
             raise _LoadError(f"cannot allocate {nbytes} bytes on {ctx.device}: {exc}") from exc
@@ -941,7 +960,8 @@ class ObjectStorageStrategy:
                         steps.setdefault(name, []).append(step)
             tasks = []
             for name, (shard, info) in plan.layout.items():
-                tensor = resident.tensors.get(name)  # None: another rank's, built only to be materialized
+                # None: another rank's, or a held version's (shared, read-only), built only to be materialized.
+                tensor = None if name in resident.shared else resident.tensors.get(name)
                 if tensor is None and not outputs:
                     continue
                 offset = shard.layout.data_start + info.begin

@@ -1,8 +1,9 @@
 """The node agent's side of attach: what it calls when a replica starts or stops being served.
 
-This slice copies a served one-rank replica's tensors into sealed memfd chunks (`memstore.seal_tensors`): the
-NIXL-registered `ResidentWeights` and the attachable copy are two host copies for now. Replicas of several ranks
-(their tensors live in the rank processes) are not offered yet.
+A one-rank CPU replica already lives in sealed memfd chunks of the agent's host store (`memstore.HostStore`): the
+offer hands out that very memory, no copy. Tensors elsewhere (a CUDA replica's) are copied into sealed chunks
+(`memstore.seal_tensors`). Replicas of several ranks (their tensors live in the rank processes) are not offered
+yet.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from kubernetes import client
 
-from ferry_agent.attach.memstore import CHUNK_BYTES, seal_tensors
+from ferry_agent.attach.memstore import CHUNK_BYTES, seal_tensors, sealed_of
 from ferry_agent.attach.pods import PodWatcher
 from ferry_agent.attach.server import AttachServer, Offer
 from ferry_agent.resident import ResidentWeights
@@ -50,9 +51,13 @@ class AttachService:
         namespace, _ = key
         label = f"{namespace}/{spec['modelName']}/{spec['version']}"
         try:
-            t0 = time.monotonic()
-            sealed = seal_tensors(resident.tensors, label, self._chunk_bytes)
-            log.info("%s sealed for attach in %.2fs", label, time.monotonic() - t0)
+            sealed = sealed_of(resident)
+            if sealed is not None:
+                sealed.ref()  # the offer's hold on the replica's own memory
+            else:
+                t0 = time.monotonic()
+                sealed = seal_tensors(resident.tensors, label, self._chunk_bytes)
+                log.info("%s sealed for attach in %.2fs (a copy)", label, time.monotonic() - t0)
         except Exception:
             log.exception("%s cannot be offered for attach", label)
             self.server.withdraw(key)
