@@ -96,7 +96,12 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("ferry.agent").info("metrics on http://%s:%d/metrics", args.bind_address, port)
     store = CheckpointStore(args.checkpoint_dir, int(args.checkpoint_quota_gib * 2**30))
     store.recover()  # a crash mid-load leaves tmp files and an UPDATING state: repair before serving anything
-    attach = AttachService(api, args.node, Path(args.socket_dir), agent_name=args.node) if args.socket_dir else None
+    host = HostStore(args.host_memory_budget)
+    attach = (
+        AttachService(api, args.node, Path(args.socket_dir), agent_name=args.node, store=host)
+        if args.socket_dir
+        else None
+    )
     if attach is not None:
         try:
             attach.start()
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         worker_auth=auth,
         worker_tokens=worker_tokens,
         attach=attach,
-        host=HostStore(args.host_memory_budget),
+        host=host,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION, ReplicaReason
 from ferry_agent import metrics
 from ferry_agent.apiretry import REQUEST_TIMEOUT_S, Backoff, StatusOutbox, describe, is_transient
-from ferry_agent.attach.memstore import HostStore, MemoryBudgetExceeded, SealedVersion
+from ferry_agent.attach.memstore import HostStore, MemoryBudgetExceeded, SealedVersion, adopt_rank
 from ferry_agent.attach.service import AttachService
 from ferry_agent.checkpoint_store import CheckpointStore, model_key
 from ferry_agent.nixl_transfer import NixlPeer
@@ -96,6 +96,7 @@ class Loaded:
     attempts: list[dict[str, Any]]
     ranks: list[dict[str, Any]]
     version_uid: str | None = None  # of the WeightVersion object the bytes came from (status.versionUid)
+    shares: list[SealedVersion] = field(default_factory=list)  # each rank process's sealed memory, adopted
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Served:
     handle: InProcessReplica | RankProcesses
     status: dict[str, Any]  # the Serving status it was published with, re-asserted if the object says otherwise
     published_leases: int = 0
+    shares: list[SealedVersion] = field(default_factory=list)  # held until the replica stops being served
 
 
 @dataclass
@@ -246,8 +248,7 @@ class NodeAgent:
                 self._publish_lease_count(key, served)
             elif self._may_try(key, wr["spec"]["version"]):
                 self._load(key, wr)
-            if wr["spec"].get("ranks", 1) == 1:
-                self._publish_memory(key, wr)
+            self._publish_memory(key, wr)
 
     def _may_try(self, key: tuple[str, str], version: str) -> bool:
         """A failed load is retried with exponential backoff (a source may appear), at once on a new version."""
@@ -300,8 +301,8 @@ class NodeAgent:
 
         t0 = time.monotonic()
         try:
+            self._check_budget(key, spec)
             if spec.get("ranks", 1) == 1:
-                self._check_budget(key, spec)
                 loaded = self._load_here(namespace, name, spec, progress, note)
             else:
                 loaded = self._load_ranks(namespace, name, spec, progress, note)
@@ -328,13 +329,16 @@ class NodeAgent:
             "versionUid": loaded.version_uid,
             "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
         }  # fmt: skip
-        if isinstance(loaded.handle, InProcessReplica):
+        if isinstance(loaded.handle, InProcessReplica) or loaded.shares:
             memory = self._memory(key)
             status.update(residentBytes=memory[0], residentVersions=memory[1])
-        self._served[key] = Served(version, loaded.handle, status)
+        self._served[key] = Served(version, loaded.handle, status, shares=loaded.shares)
         self._failed.pop(key, None)
-        if self._attach is not None and isinstance(loaded.handle, InProcessReplica):  # before Serving is published
-            self._attach.serve(key, spec, loaded.handle.resident, loaded.version_uid)
+        if self._attach is not None:  # before Serving is published
+            if isinstance(loaded.handle, InProcessReplica):
+                self._attach.serve(key, spec, loaded.handle.resident, loaded.version_uid)
+            elif loaded.shares:
+                self._attach.serve_ranks(key, spec, loaded.shares, loaded.version_uid)
         # Lease first, so nobody sees Serving without a live Lease. Neither write failing unloads anything: the
         # renewals retry the Lease and the outbox the status, until the apiserver takes them.
         self._hold_lease(key)
@@ -376,7 +380,11 @@ class NodeAgent:
         allocation checks again, with what it shares with a version still held)."""
         if self._host.budget_bytes is None or spec.get("device", "cpu") != "cpu":
             return
-        body = ApiSources(self._api, key[0], self._stopping).version(spec["version"])
+        try:
+            body = ApiSources(self._api, key[0], self._stopping).version(spec["version"])
+        except Exception as exc:  # the load itself reads it again, and fails or not on its own
+            log.warning("%s/%s: cannot read %s for the budget check: %s", *key, spec["version"], describe(exc))
+            return
         total = ((body or {}).get("status") or {}).get("totalBytes")
         if isinstance(total, int) and not self._host.versions(key):
             self._host.check_budget(total)
@@ -410,7 +418,27 @@ class NodeAgent:
         entries = [e["entry"] for e in serving]
         uids = {e.get("version_uid") for e in serving}
         uid = uids.pop() if len(uids) == 1 else None  # ranks that disagree serve no uid-checked reader
-        return Loaded(ranks, source, sum(e["bytes"] for e in serving), serving[0]["attempts"], entries, uid)
+        shares = self._adopt_shares((namespace, name), spec, ranks, serving, uid)
+        return Loaded(ranks, source, sum(e["bytes"] for e in serving), serving[0]["attempts"], entries, uid, shares)
+
+    def _adopt_shares(self, key: tuple[str, str], spec: Mapping[str, Any], ranks: RankProcesses,
+                      serving: list[dict[str, Any]], uid: str | None) -> list[SealedVersion]:  # fmt: skip
+        """Each rank's sealed host memory, held by this agent too (accounting, attach). None when a rank has none
+        (a device replica) or it cannot be opened: the ranks still serve peers."""
+        if not all(e.get("memory") for e in serving):
+            return []
+        shares: list[SealedVersion] = []
+        try:
+            for rank, event in enumerate(serving):
+                label = f"{key[0]}/{spec['modelName']}/{spec['version']}#{rank}"
+                shares.append(adopt_rank(self._host, key, label, spec["version"], uid, ranks.pid(rank),
+                                         event["memory"]))  # fmt: skip
+        except Exception:
+            log.exception("%s/%s: the rank processes' memory cannot be adopted; not offered for attach", *key)
+            for share in shares:
+                share.unref()
+            return []
+        return shares
 
     def _fail(self, key, version, generation, reason: ReplicaReason, message, attempts=None) -> None:
         log.error("%s/%s failed to load %s: %s", *key, version, message)
@@ -560,6 +588,8 @@ class NodeAgent:
         if status is not None:
             self._patch_status(key, status)
         served.handle.stop(drain_seconds)
+        for share in served.shares:  # the agent's hold on the rank processes' memory; leases may keep it longer
+            share.unref()
         if not keep_lease:
             self._release_lease(key)
         log.info("%s/%s released %s", *key, served.version)

@@ -85,6 +85,7 @@ class ResidentWeights:
         self.host: Any = None  # the host memory the tensors live in, when a HostStore allocated them
         # Tensors that are views of another held version's sealed memory (same bytes): read-only, never written.
         self.shared: frozenset[str] = frozenset()
+        self.shared_from: Any = None  # the held version they are of, until these weights are sealed
 
     @classmethod
     def allocate(cls, specs: Iterable[TensorSpec], device: str | torch.device, share: Any = None) -> ResidentWeights:

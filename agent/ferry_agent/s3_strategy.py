@@ -11,9 +11,11 @@ ModelExpress semantics (reference/modelexpress.md §5.5 to §5.7), in four phase
 3. Download what is missing with parallel ranged GETs into the store (tmp + fsync + rename), checking every full
    tensor's adler32 before the rename.
 4. Build the target in one pass per tensor, in parallel: read the base bytes straight into a freshly allocated
-   `ResidentWeights` pool (CPU; through a host buffer for other devices), check their adler32, apply each delta in
-   place (streamed zstd, numpy XOR) checking the exact decoded size and adler32 after each, and write the result
-   to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
+   `ResidentWeights` pool (CPU: the agent's host store; through a host buffer for other devices), from the store,
+   or from the base version's sealed host memory when a pod still holds that very version (then the tensors no
+   delta changes are not copied at all: the new version shares the base's chunks), check their adler32, apply
+   each delta in place (streamed zstd, numpy XOR) checking the exact decoded size and adler32 after each, and
+   write the result to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
 
 A stored artifact is used only for the exact versions it was written from (namespace, WeightVersion uid, storage
 URI, index digest: `checkpoint_store.VersionIdentity`); an index fetched from S3 must have the sha256 the operator
@@ -926,6 +928,13 @@ class ObjectStorageStrategy:
         checksums = dict(base.checksums)
         for delta in plan.deltas:
             checksums.update(delta.checksums)
+        # A delta replays on the very base version a pod still holds in host memory (the same WeightVersion
+        # object): its tensors' bytes are read from that sealed memory, not from the store's copy on disk.
+        held = resident.shared_from
+        in_memory: dict[str, tuple[int, int]] = {}
+        if plan.deltas and held is not None and (held.version, held.uid) == (base.link.name, base.link.uid):
+            in_memory = {e.name: (held.chunks[e.chunk].fd, e.offset) for e in held.entries}
+            log.info("replaying %s on %s in host memory", plan.chain[-1], base.link.name)
         with contextlib.ExitStack() as stack:
             sources: dict[str, int] = {}
             for shard in base.shards:
@@ -966,10 +975,11 @@ class ObjectStorageStrategy:
                     continue
                 offset = shard.layout.data_start + info.begin
                 out = (outputs[shard.name][0], offset, outputs[shard.name][1]) if outputs else None
+                source = in_memory.get(name) or (sources[shard.name], offset)
                 tasks.append(
                     partial(
-                        _build_tensor, name, tensor, info.nbytes, (sources[shard.name], offset),
-                        base.checksums[name], steps.get(name, ()), out,
+                        _build_tensor, name, tensor, info.nbytes, source, base.checksums[name],
+                        steps.get(name, ()), out,
                     )
                 )  # fmt: skip
             failure = next((f for f in _run(pool, tasks) if f is not None), None)

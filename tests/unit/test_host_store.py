@@ -143,10 +143,12 @@ def test_a_delta_shares_the_held_versions_chunks_for_what_it_does_not_change():
 
     v2 = store.allocate(KEY, specs(), "ns/m/v2", unchanged)
     assert asked == ["v1"] and v2.shared == {"a.weight"}
+    assert v2.shared_from is base  # held while loading: a delta may replay on the base's other tensors
     assert torch.equal(v2.tensors["a.weight"], v1.tensors["a.weight"])  # the base's bytes, mapped again
     assert mapping_perms(v2.tensors["a.weight"].data_ptr()) == "r--s"  # and never writable
     v2.tensors["b.bias"].fill_(3)
     sealed = store.seal(v2, "ns/m/v2", "v2", "uid-2")
+    assert v2.shared_from is None
     by_name = {e.name: e for e in sealed.entries}
     assert by_name["a.weight"].sha256 == next(e.sha256 for e in base.entries if e.name == "a.weight")
     assert os.pread(sealed.fds[by_name["a.weight"].chunk], 16, by_name["a.weight"].offset) == os.pread(

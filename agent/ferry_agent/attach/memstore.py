@@ -127,6 +127,19 @@ class Chunk:
         self._lock = threading.Lock()
         self._on_free = on_free
 
+    @classmethod
+    def adopt(cls, fd: int, size: int, payload: int, on_free: Callable[[Chunk], None]) -> Chunk:
+        """A sealed chunk another process made (a rank process's), by a descriptor of it this process owns now."""
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+            raise ValueError(f"chunk is not sealed (seals {seals:#x})")
+        if os.fstat(fd).st_size < size:
+            raise ValueError(f"chunk of {os.fstat(fd).st_size} bytes, expected {size}")
+        chunk = cls.__new__(cls)
+        chunk.fd, chunk.size, chunk.payload, chunk.sealed = fd, size, payload, True
+        chunk._refs, chunk._lock, chunk._on_free = 1, threading.Lock(), on_free
+        return chunk
+
     def ref(self) -> None:
         with self._lock:
             if self._refs <= 0:
@@ -203,6 +216,7 @@ class _Building:
     mappings: list[_Mapping]
     places: dict[str, tuple[int, int]]  # tensor -> (index into chunks, offset)
     shared: dict[str, Entry]  # tensors placed in a base's chunk: their entry there (its bytes are known)
+    base: SealedVersion | None  # the version shared with, held while loading
     sealed: SealedVersion | None = None
 
 
@@ -318,6 +332,13 @@ class HostStore:
         if needed > available:
             raise MemoryBudgetExceeded(needed, available, self.budget_bytes)
 
+    def add(self, version: SealedVersion) -> SealedVersion:
+        """Count a version whose chunks were made elsewhere (`adopt_rank`, `combined`)."""
+        with self._lock:
+            self._chunks.update((id(c), c) for c in version.chunks)
+            self._versions = [v for v in self._versions if not v.closed] + [version]
+        return version
+
     def _freed(self, chunk: Chunk) -> None:
         with self._lock:
             self._chunks.pop(id(chunk), None)
@@ -344,8 +365,8 @@ class HostStore:
         """Why the last load of `key` (through `allocator`) could not allocate, if the budget was why."""
         return self._refused.pop(key, None)
 
-    def allocate(self, key: Hashable, specs: Sequence[TensorSpec], label: str, share: Share | None = None
-                 ) -> ResidentWeights:  # fmt: skip
+    def allocate(self, key: Hashable, specs: Sequence[TensorSpec], label: str, share: Share | None = None, *,
+                 chunk_bytes: int | None = None) -> ResidentWeights:  # fmt: skip
         """Host memory for `specs`, the result sealed with `seal`. Fresh writable chunks, except for the tensors
         `share` says a version of `key` still held has the very bytes of (`share(version)`: those names): those are
         views of that version's sealed chunks, read-only, listed in `ResidentWeights.shared`, and the loader must
@@ -356,7 +377,7 @@ class HostStore:
         base, reused = self._base(key, specs, share)
         try:
             fresh = [s for s in specs if s.name not in reused]
-            sizes, places = layout(fresh, self.chunk_bytes) if fresh else ([], {})
+            sizes, places = layout(fresh, chunk_bytes or self.chunk_bytes) if fresh else ([], {})
             base_chunks = sorted({e.chunk for e in reused.values()})
             count = len(sizes) + len(base_chunks)
             if count > MAX_FDS:
@@ -382,9 +403,13 @@ class HostStore:
             for index in base_chunks:  # held by this version too, for as long as it lives
                 base.chunks[index].ref()
                 chunks.append(base.chunks[index])
-        finally:
+        except BaseException:
             if base is not None:
-                base.unref()  # `_base` held it while its chunks were taken
+                base.unref()
+            raise
+        if base is not None and not reused:
+            base.unref()
+            base = None
         shared = {}
         for name, entry in reused.items():
             index = len(sizes) + base_chunks.index(entry.chunk)
@@ -403,10 +428,14 @@ class HostStore:
         except BaseException:
             for chunk in chunks:
                 chunk.unref()
+            if base is not None:
+                base.unref()
             raise
         resident = ResidentWeights(tensors)
         resident.shared = frozenset(shared)
-        building = _Building(key, chunks, mappings, places, shared)
+        # Held until sealed (or dropped): a loader may read the base's other tensors too (a delta replays on them).
+        resident.shared_from = base
+        building = _Building(key, chunks, mappings, places, shared, base)
         resident.host = building
         weakref.finalize(resident, _drop_unsealed, building)
         if shared:
@@ -473,7 +502,16 @@ class HostStore:
         building.sealed = sealed
         with self._lock:
             self._versions = [v for v in self._versions if not v.closed] + [sealed]
+        if building.base is not None:  # its chunks that the new version uses, it holds itself
+            building.base.unref()
+            building.base = resident.shared_from = None
         return sealed
+
+
+def entry_of(t: Mapping[str, Any]) -> Entry:
+    """An entry as `rank_worker` reports it: the manifest entry and its sha256."""
+    return Entry(str(t["name"]), str(t["dtype"]), tuple(int(d) for d in t["shape"]), int(t["chunk"]),
+                 int(t["offset"]), int(t["nbytes"]), int(t["adler32"]), str(t["sha256"]))  # fmt: skip
 
 
 def sealed_of(resident: ResidentWeights) -> SealedVersion | None:
@@ -496,22 +534,75 @@ def parse_bytes(text: str) -> int:
     return int(number) * _UNITS[unit]
 
 
+def adopt_rank(store: HostStore, key: Hashable, label: str, version: str, uid: str | None, pid: int,
+               memory: Mapping[str, Any]) -> SealedVersion:  # fmt: skip
+    """The sealed share a rank process `pid` serves (`memory`: its `fds`, `chunks` sizes and `tensors`), as a
+    version of this store: the agent opens each chunk through `/proc/<pid>/fd/<n>`, so the memory stays while
+    the agent holds it, whatever the rank process does later. Raises if a chunk is not sealed or too small."""
+    chunks: list[Chunk] = []
+    entries = [entry_of(t) for t in memory["tensors"]]
+    payloads = [0] * len(memory["chunks"])
+    for e in entries:
+        payloads[e.chunk] += e.nbytes
+    try:
+        for fd, size, payload in zip(memory["fds"], memory["chunks"], payloads, strict=True):
+            mine = os.open(f"/proc/{pid}/fd/{int(fd)}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                chunks.append(Chunk.adopt(mine, int(size), payload, store._freed))
+            except BaseException:
+                os.close(mine)
+                raise
+    except BaseException:
+        for chunk in chunks:
+            chunk.unref()
+        raise
+    for e in entries:
+        if not 0 <= e.chunk < len(chunks) or e.offset + e.nbytes > chunks[e.chunk].size:
+            for chunk in chunks:
+                chunk.unref()
+            raise ValueError(f"tensor {e.name!r} lies outside its chunk")
+    return store.add(SealedVersion(label, chunks, entries, key=key, version=version, uid=uid))
+
+
+def combined(store: HostStore, label: str, shares: Sequence[SealedVersion]) -> SealedVersion:
+    """One version of every share's chunks and tensors (attach without a rank); holds each chunk too."""
+    chunks: list[Chunk] = []
+    entries: list[Entry] = []
+    for share in shares:
+        base = len(chunks)
+        for chunk in share.chunks:
+            chunk.ref()
+            chunks.append(chunk)
+        entries.extend(Entry(e.name, e.dtype, e.shape, base + e.chunk, e.offset, e.nbytes, e.adler32, e.sha256)
+                       for e in share.entries)  # fmt: skip
+    if len(chunks) > MAX_FDS:
+        for chunk in chunks:
+            chunk.unref()
+        raise ValueError(f"{len(chunks)} chunks exceed the {MAX_FDS} descriptors one attach reply can carry")
+    first = shares[0]
+    entries.sort(key=lambda e: e.name)
+    return store.add(SealedVersion(label, chunks, entries, key=first.key, version=first.version, uid=first.uid))
+
+
 def _drop_unsealed(building: _Building) -> None:
     if building.sealed is None:
         for chunk in building.chunks:
             chunk.unref()
+        if building.base is not None:
+            building.base.unref()
 
 
-def seal_tensors(tensors: Mapping[str, torch.Tensor], label: str, chunk_bytes: int = CHUNK_BYTES) -> SealedVersion:
-    """Copy `tensors` (contiguous, any device) into new sealed memfd chunks."""
+def seal_tensors(tensors: Mapping[str, torch.Tensor], label: str, chunk_bytes: int = CHUNK_BYTES, *,
+                 store: HostStore | None = None, key: Hashable = None, version: str = "") -> SealedVersion:  # fmt: skip
+    """Copy `tensors` (contiguous, any device) into new sealed memfd chunks (of `store`, counted for `key`)."""
     if not tensors:
         raise ValueError("a sealed version needs at least one tensor")
     for name, tensor in tensors.items():
         if not tensor.is_contiguous():
             raise ValueError(f"tensor {name!r} is not contiguous")
-    store = HostStore(chunk_bytes=chunk_bytes)
-    target = store.allocate(None, [spec_of(n, t) for n, t in tensors.items()], label)
+    store = store or HostStore()
+    target = store.allocate(key, [spec_of(n, t) for n, t in tensors.items()], label, chunk_bytes=chunk_bytes)
     for name, tensor in tensors.items():
         if tensor.numel():
             target.tensors[name].copy_(tensor.detach())
-    return store.seal(target, label)
+    return store.seal(target, label, version)

@@ -61,13 +61,23 @@ class Offer:
     model: str
     version: str
     version_uid: str | None
-    sealed: SealedVersion
+    sealed: SealedVersion  # every tensor (all ranks' shares)
+    ranks: list[SealedVersion] = field(default_factory=list)  # a multi-rank replica's share of each rank
+
+    @property
+    def leases(self) -> int:
+        return self.sealed.leases + sum(r.leases for r in self.ranks)
+
+    def unref(self) -> None:
+        for held in (self.sealed, *self.ranks):
+            held.unref()
 
 
 @dataclass
 class _Lease:
     id: str
     offer: Offer
+    sealed: SealedVersion  # what it holds: the whole version, or one rank's share
 
 
 @dataclass
@@ -108,7 +118,9 @@ class AttachServer:
     def start(self) -> None:
         self.pods_dir.mkdir(parents=True, exist_ok=True)
         LEASES.set_function(lambda: sum(v["attached"] for v in self.snapshot()))
-        SEALED_BYTES.set_function(lambda: sum(sum(o.sealed.chunk_sizes) for o in self._all_offers()))
+        SEALED_BYTES.set_function(  # a chunk shared by several versions (or shares) counts once
+            lambda: sum({id(c): c.size for o in self._all_offers() for c in o.sealed.chunks}.values())
+        )
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._thread = threading.Thread(target=self._accept_loop, name="ferry-attach", daemon=True)
         self._thread.start()
@@ -137,25 +149,25 @@ class AttachServer:
         """No new attaches; held leases keep the memory until they go."""
         with self._lock:
             offer = self._offers.pop(key, None)
-            if offer is not None and offer.sealed.leases:
+            if offer is not None and offer.leases:
                 self._held.append(offer)
             self._changed.notify_all()
         if offer is not None:
-            offer.sealed.unref()
+            offer.unref()
 
     def _all_offers(self) -> list[Offer]:
         with self._lock:
-            return list(self._offers.values()) + [o for o in self._held if o.sealed.leases]
+            return list(self._offers.values()) + [o for o in self._held if o.leases]
 
     def snapshot(self) -> list[dict[str, Any]]:
         """What is offered and held, with the consumers attached: the agent's view."""
         with self._lock:
             offers = list(self._offers.values())
-            held = [o for o in self._held if o.sealed.leases]
+            held = [o for o in self._held if o.leases]
         return [
             {"namespace": o.namespace, "modelLoad": o.model_load, "model": o.model, "version": o.version,
              "versionUid": o.version_uid, "bytes": o.sealed.total_bytes, "tensors": len(o.sealed.entries),
-             "attached": o.sealed.leases, "offered": offered}
+             "attached": o.leases, "offered": offered}
             for group, offered in ((offers, True), (held, False))
             for o in group
         ]  # fmt: skip
@@ -285,12 +297,12 @@ class AttachServer:
             log.info("pod %s/%s disconnected: %s", pod.namespace, pod.name, exc)
         finally:
             for lease in leases.values():
-                lease.offer.sealed.unlease()
+                lease.sealed.unlease()
             if leases:
                 log.info("pod %s/%s released %d lease(s) by closing", pod.namespace, pod.name, len(leases))
             with self._lock:
                 listener.connections.discard(conn)
-                self._held = [o for o in self._held if o.sealed.leases]
+                self._held = [o for o in self._held if o.leases]
             conn.close()
 
     def _handle(self, pod: Pod, request: dict[str, Any], leases: dict[str, _Lease]) -> tuple[dict[str, Any], list]:
@@ -308,9 +320,9 @@ class AttachServer:
             lease = leases.pop(lease_id, None) if isinstance(lease_id, str) else None
             if lease is None:
                 return p.error(p.UNKNOWN_LEASE, f"no lease {lease_id!r} on this connection"), []
-            lease.offer.sealed.unlease()
+            lease.sealed.unlease()
             with self._lock:
-                self._held = [o for o in self._held if o.sealed.leases]
+                self._held = [o for o in self._held if o.leases]
             return {"ok": True}, []
         return p.error(p.BAD_REQUEST, f"unknown op {op!r}"), []
 
@@ -371,19 +383,22 @@ class AttachServer:
                 now = f" (serving {', '.join(served)})" if served else ""
                 return p.error(p.NOT_SERVED, f"{what} is not served on this node{now}"), []
             offer = matches[0]
-            if rank not in (None, 0):
-                return p.error(p.BAD_REQUEST, f"{offer.model_load} has one rank here; rank {rank} does not exist"), []
-            offer.sealed.lease()  # under the lock: a concurrent withdraw cannot free it between lookup and lease
-        lease = _Lease(uuid.uuid4().hex, offer)
+            world = len(offer.ranks) or 1
+            if rank is not None and rank >= world:
+                return p.error(p.BAD_REQUEST, f"{offer.model_load} has {world} rank(s) here; rank {rank} does not "
+                               "exist"), []  # fmt: skip
+            sealed = offer.ranks[rank] if rank is not None and offer.ranks else offer.sealed
+            sealed.lease()  # under the lock: a concurrent withdraw cannot free it between lookup and lease
+        lease = _Lease(uuid.uuid4().hex, offer, sealed)
         leases[lease.id] = lease
         log.info("pod %s/%s attached %s %s (lease %s)", pod.namespace, pod.name, offer.model_load, offer.version,
                  lease.id[:8])  # fmt: skip
         reply = {
             "ok": True, "lease": lease.id, "namespace": offer.namespace, "modelLoad": offer.model_load,
-            "model": offer.model, "version": offer.version, "versionUid": offer.version_uid, "rank": 0,
-            **offer.sealed.manifest(),
+            "model": offer.model, "version": offer.version, "versionUid": offer.version_uid,
+            "rank": rank if offer.ranks else 0, "ranks": world, **sealed.manifest(),
         }  # fmt: skip
-        return reply, list(offer.sealed.fds)
+        return reply, list(sealed.fds)
 
 
 def _readable_or_closed(conn: socket.socket) -> bool:
