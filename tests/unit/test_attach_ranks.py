@@ -94,3 +94,25 @@ def test_a_rank_beyond_the_replica_is_refused(service):
     service.server.add_pod(pod)
     with pytest.raises(AttachError, match="2 rank"):
         attach("tp", socket_dir=service.server.pods_dir / pod.uid, timeout=1, rank=2)
+
+
+def test_a_share_that_is_not_sealed_or_smaller_than_reported_is_refused():
+    store = HostStore()
+    fd = os.memfd_create("ferry:unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 4096)
+        memory = {"fds": [fd], "chunks": [4096],
+                  "tensors": [{"name": "w", "dtype": "float32", "shape": [4], "chunk": 0, "offset": 0, "nbytes": 16,
+                               "adler32": 1, "sha256": "0" * 64}]}  # fmt: skip
+        with pytest.raises(ValueError, match="not sealed"):
+            adopt_rank(store, KEY, "x", "v1", None, os.getpid(), memory)
+        _, sealed = rank_memory(weights(), 0)
+        small = {**sealed, "chunks": [c * 2 for c in sealed["chunks"]]}
+        with pytest.raises(ValueError, match="expected"):
+            adopt_rank(store, KEY, "x", "v1", None, os.getpid(), small)
+        outside = {**sealed, "tensors": [{**sealed["tensors"][0], "offset": sealed["chunks"][0]}]}
+        with pytest.raises(ValueError, match="outside"):
+            adopt_rank(store, KEY, "x", "v1", None, os.getpid(), outside)
+        assert store.resident_bytes() == 0  # nothing of a refused share is kept
+    finally:
+        os.close(fd)
