@@ -74,13 +74,16 @@ def touch(tensors) -> None:
         t.view(torch.uint8).max()
 
 
-def timed(fn, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def paired(fns, rounds: int) -> list[float]:
+    """Median seconds of each of `fns`, run in turns within every round (the order rotating), so that drift on
+    shared cores weighs on all of them alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        for i in (list(range(len(fns))) * 2)[r % len(fns) :][: len(fns)]:
+            t0 = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -119,10 +122,10 @@ def main() -> None:
             with attach("ml", socket_dir=pod_dir, timeout=5) as w:
                 touch(w.tensors())
 
-        t_attach = timed(attach_views, args.rounds)
-        t_pread = timed(lambda: load_file(str(checkpoint), backend="pread"), args.rounds)
-        t_attach_touched = timed(attach_touched, args.rounds)
-        t_mmap_touched = timed(lambda: touch(load_file(str(checkpoint))), args.rounds)
+        t_attach, t_pread = paired([attach_views, lambda: load_file(str(checkpoint), backend="pread")], args.rounds)
+        t_attach_touched, t_mmap_touched = paired(
+            [attach_touched, lambda: touch(load_file(str(checkpoint)))], args.rounds
+        )
 
         # 2. load_into vs copy_ of the same attached tensors (a fresh attach each round), and vs warm private memory.
         module = Flat(v1)
@@ -142,9 +145,7 @@ def main() -> None:
             with attach("ml", socket_dir=pod_dir, timeout=5) as w:
                 w.load_into(module)
 
-        t_copy = timed(attached_copy, args.rounds)
-        t_load_into = timed(load_into, args.rounds)
-        t_warm = timed(warm_copy, args.rounds)
+        t_copy, t_load_into, t_warm = paired([attached_copy, load_into, warm_copy], args.rounds)
 
         # 3. refit of a version changed in 10% of its tensors vs a full load_into of it, each from a fresh attach
         # into a module that holds v1 (loaded from v1's attachment, which stays leased across the switch).
@@ -185,7 +186,7 @@ def main() -> None:
     mib = args.size_mib
     both = f"{resident_both / 2**20:.0f} MiB resident for v1 + v2 ({2 * nbytes / 2**20:.0f} MiB as two copies)"
     table = "\n".join(
-        [f"attach, {mib} MiB in {len(v1)} tensors (median of {args.rounds})", "",
+        [f"attach, {mib} MiB in {len(v1)} tensors (median of {args.rounds} paired rounds)", "",
          "| ours | s | reference | s | reference / ours |", "|---|---|---|---|---|"]
         + [f"| {a} | {ta:.4f} | {b} | {tb:.4f} | {r:.2f} |" for a, ta, b, tb, r in rows]
         + ["", "Shown alongside (no target):", "", "| ours | s | reference | s | reference / ours |",
