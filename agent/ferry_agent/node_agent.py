@@ -138,8 +138,9 @@ class NodeAgent:
     ) -> None:
         """`worker_auth` checks the readers of what this agent serves and `worker_tokens` are its own credentials
         as a reader (`python -m ferry_agent` always sets both; None leaves the worker services open). `attach`
-        offers what is served to the pods of this node (None: not at all). `host` holds the one-rank CPU
-        replicas' bytes (sealed memfd chunks, with the host-memory budget; default: unlimited)."""
+        offers what is served to the pods of this node (None: not at all). `host` holds the CPU replicas'
+        bytes (sealed memfd chunks: a one-rank replica's own, a multi-rank one's adopted from its rank processes),
+        with the host-memory budget (default: unlimited)."""
         self.node = node
         self.agent_name = f"{node}-{uuid.uuid4().hex[:8]}"
         self._api = api
