@@ -12,6 +12,7 @@ from ferry.api.models import worker_audience
 from ferry.kube import kube_client
 from ferry_agent import metrics, worker_auth
 from ferry_agent.apiretry import bound_requests
+from ferry_agent.attach.memstore import HostStore, parse_bytes
 from ferry_agent.attach.service import AttachService
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.node_agent import NodeAgent
@@ -66,6 +67,14 @@ def main(argv: list[str] | None = None) -> None:
         help="serve attach sockets at DIR/pods/<pod-uid>/ferry.sock to this node's pods "
         "(env FERRY_AGENT_SOCKET_DIR; empty = off)",
     )
+    parser.add_argument(
+        "--host-memory-budget",
+        type=_budget,
+        default=os.environ.get("FERRY_AGENT_HOST_MEMORY_BUDGET", ""),
+        metavar="BYTES",
+        help="most host memory the resident versions of this node may take, e.g. 64Gi (env "
+        "FERRY_AGENT_HOST_MEMORY_BUDGET; empty = unlimited); a load beyond it fails with MemoryBudgetExceeded",
+    )
     worker_auth.add_arguments(parser)
     args = parser.parse_args(argv)
     if not args.node:
@@ -87,7 +96,12 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("ferry.agent").info("metrics on http://%s:%d/metrics", args.bind_address, port)
     store = CheckpointStore(args.checkpoint_dir, int(args.checkpoint_quota_gib * 2**30))
     store.recover()  # a crash mid-load leaves tmp files and an UPDATING state: repair before serving anything
-    attach = AttachService(api, args.node, Path(args.socket_dir), agent_name=args.node) if args.socket_dir else None
+    host = HostStore(args.host_memory_budget)
+    attach = (
+        AttachService(api, args.node, Path(args.socket_dir), agent_name=args.node, store=host)
+        if args.socket_dir
+        else None
+    )
     if attach is not None:
         try:
             attach.start()
@@ -104,12 +118,22 @@ def main(argv: list[str] | None = None) -> None:
         worker_auth=auth,
         worker_tokens=worker_tokens,
         attach=attach,
+        host=host,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
     agent.run()
     if attach is not None:
         attach.stop()
+
+
+def _budget(text: str) -> int | None:
+    if not text.strip():
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION, ReplicaReason
 from ferry_agent import metrics
 from ferry_agent.apiretry import REQUEST_TIMEOUT_S, Backoff, StatusOutbox, describe, is_transient
+from ferry_agent.attach.memstore import HostStore, MemoryBudgetExceeded, SealedVersion, adopt_rank
 from ferry_agent.attach.service import AttachService
 from ferry_agent.attach.status import AttachmentPublisher
 from ferry_agent.checkpoint_store import CheckpointStore, model_key
@@ -60,12 +61,14 @@ log = logging.getLogger("ferry.agent")
 
 
 class InProcessReplica:
-    """A one-rank replica served from the agent's own process."""
+    """A one-rank replica served from the agent's own process; `sealed` when it lives in the host store."""
 
-    def __init__(self, resident: ResidentWeights, server: WorkerServer, peer: NixlPeer) -> None:
+    def __init__(self, resident: ResidentWeights, server: WorkerServer, peer: NixlPeer,
+                 sealed: SealedVersion | None = None) -> None:  # fmt: skip
         self.resident = resident
         self.server = server
         self._peer = peer
+        self.sealed = sealed
 
     def active_leases(self) -> int:
         return self.server.leases.active_count()
@@ -80,6 +83,8 @@ class InProcessReplica:
             log.warning("readers still active after %.0fs; stopping anyway", drain_s)
         self.server.stop()
         self._peer.deregister(self.resident)
+        if self.sealed is not None:  # the replica's hold; attach leases may keep the memory a while longer
+            self.sealed.unref()
 
 
 @dataclass
@@ -92,6 +97,7 @@ class Loaded:
     attempts: list[dict[str, Any]]
     ranks: list[dict[str, Any]]
     version_uid: str | None = None  # of the WeightVersion object the bytes came from (status.versionUid)
+    shares: list[SealedVersion] = field(default_factory=list)  # each rank process's sealed memory, adopted
 
 
 @dataclass
@@ -100,6 +106,7 @@ class Served:
     handle: InProcessReplica | RankProcesses
     status: dict[str, Any]  # the Serving status it was published with, re-asserted if the object says otherwise
     published_leases: int = 0
+    shares: list[SealedVersion] = field(default_factory=list)  # held until the replica stops being served
 
 
 @dataclass
@@ -128,10 +135,13 @@ class NodeAgent:
         worker_auth: WorkerAuth | None = None,
         worker_tokens: ReaderTokens | None = None,
         attach: AttachService | None = None,
+        host: HostStore | None = None,
     ) -> None:
         """`worker_auth` checks the readers of what this agent serves and `worker_tokens` are its own credentials
         as a reader (`python -m ferry_agent` always sets both; None leaves the worker services open). `attach`
-        offers what is served to the pods of this node (None: not at all)."""
+        offers what is served to the pods of this node (None: not at all). `host` holds the CPU replicas'
+        bytes (sealed memfd chunks: a one-rank replica's own, a multi-rank one's adopted from its rank processes),
+        with the host-memory budget (default: unlimited)."""
         self.node = node
         self.agent_name = f"{node}-{uuid.uuid4().hex[:8]}"
         self._api = api
@@ -154,6 +164,8 @@ class NodeAgent:
         self._worker_auth = worker_auth
         self._worker_tokens = worker_tokens
         self._attach = attach
+        self._host = host or HostStore()
+        self._host.on_change = lambda: self._wake.set()  # memory a lease held is freed: republish residentBytes
         self._renewing: dict[tuple[str, str], Renewal] = {}  # replicas whose Lease this agent renews
         self._status = StatusOutbox(self._write_status)
         # status.attachments of each replica, written through the same outbox.
@@ -248,6 +260,7 @@ class NodeAgent:
                 self._publish_lease_count(key, served)
             elif self._may_try(key, wr["spec"]["version"]):
                 self._load(key, wr)
+            self._publish_memory(key, wr)
 
     def _may_try(self, key: tuple[str, str], version: str) -> bool:
         """A failed load is retried with exponential backoff (a source may appear), at once on a new version."""
@@ -300,13 +313,20 @@ class NodeAgent:
 
         t0 = time.monotonic()
         try:
+            self._check_budget(key, spec)
             if spec.get("ranks", 1) == 1:
                 loaded = self._load_here(namespace, name, spec, progress, note)
             else:
                 loaded = self._load_ranks(namespace, name, spec, progress, note)
-        except LoadFailed as exc:  # the message names every strategy's (or rank's) failure
+        except (LoadFailed, MemoryBudgetExceeded) as exc:  # the message names every strategy's (or rank's) failure
             metrics.LOADS.labels(source_kind="none", outcome="Failed").inc()
-            self._fail(key, version, generation, ReplicaReason.LOAD_FAILED, str(exc), exc.attempts)
+            attempts = exc.attempts if isinstance(exc, LoadFailed) else []
+            refused = exc if isinstance(exc, MemoryBudgetExceeded) else self._host.take_refusal(key)
+            if refused is not None:  # every source would need the same memory: that is the reason, not a source
+                message = f"{version} {refused}; nothing was loaded"
+                self._fail(key, version, generation, ReplicaReason.MEMORY_BUDGET_EXCEEDED, message, attempts)
+            else:
+                self._fail(key, version, generation, ReplicaReason.LOAD_FAILED, str(exc), attempts)
             return
         seconds = time.monotonic() - t0
         kind = metrics.source_kind(loaded.source)
@@ -321,10 +341,16 @@ class NodeAgent:
             "versionUid": loaded.version_uid,
             "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
         }  # fmt: skip
-        self._served[key] = Served(version, loaded.handle, status)
+        if isinstance(loaded.handle, InProcessReplica) or loaded.shares:
+            memory = self._memory(key)
+            status.update(residentBytes=memory[0], residentVersions=memory[1])
+        self._served[key] = Served(version, loaded.handle, status, shares=loaded.shares)
         self._failed.pop(key, None)
-        if self._attach is not None and isinstance(loaded.handle, InProcessReplica):  # before Serving is published
-            self._attach.serve(key, spec, loaded.handle.resident, loaded.version_uid)
+        if self._attach is not None:  # before Serving is published
+            if isinstance(loaded.handle, InProcessReplica):
+                self._attach.serve(key, spec, loaded.handle.resident, loaded.version_uid)
+            elif loaded.shares:
+                self._attach.serve_ranks(key, spec, loaded.shares, loaded.version_uid)
         # Lease first, so nobody sees Serving without a live Lease. Neither write failing unloads anything: the
         # renewals retry the Lease and the outbox the status, until the apiserver takes them.
         self._hold_lease(key)
@@ -337,21 +363,43 @@ class NodeAgent:
         """A one-rank replica, in this process: the same cold start as a rank process, over a one-rank group."""
         group = SingleRank()
         ctx = rank_context(group, name, spec)
+        label = f"{namespace}/{spec['modelName']}/{spec['version']}"
         try:
             result = load_rank(
                 group, ctx, sources=ApiSources(self._api, namespace, self._stopping), spec=spec,
                 configured=spec["version"], peer=self._peer, store=self._store, s3_endpoint=self._s3_endpoint,
                 seeds=self._seeds, progress=progress, note=note, credentials=self._worker_tokens,
+                allocate=self._host.allocator((namespace, name), label),
             )  # fmt: skip
+            sealed = None
+            if result.resident.host is not None:
+                # The READ's registration goes first: sealing needs no pinned, writable pages; serving registers the
+                # sealed, read-only mapping of the same memory again.
+                self._peer.deregister(result.resident)
+                sealed = self._host.seal(result.resident, label, ctx.version, ctx.version_uid)
         except Exception as exc:
             raise LoadFailed(str(exc), [a.to_status() for a in ctx.attempts]) from exc
         server, entry = serve_rank(
             result.resident, self._peer, rank=0, host=self._bind_address, spec=spec,
             guard=read_guard(self._worker_auth, namespace, ctx),
         )  # fmt: skip
-        handle = InProcessReplica(result.resident, server, self._peer)
+        handle = InProcessReplica(result.resident, server, self._peer, sealed)
         attempts = [a.to_status() for a in ctx.attempts]
         return Loaded(handle, source_label(result), result.bytes_moved, attempts, [entry], ctx.version_uid)
+
+    def _check_budget(self, key: tuple[str, str], spec: Mapping[str, Any]) -> None:
+        """Refuse, before any byte moves, a CPU version whose recorded size does not fit the host-memory budget (the
+        allocation checks again, with what it shares with a version still held)."""
+        if self._host.budget_bytes is None or spec.get("device", "cpu") != "cpu":
+            return
+        try:
+            body = ApiSources(self._api, key[0], self._stopping).version(spec["version"])
+        except Exception as exc:  # the load itself reads it again, and fails or not on its own
+            log.warning("%s/%s: cannot read %s for the budget check: %s", *key, spec["version"], describe(exc))
+            return
+        total = ((body or {}).get("status") or {}).get("totalBytes")
+        if isinstance(total, int) and not self._host.versions(key):
+            self._host.check_budget(total)
 
     def _load_ranks(self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress,
                     note: Callable[[str], None]) -> Loaded:  # fmt: skip
@@ -382,7 +430,27 @@ class NodeAgent:
         entries = [e["entry"] for e in serving]
         uids = {e.get("version_uid") for e in serving}
         uid = uids.pop() if len(uids) == 1 else None  # ranks that disagree serve no uid-checked reader
-        return Loaded(ranks, source, sum(e["bytes"] for e in serving), serving[0]["attempts"], entries, uid)
+        shares = self._adopt_shares((namespace, name), spec, ranks, serving, uid)
+        return Loaded(ranks, source, sum(e["bytes"] for e in serving), serving[0]["attempts"], entries, uid, shares)
+
+    def _adopt_shares(self, key: tuple[str, str], spec: Mapping[str, Any], ranks: RankProcesses,
+                      serving: list[dict[str, Any]], uid: str | None) -> list[SealedVersion]:  # fmt: skip
+        """Each rank's sealed host memory, held by this agent too (accounting, attach). None when a rank has none
+        (a device replica) or it cannot be opened: the ranks still serve peers."""
+        if not all(e.get("memory") for e in serving):
+            return []
+        shares: list[SealedVersion] = []
+        try:
+            for rank, event in enumerate(serving):
+                label = f"{key[0]}/{spec['modelName']}/{spec['version']}#{rank}"
+                shares.append(adopt_rank(self._host, key, label, spec["version"], uid, ranks.pid(rank),
+                                         event["memory"]))  # fmt: skip
+        except Exception:
+            log.exception("%s/%s: the rank processes' memory cannot be adopted; not offered for attach", *key)
+            for share in shares:
+                share.unref()
+            return []
+        return shares
 
     def _fail(self, key, version, generation, reason: ReplicaReason, message, attempts=None) -> None:
         log.error("%s/%s failed to load %s: %s", *key, version, message)
@@ -497,6 +565,22 @@ class NodeAgent:
             self._patch_status(key, {"activeLeases": count})
             served.published_leases = count
 
+    def _memory(self, key: tuple[str, str]) -> tuple[int, list[str]]:
+        held = self._host.versions(key)
+        return self._host.resident_bytes(key), sorted({v.version for v in held})
+
+    def _publish_memory(self, key: tuple[str, str], wr: Mapping[str, Any]) -> None:
+        """`residentBytes` and `residentVersions`, when the object says otherwise: a version leased by a pod after the
+        replica moved on stays counted until its last lease goes."""
+        status = wr.get("status") or {}
+        memory = self._memory(key)
+        if self._status.pending(key) or memory == (
+            status.get("residentBytes") or 0,
+            status.get("residentVersions") or [],
+        ):
+            return
+        self._patch_status(key, {"residentBytes": memory[0], "residentVersions": memory[1]})
+
     # ------------------------------------------------------------------ release
 
     def _unserve(
@@ -516,6 +600,8 @@ class NodeAgent:
         if status is not None:
             self._patch_status(key, status)
         served.handle.stop(drain_seconds)
+        for share in served.shares:  # the agent's hold on the rank processes' memory; leases may keep it longer
+            share.unref()
         if not keep_lease:
             self._release_lease(key)
         log.info("%s/%s released %s", *key, served.version)

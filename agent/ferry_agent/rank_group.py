@@ -224,6 +224,9 @@ class RankProcesses:
                     continue
             self._wake()
 
+    def pid(self, rank: int) -> int:
+        return self._procs[rank].pid
+
     def active_leases(self) -> int:
         with self._lock:
             return sum(self._leases.values())

@@ -2,7 +2,9 @@
 
 The node agent starts one per rank (one per GPU) with a shared TCPStore address; the ranks join a gloo group,
 run the desired-version cold start (`replica_load.load_rank`), and each then serves its share of the tensors
-to peers with its own NIXL agent and worker service. It reports to the node agent in JSON lines on stdout
+to peers with its own NIXL agent and worker service. A CPU share lives in sealed memfd chunks of the rank's own
+`HostStore`; the `serving` event names their descriptors, which the node agent opens through /proc to offer the
+share for attach. It reports to the node agent in JSON lines on stdout
 (`Reporter`) and takes commands on stdin: `drain SECONDS`, `stop`. End of stdin (the agent died) stops it
 too, releasing everything: the lease-holding node agent is gone, so no reader may keep reading.
 
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from ferry.kube import kube_client
 from ferry_agent import worker_auth
 from ferry_agent.apiretry import bound_requests
+from ferry_agent.attach.memstore import HostStore
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.ranks import TorchRankGroup
@@ -136,12 +139,23 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
         report("progress", done=done, total=total, source=source)
 
     ctx = rank_context(group, args.replica, spec)
+    host = HostStore()  # this rank's share, on `cpu`: sealed memfd chunks the node agent adopts for attach
+    label = f"{args.namespace}/{spec['modelName']}/{args.desired_version}#{args.rank}"
     try:
         result = load_rank(
             group, ctx, sources=sources, spec=spec, configured=args.desired_version or None,
             peer=peer, store=store, s3_endpoint=args.s3_endpoint, seeds=dict(args.seed), progress=progress,
             note=lambda text: report("note", message=text), credentials=tokens,
+            allocate=host.allocator((args.namespace, args.replica), label),
         )  # fmt: skip
+        memory = None
+        if result.resident.host is not None:
+            peer.deregister(result.resident)  # the READ's registration: sealing needs no pinned, writable pages
+            sealed = host.seal(result.resident, label, ctx.version, ctx.version_uid)
+            memory = {
+                "fds": sealed.fds, "chunks": sealed.chunk_sizes,
+                "tensors": [{**e.to_json(), "sha256": e.sha256} for e in sealed.entries],
+            }  # fmt: skip
     except Exception as exc:
         fatal = isinstance(exc, StrategyRecoveryError)
         log.error("rank %d of %s: load failed%s: %s", args.rank, args.replica, " (fatal)" if fatal else "", exc)
@@ -156,7 +170,7 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
     )  # fmt: skip
     report(
         "serving", rank=args.rank, version=ctx.version, source=source_label(result), bytes=result.bytes_moved,
-        entry=entry, attempts=[a.to_status() for a in ctx.attempts], version_uid=ctx.version_uid,
+        entry=entry, attempts=[a.to_status() for a in ctx.attempts], version_uid=ctx.version_uid, memory=memory,
     )  # fmt: skip
     stop = threading.Event()
     threading.Thread(target=_watch_leases, args=(server, report, stop), daemon=True).start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import logging
 import threading
 import time
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -37,6 +39,9 @@ from ferry_agent.worker_service import SourceCredentials, WorkerServer, serve_re
 
 log = logging.getLogger(__name__)
 PLURAL = "weightreplicas"
+# What a strategy allocates its target with: `(specs, device[, share]) -> ResidentWeights` (`share`:
+# `memstore.Share`, the tensors a held version has the same bytes of).
+Allocate = Callable[..., ResidentWeights]
 
 
 @dataclass(frozen=True)
@@ -90,11 +95,13 @@ class LocalFileStrategy:
     name = "LocalFile"
 
     def __init__(
-        self, seeds: Mapping[SeedKey, Path], namespace: str, fetch_version: Callable[[str], dict | None]
-    ) -> None:
+        self, seeds: Mapping[SeedKey, Path], namespace: str, fetch_version: Callable[[str], dict | None],
+        allocate: Allocate = ResidentWeights.allocate,
+    ) -> None:  # fmt: skip
         self._seeds = seeds
         self._namespace = namespace
         self._fetch_version = fetch_version
+        self._allocate = allocate
 
     def _key(self, ctx: LoadContext) -> SeedKey:
         return SeedKey(self._namespace, ctx.model, ctx.version)
@@ -126,11 +133,35 @@ class LocalFileStrategy:
                 )
         ctx.version_uid = str(body["metadata"]["uid"])
         mine = rank_specs([spec_of(n, t) for n, t in sorted(tensors.items())], ctx.rank, ctx.world_size)
-        resident = ResidentWeights({s.name: tensors[s.name] for s in mine})
+        try:
+            resident = self._allocate(mine, ctx.device, same_bytes(tensors))
+        except (RuntimeError, ValueError) as exc:  # out of memory, or beyond the host-memory budget
+            raise StrategyFailed(f"cannot hold the seed {path}: {exc}", mutated=False) from exc
+        for spec in mine:  # the file's tensors are a transient copy: the resident one is the allocated memory
+            tensor = tensors.pop(spec.name)
+            if spec.name not in resident.shared:
+                resident.tensors[spec.name].copy_(tensor)
         return LocalLoad(resident, resident.total_bytes)
 
     def rollback(self, ctx: LoadContext) -> None:
         """Nothing is held before `load` returns."""
+
+
+def same_bytes(tensors: Mapping[str, Any]) -> Callable[[Any], list[str]]:
+    """A `share` for the host store: the names whose bytes in `tensors` are those of a held version's entries
+    (by sha256, computed once a tensor and only when asked)."""
+    digests: dict[str, str] = {}
+
+    def digest(name: str) -> str:
+        if name not in digests:
+            flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)
+            digests[name] = hashlib.sha256(flat.cpu().numpy()).hexdigest()
+        return digests[name]
+
+    def share(version: Any) -> list[str]:
+        return [e.name for e in version.entries if e.name in tensors and e.nbytes and digest(e.name) == e.sha256]
+
+    return share
 
 
 def source_label(result: Any) -> str:
@@ -293,24 +324,26 @@ def load_rank(
     progress: Progress,
     note: Callable[[str], None],
     credentials: SourceCredentials | None = None,
+    allocate: Allocate = ResidentWeights.allocate,
 ) -> Any:
     """Load this rank (`ctx` from `rank_context`) of a replica, agreeing on everything with the other ranks, and
-    return the chain's result."""
+    return the chain's result. Every strategy allocates its target with `allocate`."""
     settings = TransferSettings.from_spec(spec.get("transfer") or {})
     replica = ctx.target_id
     version = configured or ""
     strategies: dict[str, Any] = {
         "Peer": PeerStrategy(
             peer=peer, candidates=sources.candidates(version, replica, settings.timeout_s, note, progress),
-            settings=settings, progress=progress, credentials=credentials,
+            settings=settings, progress=progress, credentials=credentials, allocate=allocate,
         ),
     }  # fmt: skip
     if store is not None:
         strategies["ObjectStorage"] = ObjectStorageStrategy(
             namespace=sources.namespace, fetch_version=sources.version, credentials=sources.credentials,
             store=store, default_endpoint=s3_endpoint, progress=progress, timeout_s=settings.timeout_s,
+            allocate=allocate,
         )  # fmt: skip
-    local = LocalFileStrategy(seeds, sources.namespace, sources.version)
+    local = LocalFileStrategy(seeds, sources.namespace, sources.version, allocate)
     return run_cold_start(
         group, ctx, configured=configured,
         source_order=spec.get("sourceOrder") or DEFAULT_SOURCE_ORDER,

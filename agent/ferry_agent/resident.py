@@ -82,10 +82,15 @@ class ResidentWeights:
         self.digest = manifest_digest(self.manifest)
         self.total_bytes = sum(s.nbytes for s in self.manifest)
         self.registration: Any = None  # set once by NixlPeer.register
+        self.host: Any = None  # the host memory the tensors live in, when a HostStore allocated them
+        # Tensors that are views of another held version's sealed memory (same bytes): read-only, never written.
+        self.shared: frozenset[str] = frozenset()
+        self.shared_from: Any = None  # the held version they are of, until these weights are sealed
 
     @classmethod
-    def allocate(cls, specs: Iterable[TensorSpec], device: str | torch.device) -> ResidentWeights:
-        """Allocate uninitialised tensors for `specs` as views of one pool, so NIXL registers one region."""
+    def allocate(cls, specs: Iterable[TensorSpec], device: str | torch.device, share: Any = None) -> ResidentWeights:
+        """Allocate uninitialised tensors for `specs` as views of one pool, so NIXL registers one region. `share`
+        is for allocators that can share a held version's memory (`memstore.HostStore`); here nothing is."""
         specs = list(specs)
         offsets: list[int] = []
         size = 0

@@ -11,9 +11,11 @@ ModelExpress semantics (reference/modelexpress.md §5.5 to §5.7), in four phase
 3. Download what is missing with parallel ranged GETs into the store (tmp + fsync + rename), checking every full
    tensor's adler32 before the rename.
 4. Build the target in one pass per tensor, in parallel: read the base bytes straight into a freshly allocated
-   `ResidentWeights` pool (CPU; through a host buffer for other devices), check their adler32, apply each delta in
-   place (streamed zstd, numpy XOR) checking the exact decoded size and adler32 after each, and write the result
-   to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
+   `ResidentWeights` pool (CPU: the agent's host store; through a host buffer for other devices), from the store,
+   or from the base version's sealed host memory when a pod still holds that very version (then the tensors no
+   delta changes are not copied at all: the new version shares the base's chunks), check their adler32, apply
+   each delta in place (streamed zstd, numpy XOR) checking the exact decoded size and adler32 after each, and
+   write the result to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
 
 A stored artifact is used only for the exact versions it was written from (namespace, WeightVersion uid, storage
 URI, index digest: `checkpoint_store.VersionIdentity`); an index fetched from S3 must have the sha256 the operator
@@ -426,6 +428,22 @@ def _finish_shard(checkpoint: _Checkpoint, shard: _Shard, path: Path, fd: int) -
     os.fdatasync(fd)
 
 
+def _unchanged_since(plan: _Plan) -> Callable[[Any], list[str]]:
+    """A `share` for the host store: the tensors a held version of the chain (the very WeightVersion object, by
+    uid) has the target's bytes of, because no later delta of the chain changes them."""
+    links = [plan.base, *plan.deltas]
+
+    def share(version: Any) -> list[str]:
+        for i, checkpoint in enumerate(links):
+            link = checkpoint.link
+            if (link.name, link.uid) == (version.version, version.uid):
+                later = {n for d in links[i + 1 :] for shard in d.shards.values() for n in shard.layout.infos}
+                return [e.name for e in version.entries if e.name in plan.layout and e.name not in later]
+        return []
+
+    return share
+
+
 def _run(pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
     """Run tasks in the pool; on the first failure cancel the rest, wait for running ones (they may hold
     files the caller is about to close) and raise it."""
@@ -478,10 +496,12 @@ class ObjectStorageStrategy:
         progress: Progress | None = None,
         range_bytes: int = DEFAULT_RANGE_BYTES,
         timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+        allocate: Callable[[Sequence[TensorSpec], str], ResidentWeights] = ResidentWeights.allocate,
     ) -> None:
         """`fetch_version(name)`: the WeightVersion object (a dict) of that name in the replica's `namespace`, or
         None. `credentials(storage)`: S3 credentials for a `spec.storage` dict, or None for the environment's.
-        `timeout_s` bounds each S3 request, all its tries together (the replica's `spec.transfer.timeoutSeconds`)."""
+        `timeout_s` bounds each S3 request, all its tries together (the replica's `spec.transfer.timeoutSeconds`).
+        `allocate(specs, device)`: the target's memory (the agent's host store on `cpu`)."""
         if download_workers < 1 or range_bytes < 1 or timeout_s <= 0:
             raise ValueError("download_workers, range_bytes and timeout_s must be positive")
         self._namespace = namespace
@@ -493,6 +513,7 @@ class ObjectStorageStrategy:
         self._workers = download_workers
         self._progress = progress
         self._range_bytes = range_bytes
+        self._allocate = allocate
 
     # ------------------------------------------------------------------ LoadStrategy
 
@@ -900,13 +921,20 @@ class ObjectStorageStrategy:
         assert base.path is not None and all(d.path is not None for d in plan.deltas)
         t = time.monotonic()
         try:
-            resident = ResidentWeights.allocate(plan.specs, ctx.device)
+            resident = self._allocate(plan.specs, ctx.device, _unchanged_since(plan))
         except (RuntimeError, ValueError) as exc:  # e.g. out of device memory
             nbytes = sum(s.nbytes for s in plan.specs)
             raise _LoadError(f"cannot allocate {nbytes} bytes on {ctx.device}: {exc}") from exc
         checksums = dict(base.checksums)
         for delta in plan.deltas:
             checksums.update(delta.checksums)
+        # A delta replays on the very base version a pod still holds in host memory (the same WeightVersion
+        # object): its tensors' bytes are read from that sealed memory, not from the store's copy on disk.
+        held = resident.shared_from
+        in_memory: dict[str, tuple[int, int]] = {}
+        if plan.deltas and held is not None and (held.version, held.uid) == (base.link.name, base.link.uid):
+            in_memory = {e.name: (held.chunks[e.chunk].fd, e.offset) for e in held.entries}
+            log.info("replaying %s on %s in host memory", plan.chain[-1], base.link.name)
         with contextlib.ExitStack() as stack:
             sources: dict[str, int] = {}
             for shard in base.shards:
@@ -941,15 +969,17 @@ class ObjectStorageStrategy:
                         steps.setdefault(name, []).append(step)
             tasks = []
             for name, (shard, info) in plan.layout.items():
-                tensor = resident.tensors.get(name)  # None: another rank's, built only to be materialized
+                # None: another rank's, or a held version's (shared, read-only), built only to be materialized.
+                tensor = None if name in resident.shared else resident.tensors.get(name)
                 if tensor is None and not outputs:
                     continue
                 offset = shard.layout.data_start + info.begin
                 out = (outputs[shard.name][0], offset, outputs[shard.name][1]) if outputs else None
+                source = in_memory.get(name) or (sources[shard.name], offset)
                 tasks.append(
                     partial(
-                        _build_tensor, name, tensor, info.nbytes, (sources[shard.name], offset),
-                        base.checksums[name], steps.get(name, ()), out,
+                        _build_tensor, name, tensor, info.nbytes, source, base.checksums[name],
+                        steps.get(name, ()), out,
                     )
                 )  # fmt: skip
             failure = next((f for f in _run(pool, tasks) if f is not None), None)

@@ -458,6 +458,7 @@ class ReplicaReason(StrEnum):
 
     LOAD_FAILED = "LoadFailed"  # every source of the chain failed; `message` names each failure
     RANK_EXITED = "RankExited"  # a rank process of a loaded replica died; the agent reloads it
+    MEMORY_BUDGET_EXCEEDED = "MemoryBudgetExceeded"  # the version does not fit the agent's --host-memory-budget
 
 
 class AttemptOutcome(StrEnum):

@@ -63,13 +63,23 @@ class Offer:
     model: str
     version: str
     version_uid: str | None
-    sealed: SealedVersion
+    sealed: SealedVersion  # every tensor (all ranks' shares)
+    ranks: list[SealedVersion] = field(default_factory=list)  # a multi-rank replica's share of each rank
+
+    @property
+    def leases(self) -> int:
+        return self.sealed.leases + sum(r.leases for r in self.ranks)
+
+    def unref(self) -> None:
+        for held in (self.sealed, *self.ranks):
+            held.unref()
 
 
 @dataclass
 class _Lease:
     id: str
     offer: Offer
+    sealed: SealedVersion  # what it holds: the whole version, or one rank's share
     replica: tuple[str, str]  # the WeightReplica whose status names the pod (namespace, name)
     pod: Pod
     rank: int | None  # None: all shares
@@ -116,7 +126,9 @@ class AttachServer:
     def start(self) -> None:
         self.pods_dir.mkdir(parents=True, exist_ok=True)
         LEASES.set_function(lambda: sum(v["attached"] for v in self.snapshot()))
-        SEALED_BYTES.set_function(lambda: sum(sum(o.sealed.chunk_sizes) for o in self._all_offers()))
+        SEALED_BYTES.set_function(  # a chunk shared by several versions (or shares) counts once
+            lambda: sum({id(c): c.size for o in self._all_offers() for c in o.sealed.chunks}.values())
+        )
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._thread = threading.Thread(target=self._accept_loop, name="ferry-attach", daemon=True)
         self._thread.start()
@@ -145,25 +157,25 @@ class AttachServer:
         """No new attaches; held leases keep the memory until they go."""
         with self._lock:
             offer = self._offers.pop(key, None)
-            if offer is not None and offer.sealed.leases:
+            if offer is not None and offer.leases:
                 self._held.append(offer)
             self._changed.notify_all()
         if offer is not None:
-            offer.sealed.unref()
+            offer.unref()
 
     def _all_offers(self) -> list[Offer]:
         with self._lock:
-            return list(self._offers.values()) + [o for o in self._held if o.sealed.leases]
+            return list(self._offers.values()) + [o for o in self._held if o.leases]
 
     def snapshot(self) -> list[dict[str, Any]]:
         """What is offered and held, with the consumers attached: the agent's view."""
         with self._lock:
             offers = list(self._offers.values())
-            held = [o for o in self._held if o.sealed.leases]
+            held = [o for o in self._held if o.leases]
         return [
             {"namespace": o.namespace, "modelLoad": o.model_load, "model": o.model, "version": o.version,
              "versionUid": o.version_uid, "bytes": o.sealed.total_bytes, "tensors": len(o.sealed.entries),
-             "attached": o.sealed.leases, "offered": offered}
+             "attached": o.leases, "offered": offered}
             for group, offered in ((offers, True), (held, False))
             for o in group
         ]  # fmt: skip
@@ -323,12 +335,12 @@ class AttachServer:
             log.info("pod %s/%s disconnected: %s", pod.namespace, pod.name, exc)
         finally:
             for lease in leases.values():
-                lease.offer.sealed.unlease()
+                lease.sealed.unlease()
             if leases:
                 log.info("pod %s/%s released %d lease(s) by closing", pod.namespace, pod.name, len(leases))
             with self._lock:
                 listener.connections.discard(conn)
-                self._held = [o for o in self._held if o.sealed.leases]
+                self._held = [o for o in self._held if o.leases]
                 for lease_id in leases:
                     self._leases.pop(lease_id, None)
             conn.close()
@@ -350,9 +362,9 @@ class AttachServer:
             lease = leases.pop(lease_id, None) if isinstance(lease_id, str) else None
             if lease is None:
                 return p.error(p.UNKNOWN_LEASE, f"no lease {lease_id!r} on this connection"), []
-            lease.offer.sealed.unlease()
+            lease.sealed.unlease()
             with self._lock:
-                self._held = [o for o in self._held if o.sealed.leases]
+                self._held = [o for o in self._held if o.leases]
                 self._leases.pop(lease.id, None)
             self._leases_changed()
             return {"ok": True}, []
@@ -415,11 +427,14 @@ class AttachServer:
                 now = f" (serving {', '.join(served)})" if served else ""
                 return p.error(p.NOT_SERVED, f"{what} is not served on this node{now}"), []
             offer = matches[0]
-            if rank not in (None, 0):
-                return p.error(p.BAD_REQUEST, f"{offer.model_load} has one rank here; rank {rank} does not exist"), []
-            offer.sealed.lease()  # under the lock: a concurrent withdraw cannot free it between lookup and lease
+            world = len(offer.ranks) or 1
+            if rank is not None and rank >= world:
+                return p.error(p.BAD_REQUEST, f"{offer.model_load} has {world} rank(s) here; rank {rank} does not "
+                               "exist"), []  # fmt: skip
+            sealed = offer.ranks[rank] if rank is not None and offer.ranks else offer.sealed
+            sealed.lease()  # under the lock: a concurrent withdraw cannot free it between lookup and lease
             replica = next(k for k, o in self._offers.items() if o is offer)
-            lease = _Lease(uuid.uuid4().hex, offer, replica, pod, rank, now_rfc3339())
+            lease = _Lease(uuid.uuid4().hex, offer, sealed, replica, pod, rank, now_rfc3339())
             self._leases[lease.id] = lease
         leases[lease.id] = lease
         self._leases_changed()
@@ -427,10 +442,10 @@ class AttachServer:
                  lease.id[:8])  # fmt: skip
         reply = {
             "ok": True, "lease": lease.id, "namespace": offer.namespace, "modelLoad": offer.model_load,
-            "model": offer.model, "version": offer.version, "versionUid": offer.version_uid, "rank": 0,
-            **offer.sealed.manifest(),
+            "model": offer.model, "version": offer.version, "versionUid": offer.version_uid,
+            "rank": rank if offer.ranks else 0, "ranks": world, **sealed.manifest(),
         }  # fmt: skip
-        return reply, list(offer.sealed.fds)
+        return reply, list(sealed.fds)
 
 
 def _entry_order(entry: dict[str, Any]) -> tuple[str, str, str, int]:

@@ -1,0 +1,132 @@
+"""The agent's host memory, through a real agent process: one sealed copy, accounted in the WeightReplica's status,
+shared with the version a pod still holds across a refit, and bounded by `--host-memory-budget`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+from agentutil import node, seed_arg, start_agent
+from attach_consumer import build_model, model_tensors, tensors_sha256
+from safetensors.torch import save_file
+from test_attach import consumer, engine_pod, line_of
+from wvutil import apply, ml_body, ml_status, wait_for, wv_body
+
+from ferry.client import request
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def socket_root():
+    root = Path(tempfile.mkdtemp(prefix="ferry-", dir="/tmp"))  # a Unix socket path is at most 107 bytes
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def replica(cluster, namespace: str) -> dict:
+    items = json.loads(cluster.kubectl("get", "wr", "-n", namespace, "-o", "json").stdout)["items"]
+    return items[0] if items else {}
+
+
+def nbytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_a_version_beyond_the_budget_fails_with_the_reason_and_loads_nothing(
+    cluster, namespace, operator, tmp_path, socket_root, monkeypatch
+):  # fmt: skip
+    tensors = {n: t.detach().contiguous() for n, t in model_tensors(build_model(seed=0)).items()}
+    checkpoint = tmp_path / "v1.safetensors"
+    save_file(tensors, str(checkpoint))
+    total = nbytes(tensors)
+    budget = total // 2
+    monkeypatch.setenv("FERRY_AGENT_HOST_MEMORY_BUDGET", str(budget))
+    node_name = f"{namespace}-n0"
+    node(cluster, node_name, {"ferry.dev/pool": namespace})
+    agent = start_agent(cluster, tmp_path, node_name, seed_arg(namespace, "v1", checkpoint), socket_dir=socket_root)
+
+    def describe() -> str:
+        return json.dumps(replica(cluster, namespace).get("status"), indent=1) + agent.log_tail(30)
+
+    try:
+        pod_dir = socket_root / "pods" / engine_pod(cluster, namespace, node_name)
+        apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"), ml_body(namespace, "v1", 1))
+        wait_for(lambda: (replica(cluster, namespace).get("status") or {}).get("phase") == "Failed", 90,
+                 "the replica Failed", describe)  # fmt: skip
+        status = replica(cluster, namespace)["status"]
+        assert status["reason"] == "MemoryBudgetExceeded", describe()
+        assert (
+            f"needs {total} bytes" in status["message"]
+            and f"{budget} of the {budget}-byte budget" in (status["message"])
+        ), describe()
+        assert status.get("residentBytes") in (0, None) and not status.get("residentVersions")
+        assert ml_status(cluster, namespace).get("ready") != "1/1"
+        wait_for(lambda: (pod_dir / "ferry.sock").exists(), 30, "the pod's socket", describe)
+        assert request({"op": "list"}, socket_dir=pod_dir, timeout=5)["versions"] == []  # nothing offered
+        assert agent.alive
+    finally:
+        agent.stop()
+
+
+def test_resident_bytes_and_a_refit_that_shares_the_held_versions_chunks(
+    cluster, namespace, operator, tmp_path, socket_root, monkeypatch
+):  # fmt: skip
+    v1 = {n: t.detach().clone().contiguous() for n, t in model_tensors(build_model(seed=0)).items()}
+    changed = sorted(["lm_head.weight", "model.layers.1.mlp.down_proj.weight"])
+    v2 = {n: (t + 0.25 if n in changed else t) for n, t in v1.items()}
+    for version, tensors in (("v1", v1), ("v2", v2)):
+        save_file(tensors, str(tmp_path / f"{version}.safetensors"))
+    total, changed_bytes = nbytes(v1), nbytes({n: v1[n] for n in changed})
+    # Room for v1 and v2's changed tensors, not for a second whole copy: the refit fits only if it shares.
+    monkeypatch.setenv("FERRY_AGENT_HOST_MEMORY_BUDGET", str(total + changed_bytes + 4096))
+    node_name = f"{namespace}-n0"
+    node(cluster, node_name, {"ferry.dev/pool": namespace})
+    seeds = [seed_arg(namespace, v, tmp_path / f"{v}.safetensors") for v in ("v1", "v2")]
+    agent = start_agent(cluster, tmp_path, node_name, *seeds, socket_dir=socket_root)
+    proc: subprocess.Popen | None = None
+
+    def status() -> dict:
+        return replica(cluster, namespace).get("status") or {}
+
+    def describe() -> str:
+        return json.dumps(status(), indent=1) + agent.log_tail(30)
+
+    try:
+        pod_dir = socket_root / "pods" / engine_pod(cluster, namespace, node_name)
+        apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"), wv_body(namespace, "v2", fmt="PeerOnly"),
+              ml_body(namespace, "v1", 1))  # fmt: skip
+        wait_for(lambda: status().get("phase") == "Serving", 90, "v1 served", describe)
+        assert (status()["residentBytes"], status()["residentVersions"]) == (total, ["v1"]), describe()
+
+        wait_for(lambda: (pod_dir / "ferry.sock").exists(), 30, "the pod's socket", describe)
+        proc = consumer(pod_dir, "refit")
+        assert line_of(proc, describe)["version"] == "v1"
+        cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p",
+                        '{"spec":{"desiredVersion":"v2"}}')  # fmt: skip
+        second = line_of(proc, describe)
+        assert second["version"] == "v2" and second["sha256"] == tensors_sha256(v2), describe()
+        assert second["loaded"] == changed
+
+        # v1 is still leased by the pod; v2 holds only its changed tensors anew: shared chunks count once.
+        wait_for(lambda: status().get("residentVersions") == ["v1", "v2"], 30, "both versions resident", describe)
+        assert status()["phase"] == "Serving" and status()["version"] == "v2"
+        assert status()["residentBytes"] == total + changed_bytes, describe()
+
+        proc.stdin.write("\n")  # release v1: v2 keeps the chunks it shares with it, nothing else of v1 is listed
+        proc.stdin.flush()
+        assert line_of(proc, describe) == {"released": "v1"}
+        wait_for(lambda: status().get("residentVersions") == ["v2"], 30, "only v2 resident", describe)
+        assert status()["residentBytes"] == total + changed_bytes
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(30) == 0, proc.stderr.read()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        agent.stop()
