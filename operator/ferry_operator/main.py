@@ -42,6 +42,7 @@ from ferry_operator.modelloads import (
     renewal_time,
     renewed_after_expiry,
     serves,
+    stale_replicas,
     version_problem,
 )
 from ferry_operator.versions import (
@@ -100,7 +101,8 @@ def desired_index(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, *
 def lease_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict | None:
     if not status.get("activeLeases"):
         return None
-    return {(namespace, spec.get("version")): name}
+    # The readers hold the served version, which during a version change is not yet spec.version.
+    return {(namespace, status.get("version") or spec.get("version")): name}
 
 
 def _lookup(index: kopf.Index, namespace: str):
@@ -338,24 +340,27 @@ async def _reconcile_modelload(
         if serves(r, desired, uid)
     }  # fmt: skip
     problem = version_problem(body["spec"], view)
-    plan = plan_replicas(model_load, replicas, nodes, holders, placeable=problem is None)
+    leases = {n: lease for (ns, n), store in replica_lease_index.items() if ns == namespace for lease in store}
+    now = dt.datetime.now(dt.UTC)
+    stale = stale_replicas(replicas, leases, now)
+    plan = plan_replicas(model_load, replicas, nodes, holders, placeable=problem is None, stale=stale)
     for wr in plan.create:
         await asyncio.to_thread(kubeapi.create_replica, wr)
         kopf.info(body, reason="ReplicaCreated", message=f"{wr['metadata']['name']} on {wr['spec']['nodeName']}")
     for replica in plan.delete:
         await asyncio.to_thread(kubeapi.delete_replica, namespace, replica)
         kopf.info(body, reason="ReplicaDeleted", message=replica)
-    for replica in plan.retarget:
-        await asyncio.to_thread(kubeapi.retarget_replica, namespace, replica, desired, LABEL_VERSION)
-        kopf.info(body, reason="RollingOut", message=f"{replica} moves to {desired}")
+    if plan.retarget:  # at once: a Parallel rollout of N replicas must not wait for N patches in a row
+        await asyncio.gather(
+            *(asyncio.to_thread(kubeapi.retarget_replica, namespace, r, desired, LABEL_VERSION) for r in plan.retarget)
+        )
+        kopf.info(body, reason="RollingOut", message=f"{', '.join(plan.retarget)} move to {desired}")
 
-    leases = {n: lease for (ns, n), store in replica_lease_index.items() if ns == namespace for lease in store}
     # A Lease that names another node (or none) would keep the replica's own agent from writing its Lease for good:
     # delete it, and the agent creates its own at its next renewal. Until then the replica is not Live.
     for foreign in foreign_leases(replicas, leases):
         if await asyncio.to_thread(kubeapi.delete_lease, namespace, foreign.lease, foreign.uid):
             kopf.warn(body, reason=LEASE_OF_OTHER_NODE_DELETED, message=foreign.message())
-    now = dt.datetime.now(dt.UTC)
     # Staleness is the Leases' to say, every time: the operator records it in the replicas' `Live` condition
     # (its own field) and never in their phase, which is the agent's.
     for replica, conditions in live_conditions(replicas, leases, now, now_rfc3339()).items():
@@ -427,20 +432,27 @@ async def replica_lease_changed(event: dict, namespace: str, name: str, body: ko
                                 f"{replica}@{body['metadata'].get('resourceVersion')}")  # fmt: skip
 
 
-_replica_phases: dict[tuple[str, str], str | None] = {}
+# (namespace, replica) -> its (phase, version, loadingVersion, reason) last seen.
+_replica_phases: dict[tuple[str, str], tuple | None] = {}
 
 
 @kopf.on.event(*WR)
 async def replica_changed(event: dict, namespace: str, name: str, spec: kopf.Spec, status: kopf.Status,
                           **_: Any) -> None:  # fmt: skip
-    """A replica changed phase (or went away): re-reconcile its ModelLoad now, not at the next resync."""
+    """A replica changed phase or served version, started or failed loading a new one next to it (or went away):
+    re-reconcile its ModelLoad now, not at the next resync. A make-before-break switch stays Serving throughout."""
     key = (namespace, name)
-    phase = None if event.get("type") == "DELETED" else status.get("phase")
-    if _replica_phases.get(key, "") == phase:
+    state = (
+        None
+        if event.get("type") == "DELETED"
+        else (status.get("phase"), status.get("version"), status.get("loadingVersion"), status.get("reason"))
+    )
+    if _replica_phases.get(key, "") == state:
         return
-    _replica_phases[key] = phase
-    if phase is None:
+    _replica_phases[key] = state
+    if state is None:
         _replica_phases.pop(key, None)
     owner = spec.get("modelLoad")
     if owner:
+        phase = f"{state[0]}:{state[1]}" if state else "None"
         await asyncio.to_thread(kubeapi.nudge, ML[2], namespace, owner, f"{GROUP}/replica-phase", f"{name}={phase}")
