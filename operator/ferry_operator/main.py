@@ -240,18 +240,24 @@ async def version_changed(event: dict, namespace: str, name: str, body: kopf.Bod
         _forget_announced(body)
         return
     await _reconcile_version(namespace, name, body, patch, logger, version_index, desired_index, lease_index)
-    await _wake_dependents(namespace, name, body, version_index)
+    await _wake_dependents(namespace, name, body, version_index, desired_index)
 
 
-async def _wake_dependents(namespace: str, name: str, body: kopf.Body, version_index: kopf.Index) -> None:
+async def _wake_dependents(
+    namespace: str, name: str, body: kopf.Body, version_index: kopf.Index, desired_index: kopf.Index
+) -> None:
     """Once this version's Ready=True is persisted (seen in this very event, and so in the index), re-trigger the
-    deltas still waiting on it now rather than at their next resync."""
+    deltas still waiting on it, and the ModelLoads that desire it (a trainer patches desiredVersion right after
+    `ferry publish`, before the version is verified), now rather than at their next resync. A nudge that sets the
+    same stamp again changes nothing, so no further event follows."""
     if not VersionView.from_body(body).ready:
         return
     stamp = f"{name}@{(body.get('status') or {}).get('readyTime', '')}"
     waiting = [v.name for v in _views_in(version_index, namespace) if v.base_version == name and not v.ready]
+    loads = list(desired_index.get((namespace, name), []))
     await asyncio.gather(
-        *(asyncio.to_thread(kubeapi.nudge, WV[2], namespace, d, NUDGE_ANNOTATION, stamp) for d in waiting)
+        *(asyncio.to_thread(kubeapi.nudge, WV[2], namespace, d, NUDGE_ANNOTATION, stamp) for d in waiting),
+        *(asyncio.to_thread(kubeapi.nudge, ML[2], namespace, m, NUDGE_ANNOTATION, stamp) for m in loads),
     )
 
 
