@@ -16,6 +16,7 @@ Writes bench/results/modelload.json and modelload.md.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import shutil
@@ -49,7 +50,8 @@ def publish(cluster: LocalCluster, s3, root: Path, size_mib: int) -> None:
     )  # fmt: skip
 
 
-def start_agents(cluster: LocalCluster, s3, root: Path, n: int, tag: str) -> list[ManagedProcess]:
+def start_agents(cluster: LocalCluster, s3, root: Path, n: int, tag: str, socket_dir: str = "") -> list[ManagedProcess]:
+    """`socket_dir` empty: no attach (its sealing is measured by bench_attach)."""
     agents = []
     for i in range(n):
         node = f"{tag}-{i}"
@@ -58,7 +60,8 @@ def start_agents(cluster: LocalCluster, s3, root: Path, n: int, tag: str) -> lis
         store = root / "stores" / node
         shutil.rmtree(store, ignore_errors=True)
         argv = [sys.executable, "-m", "ferry_agent", "--node", node, "--checkpoint-dir", str(store),
-                "--poll-seconds", "0.2", "--retry-seconds", "1", *cluster.agent_identity_args(node)]  # fmt: skip
+                "--poll-seconds", "0.2", "--retry-seconds", "1", "--socket-dir", socket_dir,
+                *cluster.agent_identity_args(node)]  # fmt: skip
         env = {**os.environ, **cluster.env(), **s3.env(), "UCX_NET_DEVICES": "lo"}
         agents.append(ManagedProcess(node, argv, root / "logs" / f"{node}.log", env=env).start())
     time.sleep(3)  # agents import torch/NIXL before they poll
@@ -128,13 +131,13 @@ def publish_delta(cluster: LocalCluster, s3, root: Path, namespace: str, base: s
     )  # fmt: skip
 
 
-def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int) -> list[dict]:
+def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int, socket_dir: str) -> list[dict]:
     """One ModelLoad of `n` replicas on v1, then per rollout mode a delta published and rolled out."""
     from kubernetes import client, config
 
     namespace = tag = f"roll{n}"
     cluster.kubectl("create", "namespace", namespace)
-    agents = start_agents(cluster, s3, root, n, tag)
+    agents = start_agents(cluster, s3, root, n, tag, socket_dir)
     api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
     objects = client.CustomObjectsApi(api)
     rows = []
@@ -156,7 +159,7 @@ def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int) -> list[dict]:
             patch = {"spec": {"rollout": rollout}}
             objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, "modelloads", "m", patch)
             publish_delta(cluster, s3, root, namespace, base, version)
-            published = time.monotonic()  # the end of `ferry publish`: the trainer moves the ModelLoad now
+            published, published_wall = time.monotonic(), time.time()  # the end of `ferry publish`
             patch = {"spec": {"desiredVersion": version}}
             objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, "modelloads", "m", patch)
             ready_s = first_s = None
@@ -173,6 +176,13 @@ def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int) -> list[dict]:
             ready_s = all_s if ready_s is None else ready_s
             items = objects.list_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas")["items"]
             sources = [r["status"]["source"] for r in items]
+            # Where the time went, per replica: when its agent started the load, and when it served.
+            detail = sorted(
+                (round(wall(r["status"]["startedTime"]) - published_wall, 2),
+                 round(wall(r["status"]["completedTime"]) - published_wall, 2), r["status"]["source"])
+                for r in items
+            )  # fmt: skip
+            print(json.dumps({"replicas": n, "rollout": mode, "started_served_source": detail}), flush=True)
             rows.append({
                 "replicas": n, "rollout": mode, "publish_to_ready_s": round(ready_s, 2),
                 "first_serving_s": round(first_s if first_s is not None else all_s, 2),
@@ -187,6 +197,10 @@ def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int) -> list[dict]:
         api.close()
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
     return rows
+
+
+def wall(rfc3339: str) -> float:
+    return dt.datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
 
 
 def serving(objects, namespace: str, version: str) -> int:
@@ -228,11 +242,16 @@ def main() -> None:
     parser.add_argument("--replicas", default="1,3,8")
     parser.add_argument("--size-mib", type=int, default=128)
     parser.add_argument("--only", choices=["cold", "rollout"], help="run one of the two parts (default: both)")
+    parser.add_argument("--keep", action="store_true", help="keep the run's directory (agent and operator logs)")
+    parser.add_argument(
+        "--socket-dir", default="", help="the agents serve attach sockets there (seal every version); default: off"
+    )
     args = parser.parse_args()
     rows, rollouts = [], []
     counts = [int(x) for x in args.replicas.split(",")]
-    with local_stack() as (cluster, s3):
+    with local_stack(keep=args.keep) as (cluster, s3):
         root = cluster.workdir.parent
+        print(f"run directory {root}", flush=True)
         operator = start_operator(cluster, root / "operator", env={**s3.env(), "FERRY_RESYNC_SECONDS": "1"})
         publish(cluster, s3, root, args.size_mib)
         for n in counts if args.only != "rollout" else []:
@@ -241,7 +260,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         for n in counts if args.only != "cold" else []:
-            rollouts += rollout_rounds(cluster, s3, root, n)
+            rollouts += rollout_rounds(cluster, s3, root, n, args.socket_dir)
         operator.stop()
     lines = [
         f"model {args.size_mib} MiB; S3-only is the reference measured in the same run",

@@ -321,8 +321,6 @@ class NodeAgent:
         }  # fmt: skip
         self._served[key] = Served(version, loaded.handle, status)
         self._failed.pop(key, None)
-        if self._attach is not None and isinstance(loaded.handle, InProcessReplica):  # before Serving is published
-            self._attach.serve(key, spec, loaded.handle.resident, loaded.version_uid)
         # Lease first, so nobody sees Serving without a live Lease. Neither write failing unloads anything: the
         # renewals retry the Lease and the outbox the status, until the apiserver takes them.
         self._hold_lease(key)
@@ -333,6 +331,11 @@ class NodeAgent:
             # Only now, with the new version published in place of the old: readers that picked the old one
             # before the switch finish (the drain), attached pods keep their sealed copy.
             self._retire(key, previous)
+        if self._attach is not None and isinstance(loaded.handle, InProcessReplica):
+            # After the status: peers copy the new version meanwhile (sealing copies and hashes every byte, which
+            # took longer than the load itself in bench_modelload). Pods follow the offer, not the status, and
+            # keep being offered the old version's sealed copy until this replaces it.
+            self._attach.serve(key, spec, loaded.handle.resident, loaded.version_uid)
 
     def _load_here(self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress,
                    note: Callable[[str], None]) -> Loaded:  # fmt: skip
