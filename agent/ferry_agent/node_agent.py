@@ -290,8 +290,14 @@ class NodeAgent:
                 {"bytesDone": done, "bytesTotal": total or None, "source": source, "lastProgressTime": now_rfc3339()},
             )
 
+        noted = [start["message"]]
+
         def note(message: str) -> None:
-            self._patch_status(key, {"message": message})
+            # Once per change: a replica waiting for the first loader says so every poll, and N of them
+            # rewriting the same message only load the apiserver and the operator.
+            if message != noted[0]:
+                noted[0] = message
+                self._patch_status(key, {"message": message})
 
         t0 = time.monotonic()
         try:
