@@ -1,13 +1,22 @@
-"""ModelLoad apply → Ready for 1, 3 and 8 replicas (agents as processes), peers-first against S3-only.
+"""ModelLoad benchmarks with agents as processes: apply → Ready, and publish → serving for each rollout mode.
 
-The reference is the same load with `sourceOrder: [ObjectStorage]`, measured in the same run on the same agents
-(fresh checkpoint stores each round). Reports wall time to Ready, how many replicas read S3 vs a peer, and the
-bytes fetched from S3 (the fan-out saving). Writes bench/results/modelload.json and modelload.md.
+Apply → Ready, for 1, 3 and 8 replicas, peers-first against S3-only: the reference is the same load with
+`sourceOrder: [ObjectStorage]`, measured in the same run on the same agents (fresh checkpoint stores each round).
+Reports wall time to Ready, how many replicas read S3 vs a peer, and the bytes fetched from S3 (the fan-out saving).
+
+Publish → serving, for 1, 3 and 8 replicas serving a version, per `spec.rollout` mode (Parallel; Rolling with the
+default maxUnavailable 25%): from the end of `ferry publish` of an XorDelta (10% of the tensors changed; the
+WeightVersion is created, not yet verified) and the ModelLoad's desiredVersion patched to it, to every replica
+serving it. Split into the operator's verification (→ WeightVersion Ready) and the rollout (→ all serving). The
+ratio 8 replicas vs 1 is the rollout's scaling (goal: at most 2x).
+
+Writes bench/results/modelload.json and modelload.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import shutil
@@ -17,9 +26,9 @@ from pathlib import Path
 
 import torch
 from _common import write_results
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from ferry.api.models import API_VERSION
+from ferry.api.models import API_VERSION, GROUP, VERSION
 from ferry.localcluster import LocalCluster, ManagedProcess, local_stack, start_operator, wait_until
 
 MODEL = "bench"
@@ -28,7 +37,7 @@ MODEL = "bench"
 def publish(cluster: LocalCluster, s3, root: Path, size_mib: int) -> None:
     gen = torch.Generator().manual_seed(0)
     weights = {f"layers.{i}.weight": torch.randn((1024, 1024), generator=gen) for i in range(size_mib // 4)}
-    src = root / "weights"
+    src = root / "weights-v1"
     src.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(src / "model.safetensors"))
     s3.create_bucket("bench")
@@ -41,7 +50,8 @@ def publish(cluster: LocalCluster, s3, root: Path, size_mib: int) -> None:
     )  # fmt: skip
 
 
-def start_agents(cluster: LocalCluster, s3, root: Path, n: int, tag: str) -> list[ManagedProcess]:
+def start_agents(cluster: LocalCluster, s3, root: Path, n: int, tag: str, socket_dir: str = "") -> list[ManagedProcess]:
+    """`socket_dir` empty: no attach (its sealing is measured by bench_attach)."""
     agents = []
     for i in range(n):
         node = f"{tag}-{i}"
@@ -50,7 +60,8 @@ def start_agents(cluster: LocalCluster, s3, root: Path, n: int, tag: str) -> lis
         store = root / "stores" / node
         shutil.rmtree(store, ignore_errors=True)
         argv = [sys.executable, "-m", "ferry_agent", "--node", node, "--checkpoint-dir", str(store),
-                "--poll-seconds", "0.2", "--retry-seconds", "1", *cluster.agent_identity_args(node)]  # fmt: skip
+                "--poll-seconds", "0.2", "--retry-seconds", "1", "--socket-dir", socket_dir,
+                *cluster.agent_identity_args(node)]  # fmt: skip
         env = {**os.environ, **cluster.env(), **s3.env(), "UCX_NET_DEVICES": "lo"}
         agents.append(ManagedProcess(node, argv, root / "logs" / f"{node}.log", env=env).start())
     time.sleep(3)  # agents import torch/NIXL before they poll
@@ -97,21 +108,159 @@ def one_round(cluster: LocalCluster, s3, root: Path, n: int, order: list[str]) -
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
+ROLLOUTS = {"Parallel": {"strategy": "Parallel"}, "Rolling": {"strategy": "Rolling"}}
+
+
+def publish_delta(cluster: LocalCluster, s3, root: Path, namespace: str, base: str, version: str) -> None:
+    """`ferry publish` of `version` as an XorDelta over `base` (whose weights are `root/weights-<base>`): every
+    tenth tensor changed. Returns at the end of the command, the WeightVersion created but not verified yet."""
+    import subprocess
+
+    weights = load_file(str(root / f"weights-{base}" / "model.safetensors"))
+    for i, name in enumerate(sorted(weights)):
+        if i % 10 == 0:
+            weights[name] = weights[name] + 1.0
+    src = root / f"weights-{version}"
+    src.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(src / "model.safetensors"))
+    subprocess.run(
+        [sys.executable, "-m", "ferry.cli", "publish", str(src), "--version", version, "--base", base,
+         "--base-dir", str(root / f"weights-{base}"), "--model", MODEL, "--uri-prefix", f"s3://bench/{namespace}",
+         "--kubeconfig", str(cluster.kubeconfig), "-n", namespace, "-q"],
+        check=True, env={**os.environ, **s3.env()},
+    )  # fmt: skip
+
+
+def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int, socket_dir: str) -> list[dict]:
+    """One ModelLoad of `n` replicas on v1, then per rollout mode a delta published and rolled out."""
+    from kubernetes import client, config
+
+    namespace = tag = f"roll{n}"
+    cluster.kubectl("create", "namespace", namespace)
+    agents = start_agents(cluster, s3, root, n, tag, socket_dir)
+    api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    objects = client.CustomObjectsApi(api)
+    rows = []
+    try:
+        wv = json.loads(cluster.kubectl("get", "wv", "v1", "-n", "default", "-o", "json").stdout)
+        body = {"apiVersion": API_VERSION, "kind": "WeightVersion", "metadata": {"name": "v1"}, "spec": wv["spec"]}
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+        cluster.kubectl("wait", "--for=condition=Ready", "wv/v1", "-n", namespace, "--timeout=60s")
+        ml = {
+            "apiVersion": API_VERSION, "kind": "ModelLoad", "metadata": {"name": "m"},
+            "spec": {"modelName": MODEL, "desiredVersion": "v1", "replicas": n, "device": "cpu",
+                     "nodeSelector": {"bench": tag}},
+        }  # fmt: skip
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(ml))
+        wait_until(lambda: serving(objects, namespace, "v1") == n, 600, f"{n} replicas on v1")
+        base = "v1"
+        for step, (mode, rollout) in enumerate(ROLLOUTS.items(), start=2):
+            version = f"v{step}"
+            patch = {"spec": {"rollout": rollout}}
+            objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, "modelloads", "m", patch)
+            publish_delta(cluster, s3, root, namespace, base, version)
+            published, published_wall = time.monotonic(), time.time()  # the end of `ferry publish`
+            patch = {"spec": {"desiredVersion": version}}
+            objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, "modelloads", "m", patch)
+            ready_s = first_s = None
+            while (count := serving(objects, namespace, version)) < n:
+                now = time.monotonic() - published
+                if ready_s is None and version_ready(objects, namespace, version):
+                    ready_s = now
+                if first_s is None and count:
+                    first_s = now
+                if now > 600:
+                    raise TimeoutError(f"{n} replicas not serving {version} after 600 s")
+                time.sleep(0.02)
+            all_s = time.monotonic() - published
+            ready_s = all_s if ready_s is None else ready_s
+            items = objects.list_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas")["items"]
+            sources = [r["status"]["source"] for r in items]
+            # Where the time went, per replica: when its agent started the load, and when it served.
+            detail = sorted(
+                (round(wall(r["status"]["startedTime"]) - published_wall, 2),
+                 round(wall(r["status"]["completedTime"]) - published_wall, 2), r["status"]["source"])
+                for r in items
+            )  # fmt: skip
+            print(json.dumps({"replicas": n, "rollout": mode, "started_served_source": detail}), flush=True)
+            rows.append({
+                "replicas": n, "rollout": mode, "publish_to_ready_s": round(ready_s, 2),
+                "first_serving_s": round(first_s if first_s is not None else all_s, 2),
+                "all_serving_s": round(all_s, 2), "rollout_s": round(all_s - ready_s, 2),
+                "from_s3": sum(s == "s3" for s in sources), "from_peer": sum(s.startswith("peer/") for s in sources),
+            })  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+            base = version
+    finally:
+        for a in agents:
+            a.stop()
+        api.close()
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    return rows
+
+
+def wall(rfc3339: str) -> float:
+    return dt.datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+
+
+def serving(objects, namespace: str, version: str) -> int:
+    items = objects.list_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas")["items"]
+    return sum(
+        1 for r in items if (r.get("status") or {}).get("phase") == "Serving" and r["status"]["version"] == version
+    )
+
+
+def version_ready(objects, namespace: str, version: str) -> bool:
+    body = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, "weightversions", version)
+    return (body.get("status") or {}).get("phase") == "Ready"
+
+
+def rollout_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        "publish → serving: end of `ferry publish` of a delta (desiredVersion patched at once) → every replica serving",
+        "",
+        "| rollout | replicas | → WeightVersion Ready s | → first serving s | → all serving s "
+        "| rollout s (Ready → all) | S3 reads / peer copies |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['rollout']} | {r['replicas']} | {r['publish_to_ready_s']:.2f} | {r['first_serving_s']:.2f} "
+            f"| {r['all_serving_s']:.2f} | {r['rollout_s']:.2f} | {r['from_s3']} / {r['from_peer']} |"
+        )
+    for mode in ROLLOUTS:
+        by_n = {r["replicas"]: r for r in rows if r["rollout"] == mode}
+        if 1 in by_n and 8 in by_n:
+            total = by_n[8]["all_serving_s"] / by_n[1]["all_serving_s"]
+            lines.append(f"\n{mode}: 8 replicas vs 1, publish → all serving: {total:.2f}x (goal: at most 2x)")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--replicas", default="1,3,8")
     parser.add_argument("--size-mib", type=int, default=128)
+    parser.add_argument("--only", choices=["cold", "rollout"], help="run one of the two parts (default: both)")
+    parser.add_argument("--keep", action="store_true", help="keep the run's directory (agent and operator logs)")
+    parser.add_argument(
+        "--socket-dir", default="", help="the agents serve attach sockets there (seal every version); default: off"
+    )
     args = parser.parse_args()
-    rows = []
-    with local_stack() as (cluster, s3):
+    rows, rollouts = [], []
+    counts = [int(x) for x in args.replicas.split(",")]
+    with local_stack(keep=args.keep) as (cluster, s3):
         root = cluster.workdir.parent
-        operator = start_operator(cluster, root / "operator", env={**s3.env(), "FERRY_RESYNC_SECONDS": "1"})
+        print(f"run directory {root}", flush=True)
+        operator = start_operator(cluster, root / "operator", env=s3.env())
         publish(cluster, s3, root, args.size_mib)
-        for n in (int(x) for x in args.replicas.split(",")):
+        for n in counts if args.only != "rollout" else []:
             for order in (["Peer", "ObjectStorage"], ["ObjectStorage"]):
                 row = one_round(cluster, s3, root, n, order)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        for n in counts if args.only != "cold" else []:
+            rollouts += rollout_rounds(cluster, s3, root, n, args.socket_dir)
         operator.stop()
     lines = [
         f"model {args.size_mib} MiB; S3-only is the reference measured in the same run",
@@ -126,7 +275,9 @@ def main() -> None:
             f"{s3only['seconds_to_ready'] / peer['seconds_to_ready']:.2f}x | {peer['from_s3']} / {peer['from_peer']} "
             f"| {peer['s3_bytes'] >> 20} MiB vs {s3only['s3_bytes'] >> 20} MiB |"
         )
-    write_results("modelload", rows, "\n".join(lines))
+    if not rows:
+        lines = [f"model {args.size_mib} MiB"]
+    write_results("modelload", {"cold": rows, "rollout": rollouts}, "\n".join(lines + rollout_table(rollouts)))
 
 
 if __name__ == "__main__":

@@ -245,20 +245,18 @@ class NodeAgent:
             failure = self._served[key].handle.failure()
             if wr is None:
                 self._unserve(key)
-            elif wr["spec"]["version"] != self._served[key].version:
-                old, new = self._served[key].version, wr["spec"]["version"]
-                self._unserve(key, status={"phase": "Loading", "message": f"releasing {old} to load {new}"},
-                              keep_lease=True)  # fmt: skip
             elif failure is not None:  # a rank process died: the replica no longer holds the whole version
-                self._fail(key, wr["spec"]["version"], wr["metadata"].get("generation"), ReplicaReason.RANK_EXITED,
-                           failure)  # fmt: skip
+                self._fail(key, self._served[key].version, wr["metadata"].get("generation"),
+                           ReplicaReason.RANK_EXITED, failure)  # fmt: skip
                 self._unserve(key, drain_seconds=0)
         for key, wr in assigned.items():
             served = self._served.get(key)
             if served is not None:
                 self._assert_serving(key, served, wr)
                 self._publish_lease_count(key, served)
-            elif self._may_try(key, wr["spec"]["version"]):
+            # A new version is loaded next to the served one, which serves until the new one is (make-before-break).
+            wanted = wr["spec"]["version"]
+            if (served is None or served.version != wanted) and self._may_try(key, wanted):
                 self._load(key, wr)
             self._publish_memory(key, wr)
 
@@ -281,7 +279,10 @@ class NodeAgent:
         """The agent owns the phase: a served replica whose object says otherwise (a write lost to an outage, an
         older operator's `Stale`) is published again, without reloading anything."""
         status = wr.get("status") or {}
-        if self._status.pending(key) or (status.get("phase"), status.get("version")) == ("Serving", served.version):
+        # A failed next version that is no longer wanted (spec is back on the served one) is cleared the same way.
+        moot = bool(status.get("loadingVersion")) and wr["spec"]["version"] == served.version
+        said = (status.get("phase"), status.get("version")) == ("Serving", served.version)
+        if self._status.pending(key) or (said and not moot):
             return
         log.info("%s/%s: status says %s %s, but %s is served; publishing it again", *key, status.get("phase"),
                  status.get("version"), served.version)  # fmt: skip
@@ -289,18 +290,23 @@ class NodeAgent:
         self._patch_status(key, {**served.status, "activeLeases": served.published_leases})
 
     def _load(self, key: tuple[str, str], wr: dict[str, Any]) -> None:
+        """Load spec.version. A replica that serves another version keeps serving it (Serving, `version`) while it
+        loads this one (`loadingVersion`), and releases it only once this one serves; a failed load leaves it so."""
         namespace, name = key
         spec = wr["spec"]
         version = spec["version"]
         generation = wr["metadata"].get("generation")
-        self._patch_status(
-            key,
-            {
-                "phase": "Loading", "version": version, "startedTime": _micro_now(), "completedTime": None,
-                "bytesDone": 0, "bytesTotal": None, "source": None, "attempts": [], "ranks": None, "versionUid": None,
-                "reason": None, "message": "", "observedGeneration": generation,
-            },
-        )  # fmt: skip
+        previous = self._served.get(key)
+        progress_fields = {
+            "startedTime": _micro_now(), "completedTime": None, "bytesDone": 0, "bytesTotal": None, "source": None,
+            "attempts": [], "reason": None, "observedGeneration": generation,
+        }  # fmt: skip
+        if previous is None:
+            start = {"phase": "Loading", "version": version, "loadingVersion": None, "ranks": None, "versionUid": None,
+                     "message": ""}  # fmt: skip
+        else:
+            start = {"loadingVersion": version, "message": f"loading {version}; {previous.version} serves meanwhile"}
+        self._patch_status(key, {**progress_fields, **start})
 
         def progress(done: int, total: int, source: str) -> None:
             self._patch_status(
@@ -308,8 +314,14 @@ class NodeAgent:
                 {"bytesDone": done, "bytesTotal": total or None, "source": source, "lastProgressTime": now_rfc3339()},
             )
 
+        noted = [start["message"]]
+
         def note(message: str) -> None:
-            self._patch_status(key, {"message": message})
+            # Once per change: a replica waiting for the first loader says so every poll, and N of them
+            # rewriting the same message only load the apiserver and the operator.
+            if message != noted[0]:
+                noted[0] = message
+                self._patch_status(key, {"message": message})
 
         t0 = time.monotonic()
         try:
@@ -323,10 +335,13 @@ class NodeAgent:
             attempts = exc.attempts if isinstance(exc, LoadFailed) else []
             refused = exc if isinstance(exc, MemoryBudgetExceeded) else self._host.take_refusal(key)
             if refused is not None:  # every source would need the same memory: that is the reason, not a source
-                message = f"{version} {refused}; nothing was loaded"
-                self._fail(key, version, generation, ReplicaReason.MEMORY_BUDGET_EXCEEDED, message, attempts)
+                reason, message = ReplicaReason.MEMORY_BUDGET_EXCEEDED, f"{version} {refused}; nothing was loaded"
             else:
-                self._fail(key, version, generation, ReplicaReason.LOAD_FAILED, str(exc), attempts)
+                reason, message = ReplicaReason.LOAD_FAILED, str(exc)
+            if previous is None:
+                self._fail(key, version, generation, reason, message, attempts)
+            else:
+                self._fail_next(key, previous, version, reason, message, attempts)
             return
         seconds = time.monotonic() - t0
         kind = metrics.source_kind(loaded.source)
@@ -335,10 +350,10 @@ class NodeAgent:
         metrics.LOAD_SECONDS.labels(source_kind=kind).observe(seconds)
         on_ranks = f" on {len(loaded.ranks)} ranks" if len(loaded.ranks) > 1 else ""
         status = {
-            "phase": "Serving", "version": version, "source": loaded.source, "bytesDone": loaded.bytes_moved,
-            "bytesTotal": loaded.bytes_moved, "completedTime": _micro_now(), "lastProgressTime": _micro_now(),
-            "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks, "reason": None,
-            "versionUid": loaded.version_uid,
+            "phase": "Serving", "version": version, "loadingVersion": None, "source": loaded.source,
+            "bytesDone": loaded.bytes_moved, "bytesTotal": loaded.bytes_moved, "completedTime": _micro_now(),
+            "lastProgressTime": _micro_now(), "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks,
+            "reason": None, "versionUid": loaded.version_uid,
             "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
         }  # fmt: skip
         if isinstance(loaded.handle, InProcessReplica) or loaded.shares:
@@ -346,17 +361,23 @@ class NodeAgent:
             status.update(residentBytes=memory[0], residentVersions=memory[1])
         self._served[key] = Served(version, loaded.handle, status, shares=loaded.shares)
         self._failed.pop(key, None)
-        if self._attach is not None:  # before Serving is published
-            if isinstance(loaded.handle, InProcessReplica):
-                self._attach.serve(key, spec, loaded.handle.resident, loaded.version_uid)
-            elif loaded.shares:
-                self._attach.serve_ranks(key, spec, loaded.shares, loaded.version_uid)
         # Lease first, so nobody sees Serving without a live Lease. Neither write failing unloads anything: the
         # renewals retry the Lease and the outbox the status, until the apiserver takes them.
         self._hold_lease(key)
         self._patch_status(key, status)
         log.info("%s/%s serving %s (%d bytes from %s in %.2fs%s)", namespace, name, version, loaded.bytes_moved,
                  loaded.source, seconds, on_ranks)  # fmt: skip
+        if previous is not None:
+            # Only now, with the new version published in place of the old: readers that picked the old one
+            # before the switch finish (the drain), attached pods keep their sealed copy.
+            self._retire(key, previous)
+        if self._attach is not None:
+            # After the status: peers copy the new version meanwhile. Pods follow the offer, not the status, and
+            # keep being offered the old version until this replaces it.
+            if isinstance(loaded.handle, InProcessReplica):
+                self._attach.serve(key, spec, loaded.handle.resident, loaded.version_uid)
+            elif loaded.shares:
+                self._attach.serve_ranks(key, spec, loaded.shares, loaded.version_uid)
 
     def _load_here(self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress,
                    note: Callable[[str], None]) -> Loaded:  # fmt: skip
@@ -455,15 +476,29 @@ class NodeAgent:
     def _fail(self, key, version, generation, reason: ReplicaReason, message, attempts=None) -> None:
         log.error("%s/%s failed to load %s: %s", *key, version, message)
         self._release_lease(key)
+        self._note_failure(key, version)
+        self._patch_status(
+            key,
+            {"phase": "Failed", "version": version, "loadingVersion": None, "reason": str(reason),
+             "message": message[:4096], "attempts": attempts or [], "observedGeneration": generation},
+        )  # fmt: skip
+
+    def _fail_next(self, key: tuple[str, str], served: Served, version: str, reason: ReplicaReason, message: str,
+                   attempts: list[dict[str, Any]]) -> None:  # fmt: skip
+        """Loading `version` next to the served one failed: the served one stays (its Lease and status too), the
+        failure is reported beside it, and the load is retried with backoff like a first load."""
+        log.error("%s/%s failed to load %s (still serving %s): %s", *key, version, served.version, message)
+        self._note_failure(key, version)
+        self._patch_status(
+            key, {"loadingVersion": version, "reason": str(reason), "message": message[:4096],
+                  "attempts": attempts or []},
+        )  # fmt: skip
+
+    def _note_failure(self, key: tuple[str, str], version: str) -> None:
         previous = self._failed.get(key)
         tries = previous[1] + 1 if previous and previous[0] == version else 1
         delay = min(300.0, self._retry_seconds * 2 ** (tries - 1))
         self._failed[key] = (version, tries, time.monotonic() + delay)
-        self._patch_status(
-            key,
-            {"phase": "Failed", "version": version, "reason": str(reason), "message": message[:4096],
-             "attempts": attempts or [], "observedGeneration": generation},
-        )  # fmt: skip
 
     # ------------------------------------------------------------------ liveness
 
@@ -583,28 +618,23 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ release
 
-    def _unserve(
-        self,
-        key: tuple[str, str],
-        drain_seconds: float = 10.0,
-        status: dict[str, Any] | None = None,
-        *,
-        keep_lease: bool = False,
-    ) -> None:
-        """Stop serving: `status` first (so that no new reader picks this replica), then drain the readers, then
-        delete the Lease, unless `keep_lease` (a version change: the agent stays alive for this replica, and the
-        operator, whose view of the status may lag its view of the Lease, must not take it for a dead one)."""
+    def _unserve(self, key: tuple[str, str], drain_seconds: float = 10.0) -> None:
+        """Stop serving: drain the readers, then delete the Lease."""
         served = self._served.pop(key)
         if self._attach is not None:  # no new consumer; the attached ones keep their sealed copy
             self._attach.withdraw(key)
-        if status is not None:
-            self._patch_status(key, status)
         served.handle.stop(drain_seconds)
         for share in served.shares:  # the agent's hold on the rank processes' memory; leases may keep it longer
             share.unref()
-        if not keep_lease:
-            self._release_lease(key)
+        self._release_lease(key)
         log.info("%s/%s released %s", *key, served.version)
+
+    def _retire(self, key: tuple[str, str], old: Served, drain_seconds: float = 10.0) -> None:
+        """Release the version a newer one replaced (already published, Lease kept): drain its readers, stop it."""
+        old.handle.stop(drain_seconds)
+        for share in old.shares:  # the agent's hold on the rank processes' memory; leases may keep it longer
+            share.unref()
+        log.info("%s/%s released %s (replaced by %s)", *key, old.version, self._served[key].version)
 
     def shutdown(self) -> None:
         for key in list(self._served):

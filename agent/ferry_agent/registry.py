@@ -100,7 +100,7 @@ def lease_body(
 
 
 def first_loader(replicas: Iterable[Mapping[str, Any]], *, version: str, self_replica: str) -> str:
-    """Among replicas of `version` that are not serving it yet (self included), the one that goes to object
+    """Among replicas assigned `version` that are not serving it yet (self included), the one that goes to object
     storage when no peer has it; the others wait for it and copy from it, so N cold replicas cost one S3 read.
     Deterministic (smallest name), so every agent agrees without talking."""
     loading = {self_replica}
@@ -108,6 +108,8 @@ def first_loader(replicas: Iterable[Mapping[str, Any]], *, version: str, self_re
         status = wr.get("status") or {}
         if wr["metadata"].get("deletionTimestamp") or (wr.get("spec") or {}).get("version") != version:
             continue
-        if status.get("phase") in (None, "Pending", "Loading"):
+        # A replica moving from an older version serves that one (make-before-break) while it loads this one.
+        moving = status.get("phase") == "Serving" and status.get("version") != version
+        if status.get("phase") in (None, "Pending", "Loading") or moving:
             loading.add(wr["metadata"]["name"])
     return min(loading)

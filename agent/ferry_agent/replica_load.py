@@ -21,7 +21,7 @@ import torch
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from ferry.api.models import GROUP, VERSION
+from ferry.api.models import GROUP, LABEL_MODEL, VERSION, label_value
 from ferry.storage import credentials_from_secret_data
 from ferry_agent.apiretry import call_with_retry
 from ferry_agent.checkpoint_store import CheckpointStore
@@ -29,7 +29,7 @@ from ferry_agent.cold_start import DEFAULT_SOURCE_ORDER, run_cold_start
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import PeerStrategy, Progress, TransferSettings
 from ferry_agent.ranks import RankGroup
-from ferry_agent.registry import LABEL_VERSION, first_loader, peer_version_problem, source_candidates
+from ferry_agent.registry import first_loader, peer_version_problem, source_candidates
 from ferry_agent.resident import ResidentWeights, spec_of
 from ferry_agent.s3_strategy import ObjectStorageStrategy
 from ferry_agent.sharding import rank_specs
@@ -207,9 +207,11 @@ class ApiSources:
             assert body is not None
             return str(body["metadata"]["uid"])
 
-        def listed() -> tuple[list, dict]:
+        def listed(ctx: LoadContext) -> tuple[list, dict]:
+            # By model, not by the version label: that names spec.version, and a replica moving to a newer version
+            # still serves this one until the newer one is resident (make-before-break).
             replicas = self._objects.list_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, label_selector=f"{LABEL_VERSION}={version}"
+                GROUP, VERSION, self.namespace, PLURAL, label_selector=f"{LABEL_MODEL}={label_value(ctx.model)}"
             )["items"]
             leases = {
                 lease.metadata.name: self._api.sanitize_for_serialization(lease)
@@ -218,7 +220,7 @@ class ApiSources:
             return replicas, leases
 
         def once(ctx: LoadContext, uid: str) -> tuple[list, list]:
-            replicas, leases = self._read(f"the sources of {version}", listed)
+            replicas, leases = self._read(f"the sources of {version}", lambda: listed(ctx))
             found = source_candidates(
                 replicas, leases, version=version, rank=ctx.rank, self_replica=self_name,
                 now=dt.datetime.now(dt.UTC), world_size=ctx.world_size, version_uid=uid,

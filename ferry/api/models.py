@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from enum import StrEnum
 from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 GROUP = "ferry.dev"
 VERSION = "v1alpha1"
@@ -315,6 +316,69 @@ class LabelSelector(_Model):
     )
 
 
+class RolloutStrategy(StrEnum):
+    PARALLEL = "Parallel"  # every replica moves at once (each keeps serving its old version until the new is resident)
+    ROLLING = "Rolling"  # at most `maxUnavailable` replicas move at a time
+
+
+# A count or a percentage of spec.replicas, as a Deployment's maxUnavailable.
+INT_OR_PERCENT = r"^(100|[1-9]?[0-9])%$"
+
+
+def _int_or_percent(schema: dict) -> None:
+    """The schema of a Kubernetes IntOrString of at least 1 (or 1%): no anyOf, which a structural schema forbids."""
+    schema.pop("anyOf", None)
+    schema["x-kubernetes-int-or-string"] = True
+    schema["x-kubernetes-validations"] = [
+        {
+            "rule": f"type(self) == int ? self >= 1 : self.matches('{INT_OR_PERCENT}') && self != '0%'",
+            "message": "must be an integer >= 1 or a percentage such as 25%",
+            "reason": "FieldValueInvalid",
+        }
+    ]
+
+
+class RolloutSpec(_Model):
+    """How the operator moves the replicas to a new desiredVersion (docs/architecture.md, Rollouts)."""
+
+    cel_rules: ClassVar[list[CelRule]] = [
+        CelRule(
+            rule="self.strategy == 'Rolling' || !has(self.maxUnavailable)",
+            message="maxUnavailable applies to the Rolling strategy only",
+            reason="FieldValueForbidden",
+            fieldPath=".maxUnavailable",
+        ),
+    ]
+
+    strategy: RolloutStrategy = Field(
+        default=RolloutStrategy.ROLLING,
+        description="Parallel: every replica moves to the new version at once. Rolling: at most maxUnavailable "
+        "replicas move at a time. Either way a moving replica keeps serving its old version (to peers and attached "
+        "pods) until the new one is resident (make-before-break), so a Parallel rollout loses no capacity; it "
+        "holds both versions' bytes on every node meanwhile.",
+    )
+    maxUnavailable: int | str | None = Field(
+        default=None,
+        description="Rolling only: how many replicas may be moving (retargeted, not yet serving the new version) "
+        "or unavailable (serving nothing) at once; an integer >= 1 or a percentage of spec.replicas (rounded down, "
+        "at least 1). Unset: 25%. A moving replica still serves its old version, so the replicas that serve "
+        "neither version never exceed it.",
+        json_schema_extra=lambda schema: _int_or_percent(schema),
+    )
+
+    @field_validator("maxUnavailable")
+    @classmethod
+    def _budget(cls, value: int | str | None) -> int | str | None:
+        if value is None or (isinstance(value, int) and value >= 1):
+            return value
+        if isinstance(value, str) and re.match(INT_OR_PERCENT, value) and value != "0%":
+            return value
+        raise ValueError("must be an integer >= 1 or a percentage such as 25%")
+
+
+DEFAULT_MAX_UNAVAILABLE = "25%"
+
+
 class ModelLoadSpec(_Model):
     modelName: str = Field(min_length=1, max_length=253)
     desiredVersion: ObjectName = Field(description="Name of the WeightVersion to make resident.")
@@ -358,6 +422,11 @@ class ModelLoadSpec(_Model):
         "(spec.nodeName set, not terminating, not Succeeded or Failed) holds a replica too, in addition to the "
         "`replicas` warm pool on nodeSelector nodes (docs/consumers.md). A node whose matching pods are gone "
         "keeps its replica while any consumer is still attached. Unset: the warm pool alone.",
+    )
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        description="How replicas move to a new desiredVersion; unset: Rolling with maxUnavailable 25%.",
+        json_schema_extra={"default": {}},
     )
 
 
@@ -454,7 +523,8 @@ class LiveReason(StrEnum):
 
 
 class ReplicaReason(StrEnum):
-    """Why a WeightReplica is Failed (`status.reason`); empty in every other phase."""
+    """Why a WeightReplica is Failed (`status.reason`), or why loading its `loadingVersion` failed while it still
+    serves the old version (phase Serving); empty otherwise."""
 
     LOAD_FAILED = "LoadFailed"  # every source of the chain failed; `message` names each failure
     RANK_EXITED = "RankExited"  # a rank process of a loaded replica died; the agent reloads it
@@ -507,7 +577,18 @@ class WeightReplicaStatus(_Model):
         description="Written by the node agent alone. Whether the agent is alive is its Lease's to say (the `Live` "
         "condition), not a phase's.",
     )
-    version: str | None = None
+    version: str | None = Field(
+        default=None,
+        description="The version this replica serves (phase Serving), or loads or failed to load when it serves none.",
+    )
+    loadingVersion: str | None = Field(
+        default=None,
+        description="A version change in flight (make-before-break): the version the agent loads while it keeps "
+        "serving `version` to peers and attached pods; once resident it becomes `version` and this clears. While "
+        "set, bytesDone, bytesTotal, source, startedTime, lastProgressTime and attempts describe this load (ranks, "
+        "versionUid and activeLeases the served version); reason LoadFailed says its last attempt failed (retried "
+        "with backoff, the old version still served).",
+    )
     versionUid: str | None = Field(
         default=None,
         max_length=128,
@@ -562,6 +643,8 @@ class WeightReplica(_Model):
         {"name": "Node", "type": "string", "jsonPath": ".spec.nodeName"},
         {"name": "Version", "type": "string", "jsonPath": ".spec.version"},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Serves", "type": "string", "jsonPath": ".status.version"},
+        {"name": "Loading", "type": "string", "jsonPath": ".status.loadingVersion"},
         {"name": "Source", "type": "string", "jsonPath": ".status.source"},
         {"name": "Live", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Live")].status'},
         {"name": "Attached", "type": "integer", "jsonPath": ".status.attachedPods"},
@@ -596,6 +679,11 @@ _WARM_HASH_CHARS = 10
 REPLICA_LEASE_PREFIX = "ferry-wr-"
 
 
+def label_value(value: str) -> str:
+    """A name as the value of a `ferry.dev/*` label: itself, or a digest when longer than a label value may be."""
+    return value if len(value) <= 63 else hashlib.sha256(value.encode()).hexdigest()[:63]
+
+
 def worker_audience(node: str) -> str:
     """The audience of the worker tokens that the worker services of `node` accept."""
     if not node:
@@ -611,11 +699,6 @@ def warm_node_label(namespace: str, modelload: str) -> str:
     digest = hashlib.sha256(f"{namespace}/{modelload}".encode()).hexdigest()[:_WARM_HASH_CHARS]
     readable = f"{namespace}_{modelload}"[: 63 - _WARM_HASH_CHARS - 1].rstrip("-._")
     return f"{WARM_LABEL_PREFIX}{readable}-{digest}"
-
-
-def label_value(value: str) -> str:
-    """`value` as a label value: itself when it fits 63 characters, else a 63-character hash of it."""
-    return value if len(value) <= 63 else hashlib.sha256(value.encode()).hexdigest()[:63]
 
 
 def replica_lease_name(replica: str) -> str:

@@ -7,7 +7,7 @@ import functools
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from ferry.api.models import GROUP, VERSION
+from ferry.api.models import GROUP, VERSION, label_value
 from ferry.kube import kube_client
 
 # The kopf resource of each kind, for handler decorators and kopf's own calls.
@@ -76,7 +76,7 @@ def delete_replica(namespace: str, name: str) -> bool:
 
 
 def retarget_replica(namespace: str, name: str, version: str, version_label: str) -> None:
-    body = {"metadata": {"labels": {version_label: version}}, "spec": {"version": version}}
+    body = {"metadata": {"labels": {version_label: label_value(version)}}, "spec": {"version": version}}
     _objects().patch_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas", name, body)
 
 

@@ -151,7 +151,10 @@ def desired_index(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, *
 @kopf.index(*WR)
 def lease_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict:
     # {} rather than None when the reads end: None would keep the replica's previous entry (a blocker for good).
-    return {(namespace, spec.get("version")): name} if status.get("activeLeases") else {}
+    if not status.get("activeLeases"):
+        return {}
+    # The readers hold the served version, which during a version change is not yet spec.version.
+    return {(namespace, status.get("version") or spec.get("version")): name}
 
 
 @kopf.index(*WR)
@@ -420,39 +423,46 @@ async def _reconcile_modelload(
     serving = replica_index.get(("serving", namespace, desired), [])
     holders = {r["spec"]["nodeName"] for r in serving if serves(r, desired, uid)}
     problem = version_problem(body["spec"], view)
-    pod_nodes = pod_placement.pod_nodes(namespace, name, body["spec"].get("podSelector"))
-    plan = plan_replicas(model_load, replicas, nodes, holders, placeable=problem is None, pod_nodes=pod_nodes)
-    for wr in plan.create:
-        if await asyncio.to_thread(kubeapi.create_replica, wr):  # False: an earlier reconcile created it
-            kopf.info(body, reason="ReplicaCreated", message=f"{wr['metadata']['name']} on {wr['spec']['nodeName']}")
-    for replica in plan.delete:
-        if await asyncio.to_thread(kubeapi.delete_replica, namespace, replica):
-            kopf.info(body, reason="ReplicaDeleted", message=replica)
-    for replica in plan.retarget:
-        await asyncio.to_thread(kubeapi.retarget_replica, namespace, replica, desired, LABEL_VERSION)
-        if _first_time(body, f"RollingOut/{replica}", ("RollingOut", desired)):  # a stale index retargets again
-            kopf.info(body, reason="RollingOut", message=f"{replica} moves to {desired}")
-    for replica, placement in plan.relabel.items():
-        await asyncio.to_thread(kubeapi.label_replica, namespace, replica, LABEL_PLACEMENT, placement)
-    pod_placement.announce_held(body, plan.held)
-
     leases = {
         lease_name: lease
         for r in replicas
         for lease_name in [replica_lease_name(r["metadata"]["name"])]
         for lease in replica_lease_index.get((namespace, lease_name), [])
     }
+    now = dt.datetime.now(dt.UTC)
+    stale = stale_replicas(replicas, leases, now)
+    pod_nodes = pod_placement.pod_nodes(namespace, name, body["spec"].get("podSelector"))
+    plan = plan_replicas(
+        model_load, replicas, nodes, holders, placeable=problem is None, pod_nodes=pod_nodes, stale=stale
+    )
+    for wr in plan.create:
+        if await asyncio.to_thread(kubeapi.create_replica, wr):  # False: an earlier reconcile created it
+            kopf.info(body, reason="ReplicaCreated", message=f"{wr['metadata']['name']} on {wr['spec']['nodeName']}")
+    for replica in plan.delete:
+        if await asyncio.to_thread(kubeapi.delete_replica, namespace, replica):
+            kopf.info(body, reason="ReplicaDeleted", message=replica)
+    if plan.retarget:  # at once: a Parallel rollout of N replicas must not wait for N patches in a row
+        await asyncio.gather(
+            *(asyncio.to_thread(kubeapi.retarget_replica, namespace, r, desired, LABEL_VERSION) for r in plan.retarget)
+        )
+        # One Event per step; a stale index that retargets the same replicas again posts none.
+        fresh = [r for r in plan.retarget if _first_time(body, f"RollingOut/{r}", ("RollingOut", desired))]
+        if fresh:
+            kopf.info(body, reason="RollingOut", message=f"{', '.join(fresh)} move to {desired}")
+    for replica, placement in plan.relabel.items():
+        await asyncio.to_thread(kubeapi.label_replica, namespace, replica, LABEL_PLACEMENT, placement)
+    pod_placement.announce_held(body, plan.held)
+
     # A Lease that names another node (or none) would keep the replica's own agent from writing its Lease for good:
     # delete it, and the agent creates its own at its next renewal. Until then the replica is not Live.
     for foreign in foreign_leases(replicas, leases):
         if await asyncio.to_thread(kubeapi.delete_lease, namespace, foreign.lease, foreign.uid):
             kopf.warn(body, reason=LEASE_OF_OTHER_NODE_DELETED, message=foreign.message())
-    now = dt.datetime.now(dt.UTC)
     # Staleness is the Leases' to say, every time: the operator records it in the replicas' `Live` condition
     # (its own field) and never in their phase, which is the agent's.
     for replica, conditions in live_conditions(replicas, leases, now, now_rfc3339()).items():
         await asyncio.to_thread(kubeapi.set_replica_conditions, namespace, replica, conditions)
-    await pod_placement.sync_warm_labels(namespace, name, replicas, nodes, stale_replicas(replicas, leases, now))
+    await pod_placement.sync_warm_labels(namespace, name, replicas, nodes, stale)
     matching = sum(1 for n in nodes if node_matches(n, body["spec"].get("nodeSelector") or {}))
     status = aggregate_status(
         model_load, replicas, leases, nodes_available=matching, now=now, now_text=now_rfc3339(),
@@ -544,8 +554,9 @@ def _attached_digest(status: kopf.Status) -> str:
 @kopf.on.event(*WR)
 async def replica_changed(event: dict, namespace: str, name: str, body: kopf.Body, spec: kopf.Spec,
                           status: kopf.Status, **_: Any) -> None:  # fmt: skip
-    """A replica changed what its ModelLoad's status is made of (phase, the version it serves, a fallback, who is
-    attached) or went away: re-reconcile the ModelLoad now. Progress within a load changes nothing there."""
+    """A replica changed what its ModelLoad's status is made of (phase, the version it serves or loads next to it,
+    a failure, a fallback, who is attached) or went away: re-reconcile the ModelLoad now. Progress within a load
+    changes nothing there."""
     key = (namespace, name)
     if event.get("type") == "DELETED":
         state: tuple | None = None
@@ -554,6 +565,7 @@ async def replica_changed(event: dict, namespace: str, name: str, body: kopf.Bod
     else:
         state = (
             status.get("phase"), status.get("version"), status.get("versionUid"), spec.get("version"),
+            status.get("loadingVersion"), status.get("reason"),
             spec.get("nodeName"), fell_back(body), bool(body["metadata"].get("deletionTimestamp")),
             status.get("lastProgressTime") if key in _stalled else None,
             _attached_digest(status),

@@ -15,6 +15,7 @@ from ferry.api.conditions import get_condition, set_condition
 from ferry.api.liveness import DEFAULT_LEASE_SECONDS, lease_is_live, lease_node, parse_time
 from ferry.api.models import (
     API_VERSION,
+    DEFAULT_MAX_UNAVAILABLE,
     LABEL_MODEL,
     LABEL_MODELLOAD,
     LABEL_NODE,
@@ -25,6 +26,8 @@ from ferry.api.models import (
     EnginesAttachedReason,
     LiveReason,
     ReplicaConditionType,
+    ReplicaReason,
+    RolloutStrategy,
     label_value,
     replica_lease_name,
 )
@@ -224,6 +227,50 @@ class ReplicaPlan:
     extra: int = 0  # replicas kept besides the warm pool (followed pods' nodes, held ones)
 
 
+def max_unavailable(spec: Mapping[str, Any]) -> int | None:
+    """How many replicas a rollout may have moving or unavailable at once; None: no bound (Parallel). A percentage
+    of spec.replicas rounds down, as a Deployment's maxUnavailable, but is at least 1 so every rollout progresses."""
+    rollout = spec.get("rollout") or {}
+    if rollout.get("strategy", RolloutStrategy.ROLLING) == RolloutStrategy.PARALLEL:
+        return None
+    value = rollout.get("maxUnavailable") or DEFAULT_MAX_UNAVAILABLE
+    if isinstance(value, str):
+        value = int(value.removesuffix("%")) * int(spec.get("replicas", 1)) // 100
+    return max(1, int(value))
+
+
+def available(replica: Mapping[str, Any], stale: Iterable[str] = ()) -> bool:
+    """Serving some version (the old one, or the new) with a live Lease."""
+    return _phase(replica) == "Serving" and replica["metadata"]["name"] not in set(stale)
+
+
+def moving(replica: Mapping[str, Any], desired: str) -> bool:
+    """Retargeted to `desired` and not yet serving it (its agent loads it, or is slow or down)."""
+    return replica["spec"]["version"] == desired and not serves(replica, desired)
+
+
+def rollout_moves(
+    spec: Mapping[str, Any], kept: list[Mapping[str, Any]], holders: Iterable[str], stale: Iterable[str] = ()
+) -> list[str]:
+    """Which of the `kept` replicas (placed, not being deleted) move to spec.desiredVersion now. A replica that is
+    moving or unavailable counts against the budget (`max_unavailable`): a moving one keeps serving its old version
+    (make-before-break) unless its agent cannot, so counting it bounds the replicas that serve neither version
+    whatever the agent does. A replica that serves nothing anyway moves at once: that costs no capacity."""
+    desired = spec["desiredVersion"]
+    stale = set(stale)
+    behind = [r for r in kept if r["spec"]["version"] != desired]
+    free = [r["metadata"]["name"] for r in behind if not available(r, stale)]
+    serving = [r for r in behind if available(r, stale)]
+    # Prefer a node that already holds the new version (a local source), then by name.
+    holding = set(holders)
+    serving.sort(key=lambda r: (r["spec"]["nodeName"] not in holding, r["metadata"]["name"]))
+    limit = max_unavailable(spec)
+    if limit is None:
+        return sorted(free) + [r["metadata"]["name"] for r in serving]
+    counted = sum(1 for r in kept if moving(r, desired) or not available(r, stale))
+    return sorted(free) + [r["metadata"]["name"] for r in serving[: max(0, limit - counted)]]
+
+
 def plan_replicas(
     modelload: Mapping[str, Any],
     replicas: Iterable[Mapping[str, Any]],
@@ -232,10 +279,11 @@ def plan_replicas(
     *,
     placeable: bool = True,
     pod_nodes: Iterable[str] | None = (),
+    stale: Iterable[str] = (),
 ) -> ReplicaPlan:
-    """What to create, delete and move to the desired version. A version change rolls one replica at a time,
-    so the others keep serving (and stay peer sources) until the new version is loaded somewhere. While the
-    desired version is not `placeable` (missing, not Ready, another model's) nothing is created or moved to it.
+    """What to create, delete and move to the desired version (`rollout_moves`; `stale`: replicas whose Lease is
+    not live). While the desired version is not `placeable` (missing, not Ready, another model's) nothing is
+    created or moved to it.
 
     The replicas kept are the union of the warm pool (`spec.replicas` nodes that match `spec.nodeSelector`,
     `choose_nodes`) and the known nodes in `pod_nodes` (where a pod the ModelLoad follows is bound); a replica
@@ -271,16 +319,7 @@ def plan_replicas(
         ),
         key=lambda body: body["metadata"]["name"],
     )
-    kept = [by_node[n] for n in chosen if n in by_node]
-    behind = [r for r in kept if r["spec"]["version"] != desired]
-    # In flight until the agent reports Serving *that* version: a replica still serving the old one after its spec
-    # moved (agent slow or down) must hold the rollout back too.
-    in_flight = [r for r in kept if r["spec"]["version"] == desired and not serves(r, desired)]
-    if behind and not in_flight:
-        # Prefer a node that already holds the new version, then one not serving anything useful anyway.
-        holding = set(holders)
-        behind.sort(key=lambda r: (r["spec"]["nodeName"] not in holding, _phase(r) == "Serving", r["metadata"]["name"]))
-        plan.retarget = [behind[0]["metadata"]["name"]]
+    plan.retarget = rollout_moves(modelload["spec"], [by_node[n] for n in chosen if n in by_node], holders, stale)
     return plan
 
 
@@ -343,7 +382,7 @@ def stalled_replicas(
     found = []
     for r in replicas:
         status = r.get("status") or {}
-        if status.get("phase") != "Loading":
+        if status.get("phase") in ("Pending", "Loaded") or not loading_now(r):
             continue
         since = status.get("lastProgressTime") or status.get("startedTime")
         last = parse_time(since)
@@ -371,11 +410,28 @@ def stall_deadline(replicas: Iterable[Mapping[str, Any]], stall_seconds: float, 
     for r in replicas:
         status = r.get("status") or {}
         last = parse_time(status.get("lastProgressTime") or status.get("startedTime"))
-        if status.get("phase") == "Loading" and last is not None:
+        if status.get("phase") not in ("Pending", "Loaded") and loading_now(r) and last is not None:
             due = last + dt.timedelta(seconds=stall_seconds)
             if due > now:
                 times.append(due)
     return min(times, default=None)
+
+
+def loading_now(replica: Mapping[str, Any]) -> bool:
+    """Loading a version: a first load, or a new version next to the served one (`status.loadingVersion`)."""
+    status = replica.get("status") or {}
+    return _phase(replica) in ("Pending", "Loading", "Loaded") or (
+        bool(status.get("loadingVersion")) and not load_failed(replica)
+    )
+
+
+def load_failed(replica: Mapping[str, Any]) -> bool:
+    """Failed, or failed to load its `loadingVersion` while still serving the old one (make-before-break)."""
+    status = replica.get("status") or {}
+    return _phase(replica) == "Failed" or bool(
+        status.get("loadingVersion")
+        and status.get("reason") in (ReplicaReason.LOAD_FAILED, ReplicaReason.MEMORY_BUDGET_EXCEEDED)
+    )
 
 
 def fell_back(replica: Mapping[str, Any]) -> bool:
@@ -578,8 +634,8 @@ def aggregate_status(
     outdated = sorted(
         r["metadata"]["name"] for r in replicas if serves(r, desired) and not serves(r, desired, version_uid)
     )
-    failed = [r for r in replicas if _phase(r) == "Failed"]
-    loading = [r for r in replicas if _phase(r) in ("Pending", "Loading", "Loaded")]
+    failed = [r for r in replicas if load_failed(r)]
+    loading = [r for r in replicas if loading_now(r)]
     behind = [r for r in replicas if r["spec"]["version"] != desired]
     stalled = stalled_replicas(replicas, float((spec.get("transfer") or {}).get("stallSeconds", 60)), now)
     fallbacks = [r["metadata"]["name"] for r in replicas if fell_back(r)]
