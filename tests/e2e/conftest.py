@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +75,11 @@ def operator_handle(cluster, s3, tmp_path_factory) -> Iterator[OperatorHandle]:
 def operator(operator_handle: OperatorHandle) -> OperatorHandle:
     operator_handle.ensure_running()
     return operator_handle
+
+
+@pytest.fixture
+def socket_root() -> Iterator[Path]:
+    """The agent's attach socket directory: short, under /tmp, since a Unix socket path is at most 107 bytes."""
+    root = Path(tempfile.mkdtemp(prefix="ferry-", dir="/tmp"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

@@ -10,12 +10,10 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -68,13 +66,6 @@ def line_of(proc: subprocess.Popen, describe, timeout: float = 120) -> dict:
 
 def attached(pod_dir: Path) -> list[int]:
     return [v["attached"] for v in request({"op": "list"}, socket_dir=pod_dir, timeout=5)["versions"]]
-
-
-@pytest.fixture
-def socket_root():
-    root = Path(tempfile.mkdtemp(prefix="ferry-", dir="/tmp"))  # a Unix socket path is at most 107 bytes
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def test_engine_pod_attaches_loads_and_its_lease_follows_the_process(cluster, namespace, operator, tmp_path,

@@ -5,9 +5,6 @@ and then every rank, and gets exactly those tensors, sha256 for sha256. The repl
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 from agentutil import node, seed_arg, start_agent
@@ -21,13 +18,6 @@ from ferry_agent.resident import spec_of
 from ferry_agent.sharding import rank_specs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-
-
-@pytest.fixture
-def socket_root():
-    root = Path(tempfile.mkdtemp(prefix="ferry-", dir="/tmp"))  # a Unix socket path is at most 107 bytes
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_consumer_attaches_one_ranks_share_or_all_of_a_two_rank_replica(cluster, namespace, operator, tmp_path,

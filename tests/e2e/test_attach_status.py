@@ -8,12 +8,9 @@ pod's directory attaches the ModelLoad (`attach_consumer.py`, Ferry's own stack 
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 from agentutil import node, seed_arg, start_agent
@@ -23,13 +20,6 @@ from test_attach import consumer, engine_pod, line_of
 from wvutil import apply, condition, get, ml_body, ml_status, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def socket_root():
-    root = Path(tempfile.mkdtemp(prefix="ferry-", dir="/tmp"))  # a Unix socket path is at most 107 bytes
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def replica_status(cluster, namespace: str) -> dict:

@@ -4,10 +4,7 @@ shared with the version a pod still holds across a refit, and bounded by `--host
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 from agentutil import node, seed_arg, start_agent
@@ -19,13 +16,6 @@ from wvutil import apply, ml_body, ml_status, wait_for, wv_body
 from ferry.client import request
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def socket_root():
-    root = Path(tempfile.mkdtemp(prefix="ferry-", dir="/tmp"))  # a Unix socket path is at most 107 bytes
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def replica(cluster, namespace: str) -> dict:

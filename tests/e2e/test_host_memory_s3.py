@@ -5,9 +5,7 @@ checks), unchanged tensors share the base's chunks, and the replica's residentBy
 from __future__ import annotations
 
 import json
-import shutil
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +17,6 @@ from wvutil import apply, ml_body, publish_delta, publish_full, tensors, wait_fo
 from ferry.client import attach
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def socket_root():
-    root = Path(tempfile.mkdtemp(prefix="ferry-", dir="/tmp"))  # a Unix socket path is at most 107 bytes
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def shards(folder: Path) -> list[Path]:

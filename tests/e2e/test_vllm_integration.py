@@ -20,7 +20,7 @@ import torch
 from agentutil import node, seed_arg, start_agent
 from attach_consumer import build_model, greedy, model_tensors, tensors_sha256
 from safetensors.torch import save_file
-from test_attach import engine_pod, line_of, socket_root  # noqa: F401 (a fixture)
+from test_attach import engine_pod, line_of
 from wvutil import apply, ml_body, ml_status, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e
@@ -52,7 +52,7 @@ def expected(tensors: dict[str, torch.Tensor]) -> tuple[str, list[int]]:
 
 
 def test_vllm_loader_refit_backend_sidecar_and_worker_extension(cluster, namespace, operator, tmp_path,
-                                                                 socket_root):  # noqa: F811  # fmt: skip
+                                                                 socket_root):  # fmt: skip
     tensors = versions()
     want = {v: expected(t) for v, t in tensors.items()}
     assert len({tuple(tokens) for _, tokens in want.values()}) == 3  # each version generates its own tokens
