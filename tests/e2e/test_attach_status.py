@@ -22,6 +22,14 @@ from wvutil import apply, condition, get, ml_body, ml_status, wait_for, wv_body
 pytestmark = pytest.mark.e2e
 
 
+def printed_column(cluster, namespace: str, kind: str, header: str) -> str:
+    """The `kubectl get` column `header` of the one object of `kind`, cut at the header's offset (empty columns
+    before it would shift a split())."""
+    head, row = cluster.kubectl("get", kind, "-n", namespace).stdout.splitlines()[:2]
+    start = head.index(f" {header} ") + 1
+    return row[start:].split()[0]
+
+
 def replica_status(cluster, namespace: str) -> dict:
     items = json.loads(cluster.kubectl("get", "wr", "-n", namespace, "-o", "json").stdout)["items"]
     assert len(items) == 1, items
@@ -78,10 +86,8 @@ def test_attached_pod_is_counted_and_blocks_the_release_of_its_version_until_kil
         assert status["attachedPods"] == 1
         assert status["attachments"][0]["podNamespace"] == namespace and "rank" not in status["attachments"][0]
         wait_for(lambda: engines(cluster, namespace) == ("True", "Attached", 1), 30, "EnginesAttached", describe)
-        columns = cluster.kubectl("get", "ml", "serve", "-n", namespace).stdout.splitlines()
-        assert columns[0].split()[5] == "ATTACHED" and columns[1].split()[5] == "1", columns
-        columns = cluster.kubectl("get", "wr", "-n", namespace).stdout.splitlines()
-        assert columns[0].split()[6] == "ATTACHED" and columns[1].split()[6] == "1", columns
+        assert printed_column(cluster, namespace, "ml", "ATTACHED") == "1"
+        assert printed_column(cluster, namespace, "wr", "ATTACHED") == "1"
 
         # The node moves to v2; the engine has not refit and keeps v1 (the agent no longer offers it).
         cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p",
