@@ -208,7 +208,7 @@ def test_modelload_loads_onto_both_nodes_from_s3_then_from_the_peer(pod_stack, r
 # The consumer pod's program: attach the ModelLoad through this pod's socket, hash every tensor's bytes in name
 # order, and report what of the node's attach directory it can see.
 CONSUMER = r"""
-import errno, hashlib, json, os, sys
+import errno, hashlib, json, os
 import torch
 from ferry.client import attach
 
