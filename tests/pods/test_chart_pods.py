@@ -1,11 +1,13 @@
 """The chart as users run it: `helm install` into a cluster with two real kubelet nodes (containerd, runc, CNI
 bridges), from the daemonless dev images. The operator Deployment and the agent DaemonSet become Ready through their
 probes; `ferry publish` + a ModelLoad loads a version onto both nodes (one from S3, one pod to pod from the peer);
-a deleted agent pod comes back and its replica recovers; `helm upgrade` rolls the pods; `helm uninstall` keeps the
-CRDs and the custom resources. The tests run in order and share one release."""
+a consumer pod attaches the served tensors through its own hostPath socket (docs/consumers.md); a deleted agent pod
+comes back and its replica recovers; `helm upgrade` rolls the pods; `helm uninstall` keeps the CRDs and the custom
+resources. The tests run in order and share one release."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -94,7 +96,6 @@ def values_file(stack, tmp: Path, **overrides) -> Path:
         "requests": {"cpu": "100m", "memory": "256Mi", "ephemeral-storage": "16Mi"},
         "limits": {"cpu": "2", "memory": "4Gi", "ephemeral-storage": "1Gi"},
     }
-    values["operator"]["config"] = {"resyncSeconds": 5}
     for key, value in overrides.items():
         target = values
         *path, last = key.split("__")
@@ -140,9 +141,13 @@ def test_install_operator_and_agents_ready_through_probes(pod_stack, release):
         assert store.is_dir() and store.stat().st_uid == localimages.UID
 
 
-def publish(stack, tmp: Path, version: str, seed: int) -> dict[str, np.ndarray]:
+def make_weights(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    weights = {f"layer{i}.weight": rng.standard_normal((64, 64)).astype(np.float32) for i in range(4)}
+    return {f"layer{i}.weight": rng.standard_normal((64, 64)).astype(np.float32) for i in range(4)}
+
+
+def publish(stack, tmp: Path, version: str, seed: int) -> dict[str, np.ndarray]:
+    weights = make_weights(seed)
     source = tmp / f"{version}.safetensors"
     save_file(weights, str(source))
     stack.s3.create_bucket(BUCKET)
@@ -198,6 +203,115 @@ def test_modelload_loads_onto_both_nodes_from_s3_then_from_the_peer(pod_stack, r
     assert second["status"]["source"] == f"peer/{first['metadata']['name']}", second["status"]
     assert {r["spec"]["nodeName"] for r in both} == {n.name for n in stack.nodes.nodes}
     assert all(r["status"]["bytesDone"] > 0 for r in both), [r["status"] for r in both]
+
+
+# The consumer pod's program: attach the ModelLoad through this pod's socket, hash every tensor's bytes in name
+# order, and report what of the node's attach directory it can see.
+CONSUMER = r"""
+import errno, hashlib, json, os
+import torch
+from ferry.client import attach
+
+d = os.environ["FERRY_SOCKET_DIR"]
+others = os.environ["OTHER_POD_UIDS"].split()
+seen = {"listing": sorted(os.listdir(d)),
+        "others": [q for u in others for q in (f"{d}/../{u}", f"{d}/../pods/{u}", f"/run/ferry/pods/{u}")
+                   if os.path.lexists(q)]}
+try:
+    open(f"{d}/written", "w").close()
+    seen["write"] = "ok"
+except OSError as exc:
+    seen["write"] = errno.errorcode.get(exc.errno, str(exc.errno))
+with attach("serve", timeout=120) as w:
+    h = hashlib.sha256()
+    tensors = w.tensors()
+    for name in sorted(tensors):
+        h.update(name.encode() + b"\0" + tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    seen.update(version=w.version, model_load=w.model_load, tensors=len(tensors), sha256=h.hexdigest())
+print("RESULT " + json.dumps(seen), flush=True)
+"""
+
+
+def tensors_sha256(weights: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        h.update(name.encode() + b"\0" + np.ascontiguousarray(weights[name]).tobytes())
+    return h.hexdigest()
+
+
+def consumer_pod(image: str, node: str, other_uids: list[str]) -> dict:
+    """An engine pod as docs/consumers.md (and the ferry-consumer chart) give it: the agent's hostPath, of which
+    the container mounts only pods/$(POD_UID), read-only; from the agent's dev image (torch and ferry.client)."""
+    dev = localimages.dev_chart_values()["agent"]
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "consumer", "namespace": TENANT, "labels": {"app": "consumer"}},
+        "spec": {
+            "nodeName": node,
+            "restartPolicy": "Never",
+            "securityContext": {"runAsNonRoot": True, "runAsUser": localimages.UID, "runAsGroup": localimages.GID},
+            "containers": [{
+                "name": "engine",
+                "image": image,
+                "imagePullPolicy": "Never",
+                "args": ["python", "-c", CONSUMER],
+                "env": [
+                    {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                    {"name": "FERRY_SOCKET_DIR", "value": "/run/ferry"},
+                    {"name": "OTHER_POD_UIDS", "value": " ".join(other_uids)},
+                ],
+                "volumeMounts": [
+                    {"name": "ferry", "mountPath": "/run/ferry", "subPathExpr": "pods/$(POD_UID)", "readOnly": True},
+                    *dev["extraVolumeMounts"],
+                ],
+                "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
+                "securityContext": {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+                                    "capabilities": {"drop": ["ALL"]}},
+            }],
+            "volumes": [{"name": "ferry", "hostPath": {"path": "/run/ferry", "type": "Directory"}},
+                        *dev["extraVolumes"]],
+        },
+    }  # fmt: skip
+
+
+def test_consumer_pod_attaches_through_its_own_hostpath_socket(pod_stack, release):
+    stack = pod_stack
+    (replica, *_) = wait_for(lambda: loaded(stack, "v1", 2), 240, "v1 on both nodes", lambda: describe(stack))
+    node = stack.nodes.node(replica["spec"]["nodeName"])
+    # The node's attach directory holds other pods' sockets (the agent serves every pod on its node): the
+    # consumer must see none of them.
+    pods_dir = node.host_path("/run/ferry") / "pods"
+    other_uids = sorted(p.name for p in pods_dir.iterdir())
+    assert other_uids and all((pods_dir / u / "ferry.sock").is_socket() for u in other_uids), other_uids
+    kubectl(
+        stack,
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(consumer_pod(f"ferry-agent:{stack.image_tag}", node.name, other_uids)),
+    )
+
+    def finished() -> str | None:
+        pod = json.loads(kubectl(stack, "get", "pod", "consumer", "-n", TENANT, "-o", "json"))
+        phase = (pod.get("status") or {}).get("phase")
+        return phase if phase in ("Succeeded", "Failed") else None
+
+    def logs() -> str:
+        return kubectl(stack, "logs", "-n", TENANT, "consumer", check=False)
+
+    try:
+        done = wait_for(finished, 240, "the consumer pod to finish", lambda: f"{describe(stack)}\n{logs()}")
+        out = logs()
+        assert done == "Succeeded", out
+        (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        seen = json.loads(line.removeprefix("RESULT "))
+        assert (seen["version"], seen["model_load"], seen["tensors"]) == ("v1", "serve", 4), seen
+        assert seen["sha256"] == tensors_sha256(make_weights(seed=1)), seen
+        # Its mount is its own directory, read-only: only its socket, no other pod's directory, no writes.
+        assert seen["listing"] == ["ferry.sock"], seen
+        assert seen["others"] == [] and seen["write"] == "EROFS", seen
+    finally:
+        kubectl(stack, "delete", "pod", "consumer", "-n", TENANT, "--wait=true", "--timeout=120s", check=False)
 
 
 def lease_holders(stack, node: str) -> set[str]:
