@@ -68,16 +68,21 @@ def start_agents(cluster: LocalCluster, s3, root: Path, n: int, tag: str, socket
     return agents
 
 
+def apply_v1(cluster: LocalCluster, namespace: str) -> None:
+    """The v1 published into `default`, applied into the round's own namespace, and Ready there."""
+    wv = json.loads(cluster.kubectl("get", "wv", "v1", "-n", "default", "-o", "json").stdout)
+    body = {"apiVersion": API_VERSION, "kind": "WeightVersion", "metadata": {"name": "v1"}, "spec": wv["spec"]}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+    cluster.kubectl("wait", "--for=condition=Ready", "wv/v1", "-n", namespace, "--timeout=60s")
+
+
 def one_round(cluster: LocalCluster, s3, root: Path, n: int, order: list[str]) -> dict:
     tag = f"r{n}-{'p' if 'Peer' in order else 's'}"
     namespace = tag
     cluster.kubectl("create", "namespace", namespace)
     agents = start_agents(cluster, s3, root, n, tag)
     try:
-        wv = json.loads(cluster.kubectl("get", "wv", "v1", "-n", "default", "-o", "json").stdout)
-        body = {"apiVersion": API_VERSION, "kind": "WeightVersion", "metadata": {"name": "v1"}, "spec": wv["spec"]}
-        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
-        cluster.kubectl("wait", "--for=condition=Ready", "wv/v1", "-n", namespace, "--timeout=60s")
+        apply_v1(cluster, namespace)
         ml = {
             "apiVersion": API_VERSION, "kind": "ModelLoad", "metadata": {"name": "m"},
             "spec": {"modelName": MODEL, "desiredVersion": "v1", "replicas": n, "device": "cpu",
@@ -142,10 +147,7 @@ def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int, socket_dir: st
     objects = client.CustomObjectsApi(api)
     rows = []
     try:
-        wv = json.loads(cluster.kubectl("get", "wv", "v1", "-n", "default", "-o", "json").stdout)
-        body = {"apiVersion": API_VERSION, "kind": "WeightVersion", "metadata": {"name": "v1"}, "spec": wv["spec"]}
-        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
-        cluster.kubectl("wait", "--for=condition=Ready", "wv/v1", "-n", namespace, "--timeout=60s")
+        apply_v1(cluster, namespace)
         ml = {
             "apiVersion": API_VERSION, "kind": "ModelLoad", "metadata": {"name": "m"},
             "spec": {"modelName": MODEL, "desiredVersion": "v1", "replicas": n, "device": "cpu",
