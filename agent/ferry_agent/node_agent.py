@@ -623,23 +623,27 @@ class NodeAgent:
         served = self._served.pop(key)
         if self._attach is not None:  # no new consumer; the attached ones keep their sealed copy
             self._attach.withdraw(key)
-        served.handle.stop(drain_seconds)
-        for share in served.shares:  # the agent's hold on the rank processes' memory; leases may keep it longer
-            share.unref()
+        _stop(served, drain_seconds)
         self._release_lease(key)
         log.info("%s/%s released %s", *key, served.version)
 
     def _retire(self, key: tuple[str, str], old: Served, drain_seconds: float = 10.0) -> None:
         """Release the version a newer one replaced (already published, Lease kept): drain its readers, stop it."""
-        old.handle.stop(drain_seconds)
-        for share in old.shares:  # the agent's hold on the rank processes' memory; leases may keep it longer
-            share.unref()
+        _stop(old, drain_seconds)
         log.info("%s/%s released %s (replaced by %s)", *key, old.version, self._served[key].version)
 
     def shutdown(self) -> None:
         for key in list(self._served):
             self._unserve(key, drain_seconds=5.0)
         self._peer.shutdown()
+
+
+def _stop(served: Served, drain_seconds: float) -> None:
+    """Drain a served version's readers and stop it, then drop the agent's hold on the rank processes' memory
+    (attached pods' leases may keep that longer)."""
+    served.handle.stop(drain_seconds)
+    for share in served.shares:
+        share.unref()
 
 
 def _micro_now() -> str:
