@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import torch
 from kubernetes import client, config
+from safetensors.torch import save_file
 from wvutil import get, wait_for
 
 from ferry.api.models import API_VERSION
@@ -52,6 +53,32 @@ def replica(cluster, namespace: str, name: str, node_name: str, version: str, ra
         },
     }  # fmt: skip
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    """Four 256x256 tensors drawn from `seed`: the checkpoint of the seeded rollout tests."""
+    gen = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": torch.randn((256, 256), generator=gen) for i in range(4)}
+
+
+def seeded_agents(cluster, tmp_path, namespace: str, count: int = 3) -> dict[str, ManagedProcess]:
+    """`count` nodes of the namespace's pool (`ferry.dev/pool`), each with an agent seeded with v1 = weights(1) and
+    v2 = weights(2)."""
+    files = {}
+    for version, seed in (("v1", 1), ("v2", 2)):
+        files[version] = tmp_path / f"{version}.safetensors"
+        save_file(weights(seed), str(files[version]))
+    names = [f"{namespace}-n{i}" for i in range(count)]
+    for n in names:
+        node(cluster, n, {"ferry.dev/pool": namespace})
+    seeds = [seed_arg(namespace, v, files[v]) for v in ("v1", "v2")]
+    return {n: start_agent(cluster, tmp_path, n, *seeds) for n in names}
+
+
+def replica_status(cluster, namespace: str) -> dict:
+    """The status of the first WeightReplica in `namespace` (these tests make one); {} while there is none."""
+    items = json.loads(cluster.kubectl("get", "wr", "-n", namespace, "-o", "json").stdout)["items"]
+    return (items[0].get("status") or {}) if items else {}
 
 
 def seed_arg(namespace: str, version: str, path: Path, model: str = "m") -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from agentutil import node, seed_arg, start_agent
+from agentutil import node, replica_status, seed_arg, start_agent
 from attach_consumer import build_model, model_tensors, tensors_sha256
 from safetensors.torch import save_file
 from test_attach import engine_pod
@@ -32,8 +32,7 @@ def test_a_consumer_attaches_one_ranks_share_or_all_of_a_two_rank_replica(cluste
     agent = start_agent(cluster, tmp_path, node_name, seed_arg(namespace, "v1", checkpoint), socket_dir=socket_root)
 
     def status() -> dict:
-        items = json.loads(cluster.kubectl("get", "wr", "-n", namespace, "-o", "json").stdout)["items"]
-        return (items[0].get("status") or {}) if items else {}
+        return replica_status(cluster, namespace)
 
     def describe() -> str:
         return json.dumps(status(), indent=1) + agent.log_tail(40)

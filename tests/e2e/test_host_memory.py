@@ -7,7 +7,7 @@ import json
 import subprocess
 
 import pytest
-from agentutil import node, seed_arg, start_agent
+from agentutil import node, replica_status, seed_arg, start_agent
 from attach_consumer import build_model, model_tensors, tensors_sha256
 from safetensors.torch import save_file
 from test_attach import consumer, engine_pod, line_of
@@ -16,11 +16,6 @@ from wvutil import apply, ml_body, ml_status, wait_for, wv_body
 from ferry.client import request
 
 pytestmark = pytest.mark.e2e
-
-
-def replica(cluster, namespace: str) -> dict:
-    items = json.loads(cluster.kubectl("get", "wr", "-n", namespace, "-o", "json").stdout)["items"]
-    return items[0] if items else {}
 
 
 def nbytes(tensors: dict) -> int:
@@ -41,14 +36,14 @@ def test_a_version_beyond_the_budget_fails_with_the_reason_and_loads_nothing(
     agent = start_agent(cluster, tmp_path, node_name, seed_arg(namespace, "v1", checkpoint), socket_dir=socket_root)
 
     def describe() -> str:
-        return json.dumps(replica(cluster, namespace).get("status"), indent=1) + agent.log_tail(30)
+        return json.dumps(replica_status(cluster, namespace), indent=1) + agent.log_tail(30)
 
     try:
         pod_dir = socket_root / "pods" / engine_pod(cluster, namespace, node_name)
         apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"), ml_body(namespace, "v1", 1))
-        wait_for(lambda: (replica(cluster, namespace).get("status") or {}).get("phase") == "Failed", 90,
+        wait_for(lambda: replica_status(cluster, namespace).get("phase") == "Failed", 90,
                  "the replica Failed", describe)  # fmt: skip
-        status = replica(cluster, namespace)["status"]
+        status = replica_status(cluster, namespace)
         assert status["reason"] == "MemoryBudgetExceeded", describe()
         assert (
             f"needs {total} bytes" in status["message"]
@@ -81,7 +76,7 @@ def test_resident_bytes_and_a_refit_that_shares_the_held_versions_chunks(
     proc: subprocess.Popen | None = None
 
     def status() -> dict:
-        return replica(cluster, namespace).get("status") or {}
+        return replica_status(cluster, namespace)
 
     def describe() -> str:
         return json.dumps(status(), indent=1) + agent.log_tail(30)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from agentutil import node, start_agent
+from agentutil import node, replica_status, start_agent
 from test_attach import engine_pod
 from wvutil import apply, ml_body, publish_delta, publish_full, tensors, wait_for, wait_reason, wv_body
 
@@ -52,8 +52,7 @@ def test_a_delta_replays_on_the_held_base_in_host_memory(cluster, s3, namespace,
     agent = start_agent(cluster, tmp_path, node_name, s3=s3, socket_dir=socket_root)
 
     def status() -> dict:
-        items = json.loads(cluster.kubectl("get", "wr", "-n", namespace, "-o", "json").stdout)["items"]
-        return (items[0].get("status") or {}) if items else {}
+        return replica_status(cluster, namespace)
 
     def describe() -> str:
         return json.dumps(status(), indent=1) + agent.log_tail(40)

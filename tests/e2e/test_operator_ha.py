@@ -16,10 +16,8 @@ import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
-import torch
-from agentutil import node, seed_arg, start_agent
+from agentutil import seeded_agents
 from conftest import OperatorHandle, metrics_url
-from safetensors.torch import save_file
 from wvutil import apply, get, ml_body, ml_status, publish_full, tensors, wait_for, wv_body
 
 from ferry.localcluster import ManagedProcess, free_port
@@ -28,11 +26,6 @@ pytestmark = pytest.mark.e2e
 
 LEASE = "ferry-operator"
 BATCH = 20  # WeightVersions applied just before the leader dies
-
-
-def weights(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}.weight": torch.randn((256, 256), generator=gen) for i in range(4)}
 
 
 class Candidate:
@@ -98,15 +91,8 @@ def parse(text: str) -> dt.datetime:
 
 
 def test_standby_takes_over_mid_rollout(cluster, s3, namespace, candidates, tmp_path):
-    files = {}
-    for version, seed in (("v1", 1), ("v2", 2)):
-        files[version] = tmp_path / f"{version}.safetensors"
-        save_file(weights(seed), str(files[version]))
-    names = [f"{namespace}-n{i}" for i in range(3)]
-    for n in names:
-        node(cluster, n, {"ferry.dev/pool": namespace})
-    seeds = [seed_arg(namespace, v, files[v]) for v in ("v1", "v2")]
-    agents = {n: start_agent(cluster, tmp_path, n, *seeds) for n in names}
+    agents = seeded_agents(cluster, tmp_path, namespace)
+    names = list(agents)
     batch = [f"w{i:02d}" for i in range(BATCH)]
     for i, version in enumerate(batch):
         publish_full(s3, namespace, version, tensors(100 + i, n=2, shape=(8, 8)))

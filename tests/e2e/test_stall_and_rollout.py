@@ -9,8 +9,7 @@ import os
 import signal
 
 import pytest
-import torch
-from agentutil import content_sha256, node, read_back, seed_arg, start_agent
+from agentutil import content_sha256, node, read_back, seed_arg, seeded_agents, start_agent, weights
 from safetensors.torch import save_file
 from wvutil import condition, ml_body, ml_status, wait_for, wv_body
 
@@ -19,11 +18,6 @@ from ferry_agent.selector import make_selector
 from ferry_operator.modelloads import choose_nodes, replica_name
 
 pytestmark = pytest.mark.e2e
-
-
-def weights(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}.weight": torch.randn((256, 256), generator=gen) for i in range(4)}
 
 
 def modelload(namespace: str, replicas: int, version: str, **transfer) -> dict:
@@ -114,15 +108,7 @@ def test_wedged_source_is_reported_and_the_target_completes_elsewhere(cluster, n
 
 
 def test_operator_restart_mid_rollout_converges(cluster, namespace, operator, tmp_path):
-    files = {}
-    for version, seed in (("v1", 1), ("v2", 2)):
-        files[version] = tmp_path / f"{version}.safetensors"
-        save_file(weights(seed), str(files[version]))
-    names = [f"{namespace}-n{i}" for i in range(3)]
-    for n in names:
-        node(cluster, n, {"ferry.dev/pool": namespace})
-    seeds = [seed_arg(namespace, v, files[v]) for v in ("v1", "v2")]
-    agents = {n: start_agent(cluster, tmp_path, n, *seeds) for n in names}
+    agents = seeded_agents(cluster, tmp_path, namespace)
 
     def describe() -> str:
         return json.dumps(ml_status(cluster, namespace), indent=1) + operator.process.log_tail(20)
