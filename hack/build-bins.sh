@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Builds the real control-plane binaries (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet)
-# and helm from Go modules into a cache outside the repo. Rebuilds only when the pins below change.
+# Builds the real control-plane binaries (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet),
+# helm and kube-score from Go modules into a cache outside the repo. Rebuilds only when the pins below change.
 set -euo pipefail
 
 K8S_VERSION=${K8S_VERSION:-v1.36.3}
 ETCD_VERSION=${ETCD_VERSION:-v3.6.16}
 HELM_VERSION=${HELM_VERSION:-v3.21.4}
+KUBE_SCORE_VERSION=${KUBE_SCORE_VERSION:-v1.20.0}
 CACHE=${FERRY_CACHE:-$HOME/.cache/ferry}
 BIN=$CACHE/bin
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod
@@ -79,12 +80,20 @@ build_helm() {
   stamp helm "$HELM_VERSION"
 }
 
+# The third-party manifest linter the chart is checked with (tests/cluster/test_kube_score.py).
+build_kube_score() {
+  stamp_ok kube-score "$KUBE_SCORE_VERSION" && return
+  GOBIN=$BIN go install -trimpath -ldflags "-X main.version=$KUBE_SCORE_VERSION" "github.com/zegl/kube-score/cmd/kube-score@$KUBE_SCORE_VERSION"
+  stamp kube-score "$KUBE_SCORE_VERSION"
+}
+
 what=${1:-all}
 case $what in
   etcd) build_etcd ;;
   k8s) build_k8s ;;
   helm) build_helm ;;
-  all) (build_etcd) && (build_helm) && (build_k8s) ;;
-  *) echo "usage: $0 [all|etcd|k8s|helm]" >&2; exit 2 ;;
+  kube-score) build_kube_score ;;
+  all) (build_etcd) && (build_helm) && (build_kube_score) && (build_k8s) ;;
+  *) echo "usage: $0 [all|etcd|k8s|helm|kube-score]" >&2; exit 2 ;;
 esac
 echo "binaries in $BIN"

@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
+    metrics.READY.set()
     agent.run()
     if attach is not None:
         attach.stop()

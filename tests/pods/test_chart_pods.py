@@ -127,18 +127,22 @@ def test_install_operator_and_agents_ready_through_probes(pod_stack, release):
     up = wait_for(lambda: all_ready(stack), 300, "operator and 2 agents Ready", lambda: describe(stack))
     (op,) = up["operator"]
     container = op["spec"]["containers"][0]
-    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"] == {**container["readinessProbe"], "tcpSocket": {"port": "healthz"}}
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["image"] == f"ferry-operator:{stack.image_tag}"
     for agent in up["agent"]:
         (c,) = agent["spec"]["containers"]
-        probe = c["readinessProbe"]["httpGet"]
-        assert (probe["path"], probe["port"]) == ("/metrics", "metrics")
+        ready, live = c["readinessProbe"]["httpGet"], c["livenessProbe"]["httpGet"]
+        assert (ready["path"], live["path"], ready["port"]) == ("/readyz", "/metrics", "metrics")
         status = agent["status"]["containerStatuses"][0]
         assert status["ready"] and status["restartCount"] == 0, status
     # Each node's hostPath store is its own, and the init container handed it to the agent's user.
     for node in stack.nodes.nodes:
         store = node.host_path("/var/lib/ferry/checkpoints")
         assert store.is_dir() and store.stat().st_uid == localimages.UID
+        # Setgid and group-writable, so a pods/<uid> the kubelet makes first is the agent's (docs/consumers.md).
+        for sockets in (node.host_path("/run/ferry"), node.host_path("/run/ferry/pods")):
+            assert sockets.stat().st_mode & 0o7777 == 0o2775, sockets
 
 
 def make_weights(seed: int) -> dict[str, np.ndarray]:

@@ -275,3 +275,44 @@ def test_watch_and_refit_only_changed(tmp_path):
     finally:
         service.server.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play the kubelet and to drop to the agent's uid")
+def test_socket_binds_in_a_pod_directory_the_kubelet_made_first():
+    """The kubelet creates a consumer's subPath (pods/<uid>) itself when it gets there before the agent: as root,
+    with the socket root's mode (kubelet's SafeMakeDir). The agent (uid 65532, as in the chart) still binds the
+    pod's socket there."""
+    agent_id = 65532
+    root = Path(tempfile.mkdtemp(prefix="ferry-k-", dir="/tmp"))
+    os.chown(root, agent_id, agent_id)  # what the chart's chown-host-paths init container does
+    uid = str(uuid.uuid4())
+    to_agent_r, to_agent_w = os.pipe()
+    to_kubelet_r, to_kubelet_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # the agent
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(agent_id)
+            os.setuid(agent_id)
+            srv = AttachServer(root)
+            srv.start()
+            os.write(to_kubelet_w, b"s")
+            os.read(to_agent_r, 1)  # the kubelet made pods/<uid>
+            srv.add_pod(Pod(uid=uid, namespace="team-a", name="engine"))
+            code = 0 if (root / "pods" / uid / p.SOCKET_NAME).is_socket() else 3
+            srv.stop()
+        finally:
+            os._exit(code)
+    try:
+        assert os.read(to_kubelet_r, 1) == b"s"
+        made = root / "pods" / uid
+        mode = os.stat(root).st_mode & 0o7777
+        os.mkdir(made)  # as root, like the kubelet; the group comes from pods/ where it is setgid
+        os.chmod(made, mode)
+        assert os.stat(made).st_uid == 0
+        os.write(to_agent_w, b"m")
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the agent could not bind the socket in the kubelet's dir"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

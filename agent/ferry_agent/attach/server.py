@@ -46,6 +46,8 @@ _POD_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f
 # sun_path holds 108 bytes including the terminator.
 _MAX_SOCKET_PATH = 107
 
+_DIR_MODE = 0o2775  # setgid, group rwx: see AttachServer.start
+
 
 @dataclass(frozen=True)
 class Pod:
@@ -125,6 +127,14 @@ class AttachServer:
 
     def start(self) -> None:
         self.pods_dir.mkdir(parents=True, exist_ok=True)
+        # When the kubelet reaches a consumer's subPath (pods/<uid>) before this agent does, it makes the directory
+        # itself: root-owned, with the mode of the socket root, in the group of pods/ when pods/ is setgid. These
+        # bits make that directory the agent's group's and writable by it, so the socket can still be bound there.
+        for directory in (self.socket_dir, self.pods_dir):
+            try:
+                os.chmod(directory, _DIR_MODE)
+            except OSError as exc:  # not ours (provisioned by hand): a kubelet-made directory stays unreachable
+                log.warning("cannot set mode %o on %s: %s", _DIR_MODE, directory, exc)
         LEASES.set_function(lambda: sum(v["attached"] for v in self.snapshot()))
         SEALED_BYTES.set_function(  # a chunk shared by several versions (or shares) counts once
             lambda: sum({id(c): c.size for o in self._all_offers() for c in o.sealed.chunks}.values())
@@ -233,7 +243,7 @@ class AttachServer:
                       pod.name)  # fmt: skip
             return
         try:
-            directory.mkdir(mode=0o755, exist_ok=True)
+            directory.mkdir(mode=0o755, exist_ok=True)  # made by the kubelet, it is group-writable (start)
             path.unlink(missing_ok=True)  # left by an earlier agent
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.bind(str(path))

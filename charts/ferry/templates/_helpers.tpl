@@ -134,3 +134,14 @@ spec.podSelector: weights follow the engine pods of its namespace).
   resources: [pods]
   verbs: [list, watch]
 {{- end }}
+
+{{/*
+kube-score checks a workload skips on purpose, as its `kube-score/ignore` annotation; the chart README
+("Manifest checks") says why. The argument: the list of check IDs.
+*/}}
+{{- define "ferry.kubeScoreIgnore" -}}
+{{- if . -}}
+annotations:
+  kube-score/ignore: {{ join "," . | quote }}
+{{- end }}
+{{- end }}
