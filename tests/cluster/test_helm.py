@@ -147,6 +147,7 @@ def test_rendered_objects(helm_env):
     assert {k: len(v) for k, v in docs.items()} == {
         "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2, "Role": 2, "RoleBinding": 2, "Service": 1,
         "Deployment": 1, "DaemonSet": 1, "ValidatingAdmissionPolicy": 2, "ValidatingAdmissionPolicyBinding": 2,
+        "NetworkPolicy": 2,
     }  # fmt: skip
     for obj in (o for objs in docs.values() for o in objs):
         labels = obj["metadata"]["labels"]
