@@ -23,7 +23,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api import models
-from ferry.localcluster import LocalCluster, binary, write_kubeconfig
+from ferry_dev.localcluster import LocalCluster, binary, write_kubeconfig
 
 pytestmark = pytest.mark.cluster
 

@@ -38,8 +38,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api import models
-from ferry.localcluster import LocalCluster, wait_until
 from ferry_agent.registry import lease_body, lease_name
+from ferry_dev.localcluster import LocalCluster, wait_until
 
 pytestmark = pytest.mark.cluster
 

@@ -20,7 +20,7 @@ from agentutil import seeded_agents
 from conftest import OperatorHandle, metrics_url
 from wvutil import apply, get, ml_body, ml_status, publish_full, tensors, wait_for, wv_body
 
-from ferry.localcluster import ManagedProcess, free_port
+from ferry_dev.localcluster import ManagedProcess, free_port
 
 pytestmark = pytest.mark.e2e
 

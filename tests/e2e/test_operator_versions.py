@@ -23,7 +23,7 @@ from wvutil import (
 )
 
 from ferry import checkpoint_format as cf
-from ferry.localcluster import free_port
+from ferry_dev.localcluster import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 from rankutil import spawn
 
-from ferry.localcluster import free_port
 from ferry_agent.ranks import (
     S3Steps,
     SingleRank,
@@ -23,6 +22,7 @@ from ferry_agent.ranks import (
     s3_phases,
 )
 from ferry_agent.strategy import StrategyRecoveryError
+from ferry_dev.localcluster import free_port
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
