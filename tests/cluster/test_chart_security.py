@@ -5,7 +5,8 @@ purpose is listed, with the reason, in the chart README ("Manifest checks")."""
 from __future__ import annotations
 
 import pytest
-from helmutil import render, sets
+
+from tests.support.helm import render, sets
 
 pytestmark = pytest.mark.cluster
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rankutil import spawn
 
 from ferry_agent.ranks import (
     S3Steps,
@@ -23,6 +22,7 @@ from ferry_agent.ranks import (
 )
 from ferry_agent.strategy import StrategyRecoveryError
 from ferry_dev.localcluster import free_port
+from tests.support.ranks import spawn
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
