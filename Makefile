@@ -52,7 +52,7 @@ test: deps
 
 # The daemonless dev images (cached under $(FERRY_CACHE)/images) that tests/pods imports into its kubelet nodes.
 images: venv
-	$(PY) -m ferry.localimages
+	$(PY) -m ferry_dev.localimages
 
 e2e-pods: deps
 	$(VENV)/bin/pip install -q --no-deps -e .
@@ -63,7 +63,7 @@ test-unit: venv
 
 demo: deps
 	$(VENV)/bin/pip install -q --no-deps -e .
-	$(PY) -m ferry.demo $(DEMO_ARGS)
+	$(PY) -m ferry_dev.demo $(DEMO_ARGS)
 
 bench: deps
 	$(VENV)/bin/pip install -q --no-deps -e .

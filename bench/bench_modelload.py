@@ -29,7 +29,7 @@ from _common import write_results
 from safetensors.torch import load_file, save_file
 
 from ferry.api.models import API_VERSION, GROUP, VERSION
-from ferry.localcluster import LocalCluster, ManagedProcess, local_stack, start_operator, wait_until
+from ferry_dev.localcluster import LocalCluster, ManagedProcess, local_stack, start_operator, wait_until
 
 MODEL = "bench"
 

@@ -28,7 +28,7 @@ from kubernetes import client, config, watch
 
 from ferry import checkpoint_format as cf
 from ferry.api.models import API_VERSION, GROUP, VERSION
-from ferry.localcluster import local_stack, start_operator, wait_until
+from ferry_dev.localcluster import local_stack, start_operator, wait_until
 
 BUCKET = "bench"
 SINGLE_PROBES = 5  # single versions applied one at a time after each row

@@ -39,7 +39,6 @@ except ImportError:  # run as a script: bench/ is on sys.path, the repository ro
     from _common import summary
 
 from ferry.api.models import API_VERSION, worker_audience
-from ferry.localcluster import local_stack
 from ferry_agent.candidate import SourceCandidate
 from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
 from ferry_agent.registry import LABEL_NODE
@@ -47,6 +46,7 @@ from ferry_agent.resident import ResidentWeights, TensorSpec
 from ferry_agent.source_main import READY_MARKER
 from ferry_agent.strategy import LoadContext
 from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest
+from ferry_dev.localcluster import local_stack
 
 MIB = 1 << 20
 

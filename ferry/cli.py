@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from ferry import __version__
 from ferry.publish import (
     DEFAULT_MULTIPART_THRESHOLD,
     DEFAULT_SHARD_BYTES,
@@ -100,6 +101,7 @@ def _report(result: PublishResult, opts: PublishOptions) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ferry", description="Ferry: model weights into GPU memory")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_publish(sub)
     args = parser.parse_args(argv)

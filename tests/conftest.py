@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ferry.localcluster import LocalCluster, S3Server, local_stack
+from ferry_dev.localcluster import LocalCluster, S3Server, local_stack
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from s3util import BUCKET, Registry, Weights, evolve, weights
 
-from ferry.localcluster import S3Server
 from ferry_agent.checkpoint_store import CheckpointStore
+from ferry_dev.localcluster import S3Server
+from tests.support.s3 import BUCKET, Registry, Weights, evolve, weights
 
 
 @pytest.fixture(scope="module")

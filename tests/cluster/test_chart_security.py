@@ -8,9 +8,9 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from helmutil import CHART, KUBE_VERSION, helm, render, sets
 
-from ferry.localcluster import binary
+from ferry_dev.localcluster import binary
+from tests.support.helm import CHART, KUBE_VERSION, helm, render, sets
 
 pytestmark = pytest.mark.cluster
 

@@ -18,12 +18,12 @@ from collections.abc import Iterator
 
 import pytest
 import yaml
-from helmutil import CHART, KUBE_VERSION, helm, render, sets
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api import models
-from ferry.localcluster import LocalCluster, binary, write_kubeconfig
+from ferry_dev.localcluster import LocalCluster, binary, write_kubeconfig
+from tests.support.helm import CHART, KUBE_VERSION, helm, render, sets
 
 pytestmark = pytest.mark.cluster
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helmutil import KUBE_VERSION, helm, render, sets
+
+from tests.support.helm import KUBE_VERSION, helm, render, sets
 
 pytestmark = pytest.mark.cluster
 

@@ -4,9 +4,9 @@ when empty: unlimited), and the schema takes only byte quantities the agent pars
 from __future__ import annotations
 
 import pytest
-from helmutil import CHART, KUBE_VERSION, helm, render, sets
 
 from ferry_agent.attach.memstore import parse_bytes
+from tests.support.helm import CHART, KUBE_VERSION, helm, render, sets
 
 pytestmark = pytest.mark.cluster
 

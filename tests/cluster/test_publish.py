@@ -19,8 +19,8 @@ from safetensors.numpy import load, save_file
 
 from ferry import checkpoint_format as ckpt
 from ferry.cli import main
-from ferry.localcluster import LocalCluster, S3Server
 from ferry.publish import ImmutableConflict, ImmutableWriter
+from ferry_dev.localcluster import LocalCluster, S3Server
 
 pytestmark = pytest.mark.cluster
 

@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rankutil import spawn
-from s3util import KEY, MODEL, Registry, Weights, delta, full, publish_chain3, shas
 
 from ferry import checkpoint_format as ckpt
 from ferry_agent.checkpoint_store import ArtifactKind, ArtifactRef, CheckpointStore
 from ferry_agent.cold_start import run_cold_start
 from ferry_agent.ranks import TorchRankGroup
 from ferry_agent.strategy import LoadContext, StrategyFailed
+from tests.support.ranks import spawn
+from tests.support.s3 import KEY, MODEL, Registry, Weights, delta, full, publish_chain3, shas
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 

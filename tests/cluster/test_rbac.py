@@ -33,13 +33,13 @@ from dataclasses import dataclass
 
 import pytest
 import yaml
-from helmutil import render
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api import models
-from ferry.localcluster import LocalCluster, wait_until
 from ferry_agent.registry import lease_body, lease_name
+from ferry_dev.localcluster import LocalCluster, wait_until
+from tests.support.helm import render
 
 pytestmark = pytest.mark.cluster
 

@@ -17,7 +17,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from s3util import (
+
+from ferry import checkpoint_format as ckpt
+from ferry_agent.checkpoint_store import ArtifactRef, CheckpointStore, StoreStatus, chain_refs
+from ferry_agent.s3_strategy import ObjectStorageStrategy
+from ferry_agent.strategy import LoadContext, StrategyFailed
+from tests.support.s3 import (
     DELTA,
     KEY,
     MAT,
@@ -36,11 +41,6 @@ from s3util import (
     weights,
     wv,
 )
-
-from ferry import checkpoint_format as ckpt
-from ferry_agent.checkpoint_store import ArtifactRef, CheckpointStore, StoreStatus, chain_refs
-from ferry_agent.s3_strategy import ObjectStorageStrategy
-from ferry_agent.strategy import LoadContext, StrategyFailed
 
 # ---------------------------------------------------------------- replay
 

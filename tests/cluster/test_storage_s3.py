@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from ferry import checkpoint_format as ckpt
-from ferry.localcluster import S3Server, free_port
 from ferry.storage import StorageReason, StorageReport, s3_client, verify_checkpoint
+from ferry_dev.localcluster import S3Server, free_port
 
 pytestmark = pytest.mark.cluster
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ferry.localcluster import LocalCluster, ManagedProcess, S3Server, start_operator, wait_until
+from ferry_dev.localcluster import LocalCluster, ManagedProcess, S3Server, start_operator, wait_until
 
 # No resync interval: the operator has no periodic timers, so every test here shows that events (and deadlines)
 # alone drive it.

@@ -8,12 +8,21 @@ import json
 
 import pytest
 import torch
-from agentutil import agent_metrics, content_sha256, node, read_back, replica, seed_arg, start_agent, wait_phase
 from safetensors.torch import save_file
-from wvutil import apply, get, wait_for, wait_reason, wv_body
 
 from ferry_agent.registry import lease_name
 from ferry_agent.resident import ResidentWeights
+from tests.support.agents import (
+    agent_metrics,
+    content_sha256,
+    node,
+    read_back,
+    replica,
+    seed_arg,
+    start_agent,
+    wait_phase,
+)
+from tests.support.objects import apply, get, wait_for, wait_reason, wv_body
 
 pytestmark = pytest.mark.e2e
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from agentutil import agent_metrics, node, seed_arg, start_agent
-from attach_consumer import build_model, greedy, model_tensors, tensors_sha256
 from safetensors.torch import save_file
-from wvutil import apply, get, ml_body, ml_status, wait_for, wv_body
 
 from ferry.client import request
+from tests.e2e.attach_consumer import build_model, greedy, model_tensors, tensors_sha256
+from tests.support.agents import agent_metrics, node, seed_arg, start_agent
+from tests.support.objects import apply, get, ml_body, ml_status, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e
 

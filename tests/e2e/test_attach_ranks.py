@@ -7,15 +7,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from agentutil import node, replica_status, seed_arg, start_agent
-from attach_consumer import build_model, model_tensors, tensors_sha256
 from safetensors.torch import save_file
-from test_attach import engine_pod
-from wvutil import apply, ml_body, wait_for, wv_body
 
 from ferry.client import attach, request
 from ferry_agent.resident import spec_of
 from ferry_agent.sharding import rank_specs
+from tests.e2e.attach_consumer import build_model, model_tensors, tensors_sha256
+from tests.e2e.test_attach import engine_pod
+from tests.support.agents import node, replica_status, seed_arg, start_agent
+from tests.support.objects import apply, ml_body, wait_for, wv_body
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

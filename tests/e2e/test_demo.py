@@ -13,7 +13,7 @@ pytestmark = pytest.mark.e2e
 
 def test_demo_runs_end_to_end():
     result = subprocess.run(
-        [sys.executable, "-m", "ferry.demo", "--no-wait", "--size-mib", "16"],
+        [sys.executable, "-m", "ferry_dev.demo", "--no-wait", "--size-mib", "16"],
         capture_output=True, text=True, timeout=400, env={**os.environ, "UCX_NET_DEVICES": "lo"},
     )  # fmt: skip
     out = result.stdout

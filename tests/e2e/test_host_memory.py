@@ -7,13 +7,13 @@ import json
 import subprocess
 
 import pytest
-from agentutil import node, replica_status, seed_arg, start_agent
-from attach_consumer import build_model, model_tensors, tensors_sha256
 from safetensors.torch import save_file
-from test_attach import consumer, engine_pod, line_of
-from wvutil import apply, ml_body, ml_status, wait_for, wv_body
 
 from ferry.client import request
+from tests.e2e.attach_consumer import build_model, model_tensors, tensors_sha256
+from tests.e2e.test_attach import consumer, engine_pod, line_of
+from tests.support.agents import node, replica_status, seed_arg, start_agent
+from tests.support.objects import apply, ml_body, ml_status, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e
 

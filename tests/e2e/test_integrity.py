@@ -19,9 +19,21 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from agentutil import content_sha256, node, read_back, seed_arg, start_agent
 from safetensors.torch import save_file
-from wvutil import apply, condition, get, ml_body, publish_full, tensors, uri, wait_for, wait_reason, wv_body
+
+from tests.support.agents import content_sha256, node, read_back, seed_arg, start_agent
+from tests.support.objects import (
+    apply,
+    condition,
+    get,
+    ml_body,
+    publish_full,
+    tensors,
+    uri,
+    wait_for,
+    wait_reason,
+    wv_body,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -21,15 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from agentutil import node, replica, seed_arg, start_agent, wait_phase
 from kubernetes import client
 from safetensors.torch import save_file
-from wvutil import apply, get, ml_body, wait_for, wait_reason, wv_body
 
 from ferry.api.models import LABEL_NODE
-from ferry.localcluster import LocalCluster, binary, write_kubeconfig
 from ferry_agent.registry import lease_body, lease_name
+from ferry_dev.localcluster import LocalCluster, binary, write_kubeconfig
 from ferry_operator.modelloads import LEASE_OF_OTHER_NODE_DELETED, replica_name
+from tests.support.agents import node, replica, seed_arg, start_agent, wait_phase
+from tests.support.objects import apply, get, ml_body, wait_for, wait_reason, wv_body
 
 pytestmark = pytest.mark.e2e
 

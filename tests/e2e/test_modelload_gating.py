@@ -8,9 +8,10 @@ import time
 
 import pytest
 import torch
-from agentutil import node, seed_arg, start_agent
 from safetensors.torch import save_file
-from wvutil import apply, condition, get, ml_body, wait_for, wv_body
+
+from tests.support.agents import node, seed_arg, start_agent
+from tests.support.objects import apply, condition, get, ml_body, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e
 

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from agentutil import bare_calls, node, pull, reader_tokens, replica, serving_node, start_agent
-from wvutil import apply, ml_body, publish_delta, publish_full, tensors, wait_for, wait_reason, wv_body
+
+from tests.support.agents import bare_calls, node, pull, reader_tokens, replica, serving_node, start_agent
+from tests.support.objects import apply, ml_body, publish_delta, publish_full, tensors, wait_for, wait_reason, wv_body
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

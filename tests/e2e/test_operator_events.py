@@ -11,8 +11,9 @@ import urllib.request
 from collections import Counter
 
 import pytest
-from agentutil import node, start_agent
-from wvutil import apply, ml_body, ml_status, publish_full, tensors, wait_for, wait_reason, wv_body
+
+from tests.support.agents import node, start_agent
+from tests.support.objects import apply, ml_body, ml_status, publish_full, tensors, wait_for, wait_reason, wv_body
 
 pytestmark = pytest.mark.e2e
 

@@ -16,11 +16,11 @@ import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
-from agentutil import seeded_agents
-from conftest import OperatorHandle, metrics_url
-from wvutil import apply, get, ml_body, ml_status, publish_full, tensors, wait_for, wv_body
 
-from ferry.localcluster import ManagedProcess, free_port
+from ferry_dev.localcluster import ManagedProcess, free_port
+from tests.e2e.conftest import OperatorHandle, metrics_url
+from tests.support.agents import seeded_agents
+from tests.support.objects import apply, get, ml_body, ml_status, publish_full, tensors, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,10 @@ import urllib.request
 from itertools import pairwise
 
 import pytest
-from wvutil import (
+
+from ferry import checkpoint_format as cf
+from ferry_dev.localcluster import free_port
+from tests.support.objects import (
     apply,
     condition,
     get,
@@ -21,9 +24,6 @@ from wvutil import (
     wait_reason,
     wv_body,
 )
-
-from ferry import checkpoint_format as cf
-from ferry.localcluster import free_port
 
 pytestmark = pytest.mark.e2e
 

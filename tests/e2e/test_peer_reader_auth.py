@@ -23,7 +23,11 @@ from collections.abc import Callable
 import grpc
 import pytest
 import torch
-from agentutil import (
+from safetensors.torch import save_file
+
+from ferry.api.models import worker_audience
+from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest, prepare_tensor_read, release_tensor_read
+from tests.support.agents import (
     bare_calls,
     content_sha256,
     node,
@@ -34,11 +38,7 @@ from agentutil import (
     start_agent,
     wait_phase,
 )
-from safetensors.torch import save_file
-from wvutil import apply, get, wait_for, wait_reason, wv_body
-
-from ferry.api.models import worker_audience
-from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest, prepare_tensor_read, release_tensor_read
+from tests.support.objects import apply, get, wait_for, wait_reason, wv_body
 
 pytestmark = pytest.mark.e2e
 

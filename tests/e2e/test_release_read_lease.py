@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
-from agentutil import node, reader_tokens, replica, seed_arg, start_agent, wait_phase
 from safetensors.torch import save_file
-from wvutil import apply, get, wait_for, wait_reason, wv_body
 
 from ferry_agent.worker_service import SourceIdentity, prepare_tensor_read
+from tests.support.agents import node, reader_tokens, replica, seed_arg, start_agent, wait_phase
+from tests.support.objects import apply, get, wait_for, wait_reason, wv_body
 
 pytestmark = pytest.mark.e2e
 

@@ -17,9 +17,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from agentutil import agent_metrics, content_sha256, node, pull, read_back, seed_arg, start_agent
 from safetensors.torch import save_file
-from wvutil import (
+
+from ferry import checkpoint_format as cf
+from tests.support.agents import agent_metrics, content_sha256, node, pull, read_back, seed_arg, start_agent
+from tests.support.objects import (
     apply,
     condition,
     get,
@@ -32,8 +34,6 @@ from wvutil import (
     wait_reason,
     wv_body,
 )
-
-from ferry import checkpoint_format as cf
 
 pytestmark = pytest.mark.e2e
 

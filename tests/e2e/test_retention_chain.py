@@ -9,8 +9,9 @@ import json
 
 import numpy as np
 import pytest
-from agentutil import node, replica, start_agent, wait_phase
-from wvutil import BUCKET, apply, get, ml_body, publish_delta, publish_full, tensors, wait_for, wv_body
+
+from tests.support.agents import node, replica, start_agent, wait_phase
+from tests.support.objects import BUCKET, apply, get, ml_body, publish_delta, publish_full, tensors, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e
 

@@ -18,9 +18,11 @@ import threading
 import numpy as np
 import pytest
 import torch
-from agentutil import content_sha256, node, read_back, replica, start_agent
 from kubernetes import client, watch
-from wvutil import (
+
+from ferry.api.models import GROUP, VERSION
+from tests.support.agents import content_sha256, node, read_back, replica, start_agent
+from tests.support.objects import (
     apply,
     condition,
     get,
@@ -33,8 +35,6 @@ from wvutil import (
     wait_reason,
     wv_body,
 )
-
-from ferry.api.models import GROUP, VERSION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 

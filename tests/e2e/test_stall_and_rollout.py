@@ -9,13 +9,13 @@ import os
 import signal
 
 import pytest
-from agentutil import content_sha256, node, read_back, seed_arg, seeded_agents, start_agent, weights
 from safetensors.torch import save_file
-from wvutil import condition, ml_body, ml_status, wait_for, wv_body
 
 from ferry_agent.registry import source_candidates
 from ferry_agent.selector import make_selector
 from ferry_operator.modelloads import choose_nodes, replica_name
+from tests.support.agents import content_sha256, node, read_back, seed_arg, seeded_agents, start_agent, weights
+from tests.support.objects import condition, ml_body, ml_status, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e
 

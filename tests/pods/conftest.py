@@ -1,5 +1,5 @@
-"""Real pods: a `LocalCluster(pods=True)` with two kubelet nodes (ferry.localnodes), SeaweedFS reachable from pods,
-and the dev images (ferry.localimages) imported into each node's containerd."""
+"""Real pods: a `LocalCluster(pods=True)` with two kubelet nodes (ferry_dev.localnodes), SeaweedFS reachable from pods,
+and the dev images (ferry_dev.localimages) imported into each node's containerd."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ferry import localimages
-from ferry.localcluster import LocalCluster, S3Server
-from ferry.localnodes import HOST_IP, NodePool
+from ferry_dev import localimages
+from ferry_dev.localcluster import LocalCluster, S3Server
+from ferry_dev.localnodes import HOST_IP, NodePool
 
 IMAGE_TAG = "0.1.0"
 

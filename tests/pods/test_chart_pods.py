@@ -20,8 +20,8 @@ import pytest
 import yaml
 from safetensors.numpy import save_file
 
-from ferry import localimages
-from ferry.localcluster import REPO_ROOT, binary
+from ferry_dev import localimages
+from ferry_dev.localcluster import REPO_ROOT, binary
 
 pytestmark = pytest.mark.pods
 

@@ -1,4 +1,4 @@
-"""The container images: images/Dockerfile (the product) and ferry.localimages (its daemonless dev twin) agree, and
+"""The container images: images/Dockerfile (the product) and ferry_dev.localimages (its daemonless dev twin) agree, and
 the slim operator image really runs without torch, NIXL and gRPC."""
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from ferry import localimages
+from ferry_dev import localimages
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = (REPO / "images" / "Dockerfile").read_text()
 AGENT_ONLY = {"torch", "nixl", "grpcio"}
+DEV_ONLY = {"cryptography", "ferry_dev"}  # the test extra and the harness it serves
 
 
 def _requirements(name: str) -> list[str]:
@@ -60,6 +61,32 @@ import ferry_operator.main, ferry_operator.retention_handlers
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'operator'}", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_runtime_imports_without_dev_packages():
+    """The images hold ferry, the operator and the agent without the test extra: none of their modules (nor
+    ferry_vllm's) imports `cryptography` or the dev harness `ferry_dev`."""
+    blocked = sorted(DEV_ONLY)
+    code = f"""
+import importlib, importlib.abc, pkgutil, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError("dev only, not in the images: " + name)
+sys.meta_path.insert(0, Block())
+for top in ("ferry", "ferry_operator", "ferry_agent", "ferry_vllm"):
+    package = importlib.import_module(top)
+    for info in pkgutil.walk_packages(package.__path__, top + "."):
+        try:
+            importlib.import_module(info.name)
+        except ImportError as exc:
+            if (exc.name or "").split(".")[0] != "vllm":  # the vllm extra: not installed in CI
+                raise
+"""
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'operator'}:{REPO / 'agent'}", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert not {_name(d) for d in _project_dependencies()} & DEV_ONLY
 
 
 def _target(name: str) -> str:

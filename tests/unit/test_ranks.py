@@ -9,9 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rankutil import spawn
 
-from ferry.localcluster import free_port
 from ferry_agent.ranks import (
     S3Steps,
     SingleRank,
@@ -23,6 +21,8 @@ from ferry_agent.ranks import (
     s3_phases,
 )
 from ferry_agent.strategy import StrategyRecoveryError
+from ferry_dev.localcluster import free_port
+from tests.support.ranks import spawn
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 import grpc
 import pytest
 from kubernetes import client
-from test_leases import IDENTITY, FakeClock, code_of, manifest_proto
 
 from ferry.api.models import worker_audience
 from ferry_agent.peer_strategy import TransferSettings
@@ -36,6 +35,7 @@ from ferry_agent.worker_service import (
     prepare_tensor_read,
     release_tensor_read,
 )
+from tests.unit.test_worker_service import IDENTITY, FakeClock, code_of, manifest_proto
 
 pytestmark = pytest.mark.unit
 

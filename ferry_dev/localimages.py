@@ -11,7 +11,7 @@ it mounts. Debian bookworm's python3.11 runs the venv's cp311 wheels.
 Everything is cached under $FERRY_CACHE/images: the rootfs layer is built once per package list; the sources layer
 and the image tarballs are rebuilt (seconds) only when a source file changes.
 
-    python -m ferry.localimages          # build (or reuse) the images, print their tarballs
+    python -m ferry_dev.localimages          # build (or reuse) the images, print their tarballs
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ferry.localcluster import CACHE_DIR, REPO_ROOT, ClusterError
+from ferry_dev.localcluster import CACHE_DIR, REPO_ROOT, ClusterError
 
 IMAGES_DIR = CACHE_DIR / "images"
 SUITE = "bookworm"
@@ -181,7 +181,7 @@ def docker_archive(out: Path, tag: str, layers: list[Layer], config: dict) -> Pa
         "created": _EPOCH,
         "config": config,
         "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
-        "history": [{"created": _EPOCH, "created_by": "ferry.localimages"} for _ in layers],
+        "history": [{"created": _EPOCH, "created_by": "ferry_dev.localimages"} for _ in layers],
     }
     raw = json.dumps(image_config, sort_keys=True).encode()
     config_name = hashlib.sha256(raw).hexdigest() + ".json"

@@ -36,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CRD_DIR = REPO_ROOT / "crds"
 
 SERVICE_CIDR = "10.0.0.0/24"
-# The `kubernetes` Service (the first ClusterIP) as pods see it; ferry.localnodes forwards it to the apiserver.
+# The `kubernetes` Service (the first ClusterIP) as pods see it; ferry_dev.localnodes forwards it to the apiserver.
 API_SERVICE_IP = "10.0.0.1"
 IN_CLUSTER_SANS = (API_SERVICE_IP, "kubernetes", "kubernetes.default", "kubernetes.default.svc",
                    "kubernetes.default.svc.cluster.local")  # fmt: skip
@@ -398,7 +398,7 @@ class S3Server:
 class LocalCluster:
     """etcd + kube-apiserver (+ kube-controller-manager) on loopback, with a fresh PKI and kubeconfig.
 
-    `pods=True` prepares it for real kubelet nodes (ferry.localnodes): the serving certificate also covers the
+    `pods=True` prepares it for real kubelet nodes (ferry_dev.localnodes): the serving certificate also covers the
     in-cluster `kubernetes` Service (its ClusterIP and DNS names), ServiceAccount admission mounts tokens into
     pods, the controller manager runs all its default controllers (Deployments, DaemonSets, the root CA publisher,
     ...) and a kube-scheduler runs."""

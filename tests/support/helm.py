@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from ferry.localcluster import binary
+from ferry_dev.localcluster import binary
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ferry"

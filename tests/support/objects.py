@@ -10,7 +10,7 @@ import numpy as np
 
 from ferry import checkpoint_format as cf
 from ferry.api.models import API_VERSION
-from ferry.localcluster import LocalCluster, S3Server
+from ferry_dev.localcluster import LocalCluster, S3Server
 
 BUCKET = "e2e-models"
 

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 from ferry import checkpoint_format as ckpt
-from ferry.localcluster import S3Server
 from ferry_agent.checkpoint_store import ArtifactKind, CheckpointStore, model_key
 from ferry_agent.s3_strategy import ObjectStorageStrategy, S3LoadResult
 from ferry_agent.strategy import LoadContext
+from ferry_dev.localcluster import S3Server
 
 BUCKET = "ferry-s3-strategy"
 MODEL = "org/llama"

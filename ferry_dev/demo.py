@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from ferry.api.models import API_VERSION, LABEL_MODELLOAD
-from ferry.localcluster import LocalCluster, ManagedProcess, S3Server, local_stack, start_operator
+from ferry_dev.localcluster import LocalCluster, ManagedProcess, S3Server, local_stack, start_operator
 
 MODEL = "llama-tiny"
 NAMESPACE = "default"

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ferry.localcluster import (
+from ferry_dev.localcluster import (
     API_SERVICE_IP,
     ClusterError,
     LocalCluster,

@@ -13,13 +13,13 @@ import grpc
 import torch
 from kubernetes import client, config
 from safetensors.torch import save_file
-from wvutil import get, wait_for
 
 from ferry.api.models import API_VERSION
-from ferry.localcluster import LocalCluster, ManagedProcess
 from ferry_agent.proto import worker_pb2, worker_pb2_grpc
 from ferry_agent.registry import LABEL_MODEL, LABEL_NODE, LABEL_VERSION
 from ferry_agent.worker_auth import PodIdentity, ReaderTokens
+from ferry_dev.localcluster import LocalCluster, ManagedProcess
+from tests.support.objects import get, wait_for
 
 # node -> the cluster an agent was started for it in (where a reader on that node mints its worker tokens)
 AGENT_NODES: dict[str, LocalCluster] = {}

@@ -1,0 +1,3 @@
+"""Helpers shared by the test packages: `ranks` (real gloo rank groups), `s3` (canonical checkpoints in the real S3
+for the S3 strategy), `objects` (WeightVersion and ModelLoad bodies, apply/get/wait, checkpoints published for e2e),
+`agents` (Node objects, WeightReplicas, node agent processes) and `helm` (the real helm binary against the chart)."""
