@@ -299,7 +299,7 @@ class NodeAgent:
         previous = self._served.get(key)
         progress_fields = {
             "startedTime": _micro_now(), "completedTime": None, "bytesDone": 0, "bytesTotal": None, "source": None,
-            "attempts": [], "reason": None, "observedGeneration": generation,
+            "attempts": [], "reason": None, "observedGeneration": generation, "progress": None,
         }  # fmt: skip
         if previous is None:
             start = {"phase": "Loading", "version": version, "loadingVersion": None, "ranks": None, "versionUid": None,
@@ -307,12 +307,11 @@ class NodeAgent:
         else:
             start = {"loadingVersion": version, "message": f"loading {version}; {previous.version} serves meanwhile"}
         self._patch_status(key, {**progress_fields, **start})
+        tracked = metrics.LoadProgress(namespace, name)
 
         def progress(done: int, total: int, source: str) -> None:
-            self._patch_status(
-                key,
-                {"bytesDone": done, "bytesTotal": total or None, "source": source, "lastProgressTime": now_rfc3339()},
-            )
+            status = dict(bytesDone=done, bytesTotal=total or None, source=source, lastProgressTime=now_rfc3339())
+            self._patch_status(key, {**status, "progress": tracked.update(done, total)})
 
         noted = [start["message"]]
 
@@ -343,6 +342,8 @@ class NodeAgent:
             else:
                 self._fail_next(key, previous, version, reason, message, attempts)
             return
+        finally:
+            tracked.close()
         seconds = time.monotonic() - t0
         kind = metrics.source_kind(loaded.source)
         metrics.LOADS.labels(source_kind=kind, outcome="Loaded").inc()
@@ -354,6 +355,7 @@ class NodeAgent:
             "bytesDone": loaded.bytes_moved, "bytesTotal": loaded.bytes_moved, "completedTime": _micro_now(),
             "lastProgressTime": _micro_now(), "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks,
             "reason": None, "versionUid": loaded.version_uid,
+            "progress": metrics.progress_text(loaded.bytes_moved, loaded.bytes_moved, seconds),
             "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
         }  # fmt: skip
         if isinstance(loaded.handle, InProcessReplica) or loaded.shares:

@@ -598,6 +598,12 @@ class WeightReplicaStatus(_Model):
     source: str | None = Field(default=None, description="peer/<replica> or s3.")
     bytesDone: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
     bytesTotal: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
+    progress: str | None = Field(
+        default=None,
+        max_length=64,
+        description="The load's progress for people, e.g. `42% 1.2Gi/s`: percent of bytesTotal (or the bytes so far "
+        "while the total is not known) and the average rate since startedTime. Written by the agent.",
+    )
     startedTime: str | None = None
     completedTime: str | None = None
     lastProgressTime: str | None = None
@@ -648,8 +654,7 @@ class WeightReplica(_Model):
         {"name": "Source", "type": "string", "jsonPath": ".status.source"},
         {"name": "Live", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Live")].status'},
         {"name": "Attached", "type": "integer", "jsonPath": ".status.attachedPods"},
-        {"name": "Done", "type": "integer", "jsonPath": ".status.bytesDone", "priority": 1},
-        {"name": "Total", "type": "integer", "jsonPath": ".status.bytesTotal", "priority": 1},
+        {"name": "Progress", "type": "string", "jsonPath": ".status.progress", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
 

@@ -487,6 +487,7 @@ async def _reconcile_modelload(
             ("stall", namespace, name), (stall - now).total_seconds() + DEADLINE_MARGIN,
             _nudge_later(ML[2], namespace, name, DEADLINE_ANNOTATION, f"stall@{stall.isoformat()}"),
         )  # fmt: skip
+    metrics.record_modelload(namespace, name, status, replicas)
     metrics.RECONCILES.labels(kind="ModelLoad", phase=status["phase"]).inc()
     metrics.RECONCILE_SECONDS.labels(kind="ModelLoad").observe(time.perf_counter() - started)
 
@@ -496,6 +497,7 @@ async def modelload_changed(event: dict, namespace: str, name: str, body: kopf.B
                             node_index: kopf.Index, replica_index: kopf.Index, replica_lease_index: kopf.Index,
                             version_index: kopf.Index, **_: Any) -> None:  # fmt: skip
     if event.get("type") == "DELETED":
+        metrics.forget_modelload(namespace, name)
         _forget_announced(body)
         return
     await _reconcile_modelload(

@@ -65,11 +65,22 @@ def by_kind(docs: list[dict]) -> dict[str, list[dict]]:
 
 # ---------------------------------------------------------------- static: lint, schema, render
 
+# Everything that observes Ferry: the monitors (Prometheus operator CRDs), the agent metrics Service, dashboards.
+MONITORING = sets(
+    operator__metrics__serviceMonitor__enabled="true",
+    operator__metrics__serviceMonitor__interval="30s",
+    agent__metrics__serviceMonitor__enabled="true",
+    agent__metrics__podMonitor__enabled="true",
+    agent__metrics__podMonitor__labels__release="kube-prometheus",
+    grafana__dashboards__enabled="true",
+)
+
 
 def test_helm_lint_passes(helm_env):
     for values in (
         [],
         sets(agent__rdma__enabled="true", agent__hostNetwork="true", operator__metrics__enabled="false"),
+        MONITORING,
     ):
         proc = helm(helm_env, "lint", "--strict", str(CHART), *values)
         assert "0 chart(s) failed" in proc.stdout, proc.stdout
@@ -123,6 +134,8 @@ def test_values_schema_is_closed_at_every_level():
         (sets(operator__metrics__port="70000"), "at '/operator/metrics/port'"),
         (sets(operator__replicas="0"), "at '/operator/replicas'"),
         (sets(operator__leaderElection__retryPeriodSeconds="0"), "at '/operator/leaderElection/retryPeriodSeconds'"),
+        (sets(agent__metrics__podMonitor__interval="often"), "at '/agent/metrics/podMonitor/interval'"),
+        (sets(grafana__dashboards__folder="x"), "at '/grafana/dashboards': additional properties 'folder'"),
         (["--set", "agent.tolerations[0].keyy=x"], "at '/agent/tolerations/0': additional properties 'keyy'"),
         (["--set-string", "agent.ucx.extraEnv.LD_PRELOAD=x"], "invalid propertyName 'LD_PRELOAD'"),
     ],
@@ -222,6 +235,45 @@ def test_rendered_objects(helm_env):
     assert "IPC_LOCK" in agent["securityContext"]["capabilities"]["add"]
     assert {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1"} in agent["env"]
     assert "--lease-seconds=20" in agent["command"]
+
+
+def test_monitoring_objects_scrape_the_metrics_ports_and_ship_the_dashboards(helm_env):
+    assert not {"ServiceMonitor", "PodMonitor", "ConfigMap"} & set(by_kind(render(helm_env))), "off by default"
+    docs = by_kind(render(helm_env, *MONITORING))
+    deploy, (ds,) = docs["Deployment"][0], docs["DaemonSet"]
+    monitors = {m["metadata"]["name"]: m for m in docs["ServiceMonitor"]}
+    services = {s["metadata"]["name"]: s for s in docs["Service"]}
+    # Each ServiceMonitor selects exactly its component's metrics Service, on the port the container names.
+    for monitor, service, pods in (
+        ("ferry-operator", "ferry-operator-metrics", deploy),
+        ("ferry-agent", "ferry-agent-metrics", ds),
+    ):
+        spec = monitors[monitor]["spec"]
+        selected = [
+            n for n, s in services.items() if spec["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+        ]
+        assert selected == [service]
+        assert services[service]["spec"]["selector"] == pods["spec"]["selector"]["matchLabels"]
+        (endpoint,) = spec["endpoints"]
+        assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics" and endpoint["honorLabels"] is True
+        assert spec["namespaceSelector"] == {"matchNames": ["ferry-system"]}
+        (container,) = pods["spec"]["template"]["spec"]["containers"]
+        assert "metrics" in {p["name"] for p in container["ports"]}
+    assert monitors["ferry-operator"]["spec"]["endpoints"][0]["interval"] == "30s"
+    assert services["ferry-agent-metrics"]["spec"]["clusterIP"] == "None", "one scrape target per agent"
+    (pod_monitor,) = docs["PodMonitor"]
+    assert pod_monitor["spec"]["selector"]["matchLabels"] == ds["spec"]["selector"]["matchLabels"]
+    assert pod_monitor["metadata"]["labels"]["release"] == "kube-prometheus"
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    # The dashboards travel byte for byte, labelled for the Grafana sidecar.
+    (dashboards,) = docs["ConfigMap"]
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = {p.name: p.read_text() for p in (CHART / "dashboards").glob("*.json")}
+    assert {k: json.loads(v) for k, v in dashboards["data"].items()} == {k: json.loads(v) for k, v in shipped.items()}
+    # The agent metrics Service alone, without the Prometheus operator.
+    alone = by_kind(render(helm_env, *sets(agent__metrics__service__enabled="true")))
+    assert sorted(s["metadata"]["name"] for s in alone["Service"]) == ["ferry-agent-metrics", "ferry-operator-metrics"]
+    assert "ServiceMonitor" not in alone
 
 
 def test_two_operator_replicas_elect_a_leader(helm_env):
@@ -401,8 +453,9 @@ def test_admission_policy_names_the_agent_and_the_api_constants(helm_env):
                operator__config__s3Endpoint="http://s3.example:8333"), "--set", "imagePullSecrets[0].name=regcred"],
         sets(operator__metrics__enabled="false", agent__enabled="false"),
         sets(operator__replicas="2"),
+        sets(agent__metrics__service__enabled="true", grafana__dashboards__enabled="true"),
     ],
-    ids=["defaults", "rdma-and-options", "operator-only", "two-operators"],
+    ids=["defaults", "rdma-and-options", "operator-only", "two-operators", "metrics-service-and-dashboards"],
 )  # fmt: skip
 def test_rendered_objects_pass_server_dry_run(cluster, namespace, helm_env, values):
     values = [*values, "--set", f"tenantNamespaces={{{namespace}}}"]

@@ -5,6 +5,7 @@ WeightVersion to exist and be Ready (the agent checks), so the operator verifies
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -60,6 +61,11 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
         outcomes = [(x["source"], x["outcome"]) for x in status["attempts"]]
         assert ("peer/wr-a", "Loaded") in outcomes and ("Peer", "Loaded") in outcomes, outcomes
         assert "Stale" not in status["phase"]
+
+        # `kubectl get wr -o wide` shows the load as a person reads it, through the CRD's printer column.
+        assert re.fullmatch(r"100% \S+/s", status["progress"]), status["progress"]
+        header, row = cluster.kubectl("get", "wr", "wr-b", "-n", namespace, "-o", "wide").stdout.splitlines()
+        assert "PROGRESS" in header.split() and status["progress"] in row, (header, row)
 
         # A third reader pulls from B (not the seed) and checks every byte.
         assert read_back(status["ranks"][0], "wr-b") == expected

@@ -6,15 +6,27 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import signal
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
 from ferry_agent.registry import source_candidates
 from ferry_agent.selector import make_selector
 from ferry_operator.modelloads import choose_nodes, replica_name
-from tests.support.agents import content_sha256, node, read_back, seed_arg, seeded_agents, start_agent, weights
+from tests.support.agents import (
+    agent_metrics,
+    content_sha256,
+    node,
+    read_back,
+    seed_arg,
+    seeded_agents,
+    start_agent,
+    weights,
+)
 from tests.support.objects import condition, ml_body, ml_status, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e
@@ -45,6 +57,20 @@ def leases(cluster, namespace) -> dict[str, dict]:
     return {lease["metadata"]["name"]: lease for lease in items}
 
 
+def series(text: str, name: str, **labels: str) -> list[float]:
+    """The values of the samples named `name` whose labels include `labels`, from Prometheus text."""
+    return [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    ]
+
+
+def scrape(url: str) -> str:
+    return urllib.request.urlopen(url, timeout=5).read().decode()
+
+
 def events(cluster, namespace) -> str:
     return cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=ModelLoad").stdout
 
@@ -71,7 +97,8 @@ def test_wedged_source_is_reported_and_the_target_completes_elsewhere(cluster, n
         nodes = [{"metadata": {"name": n, "labels": {"ferry.dev/pool": namespace}}, "spec": {}} for n in names]
         spec = modelload(namespace, 3, "v1")["spec"]
         current = [r["spec"]["nodeName"] for r in serving.values()]
-        newcomer = replica_name("serve", choose_nodes(spec, nodes, current, [], salt="serve")[2])
+        newcomer_node = choose_nodes(spec, nodes, current, [], salt="serve")[2]
+        newcomer = replica_name("serve", newcomer_node)
         now = dt.datetime.now(dt.UTC)
         cands = source_candidates(serving.values(), leases(cluster, namespace), version="v1", rank=0,
                                   self_replica=newcomer, now=now)  # fmt: skip
@@ -86,6 +113,19 @@ def test_wedged_source_is_reported_and_the_target_completes_elsewhere(cluster, n
             30, "PeerStalled", describe,
         )  # fmt: skip
         assert newcomer in stalled["message"] and f"peer/{first.replica}" in stalled["message"]
+        # What an alert sees meanwhile: the operator's PeerStalled gauge, and the newcomer's load in flight.
+        ours = {"namespace": namespace, "modelload": "serve"}
+        stalled_gauge = {**ours, "condition": "PeerStalled", "status": "True"}
+        wait_for(
+            lambda: series(scrape(operator.metrics_url), "ferry_modelload_condition", **stalled_gauge) == [1.0],
+            10,
+            "PeerStalled gauge",
+            describe,
+        )
+        inflight = {"namespace": namespace, "replica": newcomer}
+        text = agent_metrics(agents[newcomer_node])
+        assert len(series(text, "ferry_agent_inflight_bytes", **inflight)) == 1, text
+        assert series(text, "ferry_agent_inflight_last_progress_timestamp_seconds", **inflight)[0] > 0
         done = wait_for(
             lambda: (r := replicas(cluster, namespace).get(newcomer)) and r["status"].get("phase") == "Serving" and r,
             60, f"{newcomer} Serving", describe,
@@ -95,11 +135,21 @@ def test_wedged_source_is_reported_and_the_target_completes_elsewhere(cluster, n
         failed = [a for a in status["attempts"] if a["source"] == f"peer/{first.replica}"]
         assert failed and failed[0]["outcome"] == "Failed"
         assert read_back(status["ranks"][0], newcomer) == expected, "the completed replica serves the exact bytes"
+        assert re.fullmatch(r"100% \S+/s", status["progress"]), status["progress"]
+        assert not series(agent_metrics(agents[newcomer_node]), "ferry_agent_inflight_bytes", **inflight)
         wait_for(
             lambda: condition({"status": ml_status(cluster, namespace)}, "PeerStalled").get("status") == "False",
             20, "stall cleared", describe,
         )  # fmt: skip
         assert "NoProgress" in events(cluster, namespace)
+        wait_for(
+            lambda: series(scrape(operator.metrics_url), "ferry_modelload_replicas", **ours, phase="Serving") == [3.0],
+            10,
+            "3 Serving in the replicas gauge",
+            describe,
+        )
+        stalled_gauge["status"] = "False"
+        assert series(scrape(operator.metrics_url), "ferry_modelload_condition", **stalled_gauge) == [1.0]
     finally:
         if stopped is not None and stopped.alive:
             os.kill(stopped.proc.pid, signal.SIGCONT)
