@@ -21,14 +21,9 @@ from botocore.exceptions import (
 from safetensors.numpy import save
 
 from ferry import checkpoint_format as ckpt
-from ferry.storage import (
-    StorageReason,
-    StorageReport,
-    credentials_from_secret_data,
-    parse_s3_uri,
-    s3_client,
-    verify_checkpoint,
-)
+from ferry import s3
+from ferry.s3 import credentials_from_secret_data, parse_s3_uri
+from ferry.storage import StorageReason, StorageReport, verify_checkpoint
 
 pytestmark = pytest.mark.unit
 
@@ -201,7 +196,8 @@ def test_credentials_from_secret_data_names_the_bad_key(data: Any, match: str) -
 
 
 def test_s3_client_configuration() -> None:
-    client = s3_client("http://127.0.0.1:9", "eu-west-1", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+    creds = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    client = s3.new_client("http://127.0.0.1:9", "eu-west-1", creds, s3.verification())
     config = client.meta.config
     assert client.meta.endpoint_url == "http://127.0.0.1:9" and client.meta.region_name == "eu-west-1"
     assert config.s3 == {"addressing_style": "path"}
@@ -214,7 +210,7 @@ def test_s3_client_configuration() -> None:
 def test_s3_client_falls_back_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "env-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
-    credentials = s3_client(None, "us-east-1", None)._request_signer._credentials
+    credentials = s3.new_client(None, "us-east-1", None, s3.verification())._request_signer._credentials
     assert (credentials.access_key, credentials.secret_key) == ("env-key", "env-secret")
 
 
@@ -470,10 +466,8 @@ def test_connection_dropped_while_reading_a_body_is_transient() -> None:
 
 @pytest.mark.parametrize("timeout_s", [1, 9, 30, 300, 86400])
 def test_every_try_of_an_agent_s3_request_fits_in_the_transfer_timeout(timeout_s: int) -> None:
-    from ferry_agent.s3_strategy import S3_ATTEMPTS, bulk_s3_client, request_timeouts
-
-    connect, read = request_timeouts(timeout_s)
-    assert 0 < connect <= 5 and 0 < read <= 60 and S3_ATTEMPTS * (connect + read) <= timeout_s + 1e-9
-    config = bulk_s3_client("http://127.0.0.1:1", None, None, 4, timeout_s).meta.config
+    connect, read = s3.request_timeouts(timeout_s)
+    assert 0 < connect <= 5 and 0 < read <= 60 and s3.BULK_ATTEMPTS * (connect + read) <= timeout_s + 1e-9
+    config = s3.new_client("http://127.0.0.1:1", None, None, s3.bulk_download(4, timeout_s)).meta.config
     assert (config.connect_timeout, config.read_timeout) == (connect, read)
-    assert config.retries["total_max_attempts"] == S3_ATTEMPTS
+    assert config.retries["total_max_attempts"] == s3.BULK_ATTEMPTS
