@@ -13,6 +13,9 @@ Modules raise subclasses that add what they know (`ferry.s3.AccessDenied`, `ferr
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 
 class FerryError(Exception):
     """Every failure Ferry classifies. Catch a subclass to act on the class of failure."""
@@ -36,3 +39,12 @@ class IntegrityError(FerryError):
 
 class Conflict(FerryError):
     """It already exists with different content; nothing was overwritten."""
+
+
+class LoadFailed(FerryError, RuntimeError):
+    """A replica's load (of one rank or of many) failed: no source delivered it. `attempts` are what goes into
+    its `status.attempts[]`."""
+
+    def __init__(self, message: str, attempts: Sequence[Mapping[str, Any]] = ()) -> None:
+        super().__init__(message)
+        self.attempts = list(attempts)

@@ -82,8 +82,8 @@ def error_code(exc: BaseException) -> str:
 
 
 def translate(exc: BaseException, what: str) -> FerryError:
-    """The Ferry error for a failed S3 request about `what` (e.g. "index s3://b/k"). The message is lower-case
-    without a final period, so callers can prefix or end it; `raise translate(exc, what) from exc`."""
+    """The Ferry error for a failed S3 request about `what` (e.g. "index s3://b/k"). The message has no final
+    period, so callers can end or extend it; `raise translate(exc, what) from exc`."""
     from botocore.exceptions import (
         ClientError,
         HTTPClientError,

@@ -20,7 +20,8 @@ from safetensors.numpy import load, save_file
 from ferry import checkpoint_format as ckpt
 from ferry.cli import main
 from ferry.localcluster import LocalCluster, S3Server
-from ferry.publish import ImmutableConflict, ImmutableWriter
+from ferry.publish import ImmutableConflict
+from ferry.publish.writer import ImmutableWriter
 
 pytestmark = pytest.mark.cluster
 
