@@ -30,6 +30,8 @@ import numpy as np
 import zstandard
 from safetensors.numpy import save
 
+from ferry.errors import IntegrityError
+
 INDEX_NAME = "model.safetensors.index.json"
 SAFE_SHARD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")  # use with fullmatch: `$` allows a trailing \n
 METADATA_KEY = "__metadata__"
@@ -98,11 +100,11 @@ TORCH_DTYPES: dict[str, str] = {
 }
 
 
-class InvalidIndex(ValueError):
+class InvalidIndex(IntegrityError, ValueError):
     """The index JSON is not a canonical Ferry/ModelExpress index; the message says precisely why."""
 
 
-class InvalidShard(ValueError):
+class InvalidShard(IntegrityError, ValueError):
     """A shard's safetensors header is malformed."""
 
 

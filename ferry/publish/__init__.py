@@ -37,14 +37,8 @@ from ferry.publish.kube import (
     weight_version_body,
 )
 from ferry.publish.progress_bar import ProgressBar
-from ferry.publish.weights import build_files, load_weights
-from ferry.publish.writer import (
-    DEFAULT_MULTIPART_THRESHOLD,
-    DEFAULT_SHARD_BYTES,
-    ImmutableWriter,
-    parse_size,
-    upload_files,
-)
+from ferry.publish.weights import DEFAULT_SHARD_BYTES, build_files, load_weights
+from ferry.publish.writer import DEFAULT_MULTIPART_THRESHOLD, ImmutableWriter, parse_size, upload_files
 
 __all__ = [
     "DEFAULT_MULTIPART_THRESHOLD",

@@ -12,6 +12,7 @@ import numpy as np
 from ferry import checkpoint_format as ckpt
 from ferry.publish.errors import PublishError
 
+DEFAULT_SHARD_BYTES = 4 << 30  # as ModelExpress's full-checkpoint batches
 _FROM_TORCH = {name: dtype for dtype, name in ckpt.TORCH_DTYPES.items()}  # torch dtype name → safetensors dtype
 
 

@@ -19,8 +19,7 @@ from ferry import s3
 from ferry.publish.errors import ImmutableConflict
 from ferry.publish.progress_bar import ProgressBar
 
-MiB, GiB = 1 << 20, 1 << 30
-DEFAULT_SHARD_BYTES = 4 * GiB  # as ModelExpress's full-checkpoint batches
+MiB = 1 << 20
 DEFAULT_MULTIPART_THRESHOLD = 64 * MiB
 MIN_PART_BYTES = 5 * MiB  # S3's minimum for every part but the last
 MAX_PARTS = 10_000
