@@ -42,12 +42,13 @@ import torch.distributed as dist
 from _common import summary
 
 from ferry import checkpoint_format as ckpt
-from ferry_agent import s3_strategy
+from ferry import s3
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.cold_start import run_cold_start
 from ferry_agent.ranks import TorchRankGroup
-from ferry_agent.s3_strategy import DEFAULT_RANGE_BYTES, ObjectStorageStrategy, S3LoadResult, bulk_s3_client
+from ferry_agent.s3_strategy import DEFAULT_RANGE_BYTES, ObjectStorageStrategy, S3LoadResult
 from ferry_agent.strategy import LoadContext
+from ferry_agent.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
 from ferry_dev.localcluster import S3Server
 
 MIB = 1 << 20
@@ -133,7 +134,7 @@ def ranked_load(make: Callable[[Path], ObjectStorageStrategy], root: Path, ranks
 
     def rank_main(rank: int) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        s3_strategy._clients.clear()  # a forked rank must not share its parent's pooled S3 connections
+        s3.forget_clients()  # a forked rank must not share its parent's pooled S3 connections
         with TorchRankGroup.init(rank=rank, world_size=ranks, store=dist.FileStore(str(root / "gloo"), ranks)) as g:
             ctx = LoadContext(model=MODEL, version="", rank=rank, target_id="bench", world_size=ranks)
             strategy = make(root / "store")
@@ -245,7 +246,7 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
         timings["delta"].append(dict(result.timings))
         return result.seconds, result.timings["build"]
 
-    client = bulk_s3_client(server.endpoint, None, creds, args.workers)
+    client = s3.new_client(server.endpoint, None, creds, s3.bulk_download(args.workers, DEFAULT_TRANSFER_TIMEOUT_S))
 
     def raw_gets() -> None:
         raw_ranged_gets(client, full_objects, args.workers, range_bytes)

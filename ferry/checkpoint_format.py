@@ -30,6 +30,8 @@ import numpy as np
 import zstandard
 from safetensors.numpy import save
 
+from ferry.errors import IntegrityError
+
 INDEX_NAME = "model.safetensors.index.json"
 SAFE_SHARD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")  # use with fullmatch: `$` allows a trailing \n
 METADATA_KEY = "__metadata__"
@@ -53,12 +55,56 @@ DTYPE_SIZES = {
     "U64": 8, "I64": 8, "F64": 8, "C64": 8,
 }  # fmt: skip
 
+# safetensors dtype → numpy dtype. Dtypes numpy lacks travel as same-width unsigned "carriers" (`CARRIERS`); their
+# real name is written into the shard header (`canonical_shard`), since the builders only know numpy arrays.
+NUMPY_DTYPES: dict[str, type[np.generic]] = {
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "F16": np.float16,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "F32": np.float32,
+    "U64": np.uint64,
+    "I64": np.int64,
+    "F64": np.float64,
+    "C64": np.complex64,
+}
+CARRIERS: dict[str, type[np.generic]] = {
+    "BF16": np.uint16,
+    "F8_E4M3": np.uint8,
+    "F8_E5M2": np.uint8,
+    "F8_E8M0": np.uint8,
+}
+# safetensors dtype → torch dtype name (`getattr(torch, name)`), as names: the operator runs without torch.
+TORCH_DTYPES: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+    "U16": "uint16",
+    "I16": "int16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "U32": "uint32",
+    "I32": "int32",
+    "F32": "float32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F64": "float64",
+    "C64": "complex64",
+}
 
-class InvalidIndex(ValueError):
+
+class InvalidIndex(IntegrityError, ValueError):
     """The index JSON is not a canonical Ferry/ModelExpress index; the message says precisely why."""
 
 
-class InvalidShard(ValueError):
+class InvalidShard(IntegrityError, ValueError):
     """A shard's safetensors header is malformed."""
 
 

@@ -8,46 +8,19 @@ the bytes).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import boto3
-from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    HTTPClientError,
-    NoCredentialsError,
-    PartialCredentialsError,
-)
-from botocore.exceptions import (
-    ConnectionError as BotoConnectionError,
-)
+from botocore.exceptions import BotoCoreError, ClientError
 
 from ferry import checkpoint_format as ckpt
+from ferry import s3
 from ferry.api.models import WeightFormat
 
-ACCESS_KEY = "AWS_ACCESS_KEY_ID"
-SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
-SESSION_TOKEN = "AWS_SESSION_TOKEN"
 MAX_INDEX_BYTES = 64 * 1024 * 1024  # real indexes are a few MiB at most; refuse to buffer anything bigger
 HEADER_PROBE_BYTES = 64 * 1024  # one ranged GET reads most headers whole
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_MISSING_CODES = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
-_DENIED_CODES = {
-    "403",
-    "AccessDenied",
-    "Forbidden",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "AllAccessDisabled",
-}
 
 
 class StorageReason(StrEnum):
@@ -88,101 +61,22 @@ def _stop(reason: StorageReason, message: str, *, transient: bool = False) -> _S
     return _Stop(StorageReport(ok=False, reason=reason, message=sentence, transient=transient))
 
 
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """`s3://bucket/key` → (bucket, key); ValueError on anything else."""
-    if not isinstance(uri, str) or not uri.startswith("s3://"):
-        raise ValueError(f"{uri!r} is not an s3:// URI")
-    bucket, sep, key = uri[len("s3://") :].partition("/")
-    if not _BUCKET.fullmatch(bucket):
-        raise ValueError(f"{uri!r} has an invalid bucket name {bucket!r}")
-    if not sep or not key or key.endswith("/") or any(c.isspace() for c in key):
-        raise ValueError(f"{uri!r} has no object key (expected s3://bucket/path/{ckpt.INDEX_NAME})")
-    return bucket, key
-
-
-def s3_client(
-    endpoint: str | None,
-    region: str | None,
-    credentials: Mapping[str, str] | None,
-    *,
-    connect_timeout: float = 3.0,
-    read_timeout: float = 10.0,
-    max_attempts: int = 3,
-    max_pool_connections: int = 10,
-) -> Any:
-    """A boto3 S3 client for verification: path-style (SeaweedFS, MinIO), short timeouts and few retries, so
-    an unreachable endpoint costs a reconcile seconds, not minutes. Without `credentials`: the environment."""
-    creds = credentials or {}
-    # A private session: boto3's default session is not safe to share between handler threads.
-    return boto3.session.Session().client(
-        "s3",
-        endpoint_url=endpoint or None,
-        region_name=region or None,
-        aws_access_key_id=creds.get(ACCESS_KEY),
-        aws_secret_access_key=creds.get(SECRET_KEY),
-        aws_session_token=creds.get(SESSION_TOKEN),
-        config=Config(
-            s3={"addressing_style": "path"},
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            retries={"total_max_attempts": max_attempts, "mode": "standard"},  # counts the first try
-            max_pool_connections=max_pool_connections,
-        ),
-    )
-
-
-def credentials_from_secret_data(data: Mapping[str, str] | None) -> dict[str, str]:
-    """A Kubernetes Secret's base64 `.data` → credentials for `s3_client`; ValueError names a bad key."""
-    data = data or {}
-    creds: dict[str, str] = {}
-    for key in (ACCESS_KEY, SECRET_KEY, SESSION_TOKEN):
-        if key not in data:
-            if key == SESSION_TOKEN:
-                continue
-            raise ValueError(f"Secret data has no key {key}")
-        try:
-            value = base64.b64decode(data[key], validate=True).decode().strip()
-        except (binascii.Error, UnicodeDecodeError, TypeError) as exc:
-            raise ValueError(f"Secret key {key} is not valid base64 text") from exc
-        if not value and key != SESSION_TOKEN:
-            raise ValueError(f"Secret key {key} is empty")
-        if value:
-            creds[key] = value
-    return creds
-
-
-def _client_error(exc: ClientError, what: str) -> _Stop:
-    error = exc.response.get("Error", {})
-    code = str(error.get("Code", ""))
-    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-    detail = f"{code or status}: {(error.get('Message') or 'no message').rstrip('.')}"
-    if code in _MISSING_CODES or status == 404:
-        return _stop(StorageReason.ObjectMissing, f"{what} does not exist ({detail}).")
-    if code in _DENIED_CODES or status == 403:
-        return _stop(
-            StorageReason.AccessDenied,
-            f"access to {what} was denied ({detail}); check the credentials Secret.",
-        )
-    # 5xx, throttling and anything unexpected: the object may be fine, so report it as transient and retry.
-    return _stop(StorageReason.EndpointUnreachable, f"reading {what} failed ({detail}).", transient=True)
+# The condition reason of each class of S3 failure (`ferry.s3.translate`); any other is transient.
+_REASONS: dict[type[Exception], StorageReason] = {
+    s3.ObjectMissing: StorageReason.ObjectMissing,
+    s3.AccessDenied: StorageReason.AccessDenied,
+    s3.CredentialsMissing: StorageReason.CredentialsMissing,
+}
 
 
 def _call(what: str, fn: Any, **kwargs: Any) -> Any:
     """One S3 request; any failure becomes a classified report."""
     try:
         return fn(**kwargs)
-    except ClientError as exc:
-        raise _client_error(exc, what) from exc
-    except (NoCredentialsError, PartialCredentialsError) as exc:
-        raise _stop(StorageReason.CredentialsMissing, f"no usable S3 credentials to read {what}: {exc}.") from exc
-    except (BotoConnectionError, HTTPClientError) as exc:
-        raise _stop(
-            StorageReason.EndpointUnreachable,
-            f"S3 endpoint unreachable while reading {what}: {exc}.",
-            transient=True,
-        ) from exc
-    except BotoCoreError as exc:
-        raise _stop(StorageReason.EndpointUnreachable, f"reading {what} failed: {exc}.", transient=True) from exc
+    except (ClientError, BotoCoreError) as exc:
+        error = s3.translate(exc, what)
+        reason = _REASONS.get(type(error), StorageReason.EndpointUnreachable)
+        raise _stop(reason, f"{error}.", transient=reason == StorageReason.EndpointUnreachable) from exc
 
 
 def _read(
@@ -206,7 +100,7 @@ def _get_prefix(client: Any, bucket: str, key: str, nbytes: int) -> dict[str, An
     try:
         return client.get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{nbytes - 1}")
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+        if s3.error_code(exc) == "InvalidRange":
             return None  # an empty object has no byte 0
         raise
 
@@ -241,8 +135,8 @@ def verify_checkpoint(client: Any, uri: str, *, fmt: str, version: str, base_ver
 
 def _verify(client: Any, uri: str, *, delta: bool, version: str, base_version: str | None) -> StorageReport:
     try:
-        bucket, key = parse_s3_uri(uri)
-    except ValueError as exc:
+        bucket, key = s3.parse_s3_uri(uri)
+    except s3.InvalidUri as exc:
         raise _stop(StorageReason.IndexInvalid, f"the spec.storage.uri is invalid: {exc}.") from exc
     index_uri = f"s3://{bucket}/{key}"
     prefix = key.rpartition("/")[0] + "/" if "/" in key else ""
@@ -355,8 +249,8 @@ def delete_checkpoint(client: Any, uri: str, *, index_digest: str | None) -> Del
     """Delete exactly one version's objects: the shards its index names, then the index (last, so an interrupted
     deletion can be resumed from it). Only if the index is still the one that was verified (`index_digest`)."""
     try:
-        bucket, key = parse_s3_uri(uri)
-    except ValueError as exc:
+        bucket, key = s3.parse_s3_uri(uri)
+    except s3.InvalidUri as exc:
         return DeletionReport(ok=False, message=f"Not deleted: {exc}.")
     prefix = key.rpartition("/")[0] + "/" if "/" in key else ""
     index_uri = f"s3://{bucket}/{key}"

@@ -27,6 +27,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION, ReplicaReason
+from ferry.errors import LoadFailed
 from ferry_agent import metrics
 from ferry_agent.apiretry import REQUEST_TIMEOUT_S, Backoff, StatusOutbox, describe, is_transient
 from ferry_agent.attach.memstore import HostStore, MemoryBudgetExceeded, SealedVersion, adopt_rank
@@ -35,7 +36,7 @@ from ferry_agent.attach.status import AttachmentPublisher
 from ferry_agent.checkpoint_store import CheckpointStore, model_key
 from ferry_agent.nixl_transfer import NixlPeer
 from ferry_agent.peer_strategy import Progress, TransferSettings
-from ferry_agent.rank_group import LoadFailed, RankLaunch, RankProcesses
+from ferry_agent.rank_group import RankLaunch, RankProcesses
 from ferry_agent.ranks import SingleRank
 from ferry_agent.registry import (
     DEFAULT_LEASE_SECONDS,

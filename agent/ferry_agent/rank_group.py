@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,19 +25,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ferry_agent.replica_load import SeedKey
 
+from ferry.errors import LoadFailed
 from ferry_agent.worker_auth import PodIdentity
 
 log = logging.getLogger(__name__)
 
 FAILED_RANKS_GRACE_S = 30.0  # after one rank fails, how long the others get to report the agreed failure
-
-
-class LoadFailed(RuntimeError):
-    """A replica's load failed; `attempts` are what goes into its `status.attempts[]`."""
-
-    def __init__(self, message: str, attempts: Sequence[Mapping[str, Any]] = ()) -> None:
-        super().__init__(message)
-        self.attempts = list(attempts)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api.models import GROUP, LABEL_MODEL, VERSION, label_value
-from ferry.storage import credentials_from_secret_data
+from ferry.s3 import credentials_from_secret_data
 from ferry_agent.apiretry import call_with_retry
 from ferry_agent.checkpoint_store import CheckpointStore
 from ferry_agent.cold_start import DEFAULT_SOURCE_ORDER, run_cold_start

@@ -49,14 +49,10 @@ import torch
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ferry import checkpoint_format as ckpt
+from ferry import s3
 from ferry.api.models import MAX_CHAIN_LENGTH, WeightFormat
 from ferry.chain import VersionView, resolve_chain
-from ferry.storage import (
-    HEADER_PROBE_BYTES,
-    MAX_INDEX_BYTES,
-    parse_s3_uri,
-    s3_client,
-)
+from ferry.storage import HEADER_PROBE_BYTES, MAX_INDEX_BYTES
 from ferry_agent.checkpoint_store import (
     ArtifactKind,
     ArtifactRef,
@@ -81,17 +77,8 @@ PROGRESS_INTERVAL_S = 1.0
 CHECKSUMS_FILE = "checksums.json"  # materialized/<v>/: adler32 per tensor of version v
 CHAIN_FILE = "chain.json"  # materialized/<v>/: the replay chain it was built from
 SOURCE = "s3"
-S3_ATTEMPTS = 3  # tries of one S3 request (botocore standard retries), all within the transfer timeout
 
 Progress = Callable[[int, int, str], None]
-
-# safetensors dtype → torch dtype; a checkpoint with any other dtype is refused before anything is fetched.
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "U16": torch.uint16, "I16": torch.int16,
-    "F16": torch.float16, "BF16": torch.bfloat16, "U32": torch.uint32, "I32": torch.int32, "F32": torch.float32,
-    "U64": torch.uint64, "I64": torch.int64, "F64": torch.float64, "C64": torch.complex64,
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -228,45 +215,6 @@ class _Countdown:
             self._action()
 
 
-def request_timeouts(timeout_s: float) -> tuple[float, float]:
-    """(connect, read) timeouts of one try of an S3 request, so that all `S3_ATTEMPTS` tries of one request
-    fit in `timeout_s` (the transfer timeout): a hung endpoint fails a load in bounded time. The read timeout
-    is the longest silence on the socket (capped at 60 s), not the duration of a whole ranged GET."""
-    per_try = timeout_s / S3_ATTEMPTS
-    connect = min(5.0, per_try / 2)
-    return connect, min(60.0, per_try - connect)
-
-
-def bulk_s3_client(
-    endpoint: str | None,
-    region: str | None,
-    credentials: Mapping[str, str] | None,
-    workers: int,
-    timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
-) -> Any:
-    """The verifier's client with bulk settings: `workers` ranged GETs of up to 16 MiB run at once, each
-    request bounded by `timeout_s` (see `request_timeouts`)."""
-    connect, read = request_timeouts(timeout_s)
-    return s3_client(
-        endpoint, region, credentials, connect_timeout=connect, read_timeout=read, max_attempts=S3_ATTEMPTS,
-        max_pool_connections=max(10, workers),
-    )  # fmt: skip
-
-
-def _s3_error(exc: Exception, uri: str) -> _LoadError:
-    if isinstance(exc, ClientError):
-        error = exc.response.get("Error", {})
-        code = str(error.get("Code", ""))
-        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-        detail = f"{code or status}: {(error.get('Message') or 'no message').rstrip('.')}"
-        if status == 404 or code in ("NoSuchKey", "NoSuchBucket", "NotFound"):
-            return _LoadError(f"{uri} does not exist ({detail})")
-        if status == 403:
-            return _LoadError(f"access to {uri} was denied ({detail}); check the credentials")
-        return _LoadError(f"reading {uri} failed ({detail})")
-    return _LoadError(f"reading {uri} failed: {exc}")
-
-
 def _pwrite_all(fd: int, data: bytes | np.ndarray, offset: int) -> None:
     view = memoryview(data)
     while view:
@@ -394,7 +342,7 @@ def _fetch_range(
         )
         data = response["Body"].read()
     except (ClientError, BotoCoreError) as exc:
-        raise _s3_error(exc, uri) from exc
+        raise _LoadError(str(s3.translate(exc, uri))) from exc
     if len(data) != end - begin:
         raise _LoadError(
             f"shard {uri}: the ranged GET of bytes {begin}-{end - 1} returned {len(data)} bytes; "
@@ -460,23 +408,6 @@ def _run(pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], Any]]) -> list[A
 
 def _first_error(verdicts: Sequence[Verdict]) -> tuple[str, str] | None:
     return next(((name, msg) for name, msg in verdicts if msg is not None), None)
-
-
-_clients: dict[tuple[Any, ...], Any] = {}
-_clients_lock = threading.Lock()
-
-
-def _cached_client(
-    endpoint: str | None, region: str | None, creds: Mapping[str, str] | None, workers: int, timeout_s: float
-) -> Any:
-    """Creating a boto3 client costs tens of milliseconds and the agent builds strategies per load, so clients
-    are shared process-wide, one per endpoint, region, identity, pool size and timeout (boto3 clients are
-    thread-safe)."""
-    key = (endpoint, region, tuple(sorted((creds or {}).items())), workers, timeout_s)
-    with _clients_lock:
-        if key not in _clients:
-            _clients[key] = bulk_s3_client(endpoint, region, creds, workers, timeout_s)
-        return _clients[key]
 
 
 class ObjectStorageStrategy:
@@ -664,7 +595,7 @@ class ObjectStorageStrategy:
                 raise _LoadError(f"WeightVersion {name}{where} is not Ready")
             storage = (body.get("spec") or {}).get("storage") or {}
             try:
-                bucket, key = parse_s3_uri(storage.get("uri", ""))
+                bucket, key = s3.parse_s3_uri(storage.get("uri", ""))
             except ValueError as exc:
                 raise _LoadError(f"WeightVersion {name}{where} has no usable spec.storage.uri: {exc}") from exc
             try:
@@ -715,7 +646,7 @@ class ObjectStorageStrategy:
 
         layout = {name: (shard, info) for shard in base.shards.values() for name, info in shard.layout.infos.items()}
         for name, (shard, info) in layout.items():
-            if info.dtype not in TORCH_DTYPES:
+            if info.dtype not in ckpt.TORCH_DTYPES:
                 raise _LoadError(f"tensor {name!r} in {base.where(shard.name)} has dtype {info.dtype}, unsupported")
         for delta in deltas:
             for shard in delta.shards.values():
@@ -732,7 +663,7 @@ class ObjectStorageStrategy:
                         )
         specs = rank_specs(
             [
-                TensorSpec(name, str(TORCH_DTYPES[info.dtype]), info.shape, info.nbytes)
+                TensorSpec(name, f"torch.{ckpt.TORCH_DTYPES[info.dtype]}", info.shape, info.nbytes)
                 for name, (_, info) in sorted(layout.items())
             ],
             ctx.rank,
@@ -807,7 +738,7 @@ class ObjectStorageStrategy:
                 raise _LoadError(f"index {link.uri} is {response['ContentLength']} bytes, too big to be an index")
             raw = response["Body"].read()
         except (ClientError, BotoCoreError) as exc:
-            raise _s3_error(exc, link.uri) from exc
+            raise _LoadError(str(s3.translate(exc, link.uri))) from exc
         digest = index_digest(raw)
         if link.index_digest is not None and digest != link.index_digest:
             raise _LoadError(
@@ -841,7 +772,7 @@ class ObjectStorageStrategy:
                 head += get(len(head), header_end - 1)
             layout = ckpt.check_shard(head, size, index.tensors_in(shard), checksummed=True)
         except (ClientError, BotoCoreError) as exc:
-            raise _s3_error(exc, uri) from exc
+            raise _LoadError(str(s3.translate(exc, uri))) from exc
         except ckpt.InvalidShard as exc:
             raise _LoadError(f"shard {uri} {exc}") from exc
         return _Shard(shard, layout, head[: layout.data_start])
@@ -853,7 +784,7 @@ class ObjectStorageStrategy:
             creds = self._credentials(link.storage)
         except Exception as exc:
             raise _LoadError(f"no S3 credentials for {link.uri}: {exc}") from exc
-        return _cached_client(endpoint, region, creds, self._workers, self._timeout_s)
+        return s3.client(endpoint, region, creds, s3.bulk_download(self._workers, self._timeout_s))
 
     # ------------------------------------------------------------------ phase 3: download, apply, place
 

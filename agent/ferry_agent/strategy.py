@@ -5,7 +5,7 @@
 - `StrategyRecoveryError` → rollback, then re-raise: the chain stops, since trying another loader on a
   model we could not restore would hide the original failure.
 - Any other `Exception` → rollback and continue, without reinit.
-- First success → `publish` and return its result. None → `RuntimeError` naming every strategy's failure.
+- First success → `publish` and return its result. None → `LoadFailed` naming every strategy's failure.
 
 Every step is recorded as an `Attempt` on the context so the caller can copy it into status.
 """
@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+from ferry.errors import LoadFailed, NotFound
+
 log = logging.getLogger(__name__)
 
 # WeightReplica status.attempts[] bounds (ferry.api.models.LoadAttempt).
@@ -27,7 +29,7 @@ _MAX_REASON = 128
 _MAX_MESSAGE = 4096
 
 
-class StrategyFailed(RuntimeError):
+class StrategyFailed(NotFound, RuntimeError):
     """An expected miss. `mutated=True` means target weights may have changed: rollback + reinit."""
 
     def __init__(self, message: str, *, mutated: bool = False) -> None:
@@ -186,6 +188,7 @@ def run_strategy_chain(
         return result
 
     detail = "; ".join(failures) if failures else "no strategies configured"
-    raise RuntimeError(
-        f"No load strategy succeeded for model {ctx.model!r} version {ctx.version!r} rank {ctx.rank}: {detail}"
+    raise LoadFailed(
+        f"No load strategy succeeded for model {ctx.model!r} version {ctx.version!r} rank {ctx.rank}: {detail}",
+        [a.to_status() for a in ctx.attempts],
     )

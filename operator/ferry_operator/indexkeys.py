@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ferry.chain import VersionView
-from ferry.storage import parse_s3_uri
+from ferry.s3 import parse_s3_uri
 
 
 def named(namespace: str, name: str) -> tuple:

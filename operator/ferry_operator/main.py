@@ -22,7 +22,8 @@ from ferry.api.conditions import get_condition, now_rfc3339
 from ferry.api.liveness import DEFAULT_LEASE_SECONDS
 from ferry.api.models import GROUP, LABEL_PLACEMENT, LABEL_VERSION, replica_lease_name, warm_node_label
 from ferry.chain import VersionView, dependents, resolve_chain
-from ferry.storage import StorageReason, StorageReport, credentials_from_secret_data, verify_checkpoint
+from ferry.s3 import credentials_from_secret_data
+from ferry.storage import StorageReason, StorageReport, verify_checkpoint
 
 # the pod_placement and retention_handlers imports register their handlers
 from ferry_operator import kubeapi, leadership, logfilter, metrics, pod_placement, retention_handlers

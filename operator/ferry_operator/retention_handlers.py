@@ -17,7 +17,8 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api.models import RetentionReason
-from ferry.storage import DeletionReport, credentials_from_secret_data, delete_checkpoint, parse_s3_uri
+from ferry.s3 import credentials_from_secret_data, parse_s3_uri
+from ferry.storage import DeletionReport, delete_checkpoint
 from ferry_operator import kubeapi
 from ferry_operator.config import CONFIG
 from ferry_operator.indexkeys import in_folder, in_namespace

@@ -19,7 +19,8 @@ from safetensors.numpy import load, save_file
 
 from ferry import checkpoint_format as ckpt
 from ferry.cli import main
-from ferry.publish import ImmutableConflict, ImmutableWriter
+from ferry.publish import ImmutableConflict
+from ferry.publish.writer import ImmutableWriter
 from ferry_dev.localcluster import LocalCluster, S3Server
 
 pytestmark = pytest.mark.cluster

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from typing import Any
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 from ferry import checkpoint_format as ckpt
-from ferry.storage import StorageReason, StorageReport, s3_client, verify_checkpoint
+from ferry.s3 import new_client, verification
+from ferry.storage import StorageReason, StorageReport, verify_checkpoint
 from ferry_dev.localcluster import S3Server, free_port
 
 pytestmark = pytest.mark.cluster
@@ -28,10 +30,11 @@ def s3_server(s3: S3Server) -> S3Server:
 @pytest.fixture(scope="module")
 def client(s3_server: S3Server) -> Any:
     """The verifier's own client, with the server's real credentials."""
-    return s3_client(
+    return new_client(
         s3_server.endpoint,
         "us-east-1",
         {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key},
+        verification(),
     )
 
 
@@ -124,10 +127,11 @@ def test_total_size_mismatch(s3_server: S3Server, client: Any) -> None:
 )
 def test_wrong_credentials_are_denied(s3_server: S3Server, access_key: str | None, secret_key: str) -> None:
     uri = upload(s3_server, ckpt.build_full_checkpoint(weights(6), shard_bytes=1 << 20))
-    bad = s3_client(
+    bad = new_client(
         s3_server.endpoint,
         "us-east-1",
         {"AWS_ACCESS_KEY_ID": access_key or s3_server.access_key, "AWS_SECRET_ACCESS_KEY": secret_key},
+        verification(),
     )
     report = full(bad, uri)
     assert (report.ok, report.reason, report.transient) == (False, StorageReason.AccessDenied, False), report.message
@@ -135,12 +139,11 @@ def test_wrong_credentials_are_denied(s3_server: S3Server, access_key: str | Non
 
 
 def test_unreachable_endpoint_is_transient() -> None:
-    closed = s3_client(
+    closed = new_client(
         f"http://127.0.0.1:{free_port()}",
         "us-east-1",
         {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"},
-        connect_timeout=1,
-        max_attempts=1,
+        dataclasses.replace(verification(), connect_timeout=1, max_attempts=1),
     )
     report = full(closed, f"s3://{BUCKET}/x/{ckpt.INDEX_NAME}")
     assert (report.ok, report.reason, report.transient) == (False, StorageReason.EndpointUnreachable, True)

@@ -349,3 +349,17 @@ def test_check_delta_identity() -> None:
         ckpt.check_delta_identity(delta, version="v2", base_version="v0")
     with pytest.raises(ckpt.InvalidIndex, match="full checkpoint"):
         ckpt.check_delta_identity(ckpt.parse_index(json.dumps(full_index())), version="v2", base_version="v1")
+
+
+def test_dtype_tables_agree() -> None:
+    """Every safetensors dtype Ferry knows has a torch dtype of its width, and a numpy dtype (or carrier) of the
+    same width, so publish, the operator and the agent accept exactly the same checkpoints."""
+    import torch
+
+    assert set(ckpt.TORCH_DTYPES) == set(ckpt.DTYPE_SIZES) == {*ckpt.NUMPY_DTYPES, *ckpt.CARRIERS}
+    assert not set(ckpt.NUMPY_DTYPES) & set(ckpt.CARRIERS)
+    for dtype, name in ckpt.TORCH_DTYPES.items():
+        torch_dtype = getattr(torch, name)
+        assert isinstance(torch_dtype, torch.dtype) and torch_dtype.itemsize == ckpt.DTYPE_SIZES[dtype], dtype
+        numpy_dtype = ckpt.NUMPY_DTYPES.get(dtype) or ckpt.CARRIERS[dtype]
+        assert np.dtype(numpy_dtype).itemsize == ckpt.DTYPE_SIZES[dtype], dtype

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import struct
@@ -21,14 +20,7 @@ from botocore.exceptions import (
 from safetensors.numpy import save
 
 from ferry import checkpoint_format as ckpt
-from ferry.storage import (
-    StorageReason,
-    StorageReport,
-    credentials_from_secret_data,
-    parse_s3_uri,
-    s3_client,
-    verify_checkpoint,
-)
+from ferry.storage import StorageReason, StorageReport, verify_checkpoint
 
 pytestmark = pytest.mark.unit
 
@@ -139,83 +131,6 @@ def test_reasons_are_a_fixed_camelcase_list() -> None:
         "CredentialsMissing",
         "EndpointUnreachable",
     }
-
-
-@pytest.mark.parametrize(
-    ("uri", "expected"),
-    [
-        ("s3://bucket/model.safetensors.index.json", ("bucket", "model.safetensors.index.json")),
-        ("s3://my.bucket-1/a/b/c/index.json", ("my.bucket-1", "a/b/c/index.json")),
-    ],
-)
-def test_parse_s3_uri(uri: str, expected: tuple[str, str]) -> None:
-    assert parse_s3_uri(uri) == expected
-
-
-@pytest.mark.parametrize(
-    "uri",
-    [
-        "",
-        "http://bucket/key",
-        "s3://",
-        "s3://bucket",
-        "s3://bucket/",
-        "s3://bucket/dir/",
-        "s3://Bucket/key",
-        "s3://b/key",
-        "s3:///key",
-        "s3://bucket\n/key",
-        "s3://bucket/has space",
-        None,
-    ],
-)
-def test_parse_s3_uri_rejects(uri: Any) -> None:
-    with pytest.raises(ValueError):
-        parse_s3_uri(uri)
-
-
-def b64(value: str) -> str:
-    return base64.b64encode(value.encode()).decode()
-
-
-def test_credentials_from_secret_data() -> None:
-    data = {"AWS_ACCESS_KEY_ID": b64("AKIA"), "AWS_SECRET_ACCESS_KEY": b64("s3cr3t\n"), "other": b64("x")}
-    assert credentials_from_secret_data(data) == {"AWS_ACCESS_KEY_ID": "AKIA", "AWS_SECRET_ACCESS_KEY": "s3cr3t"}
-    data["AWS_SESSION_TOKEN"] = b64("tok")
-    assert credentials_from_secret_data(data)["AWS_SESSION_TOKEN"] == "tok"
-
-
-@pytest.mark.parametrize(
-    ("data", "match"),
-    [
-        ({}, "AWS_ACCESS_KEY_ID"),
-        (None, "AWS_ACCESS_KEY_ID"),
-        ({"AWS_ACCESS_KEY_ID": b64("a")}, "no key AWS_SECRET_ACCESS_KEY"),
-        ({"AWS_ACCESS_KEY_ID": "***", "AWS_SECRET_ACCESS_KEY": b64("s")}, "AWS_ACCESS_KEY_ID is not valid base64"),
-        ({"AWS_ACCESS_KEY_ID": b64("a"), "AWS_SECRET_ACCESS_KEY": ""}, "AWS_SECRET_ACCESS_KEY is empty"),
-    ],
-)
-def test_credentials_from_secret_data_names_the_bad_key(data: Any, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        credentials_from_secret_data(data)
-
-
-def test_s3_client_configuration() -> None:
-    client = s3_client("http://127.0.0.1:9", "eu-west-1", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
-    config = client.meta.config
-    assert client.meta.endpoint_url == "http://127.0.0.1:9" and client.meta.region_name == "eu-west-1"
-    assert config.s3 == {"addressing_style": "path"}
-    assert config.connect_timeout <= 5 and config.read_timeout <= 30
-    assert config.retries["total_max_attempts"] <= 3
-    credentials = client._request_signer._credentials
-    assert (credentials.access_key, credentials.secret_key) == ("k", "s")
-
-
-def test_s3_client_falls_back_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "env-key")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
-    credentials = s3_client(None, "us-east-1", None)._request_signer._credentials
-    assert (credentials.access_key, credentials.secret_key) == ("env-key", "env-secret")
 
 
 # ---------------------------------------------------------------- verification: success
@@ -466,14 +381,3 @@ def test_connection_dropped_while_reading_a_body_is_transient() -> None:
     fake.body_fail[PREFIX + ckpt.INDEX_NAME] = ResponseStreamingError(error="connection reset")
     report = verify(fake)
     assert report.reason == StorageReason.EndpointUnreachable and report.transient
-
-
-@pytest.mark.parametrize("timeout_s", [1, 9, 30, 300, 86400])
-def test_every_try_of_an_agent_s3_request_fits_in_the_transfer_timeout(timeout_s: int) -> None:
-    from ferry_agent.s3_strategy import S3_ATTEMPTS, bulk_s3_client, request_timeouts
-
-    connect, read = request_timeouts(timeout_s)
-    assert 0 < connect <= 5 and 0 < read <= 60 and S3_ATTEMPTS * (connect + read) <= timeout_s + 1e-9
-    config = bulk_s3_client("http://127.0.0.1:1", None, None, 4, timeout_s).meta.config
-    assert (config.connect_timeout, config.read_timeout) == (connect, read)
-    assert config.retries["total_max_attempts"] == S3_ATTEMPTS

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from ferry.errors import LoadFailed
 from ferry_agent.strategy import (
     Attempt,
     LoadContext,
@@ -145,8 +146,9 @@ def test_no_success_lists_every_strategy_failure() -> None:
         Fake("Disk", log, available=False),
         Fake("ObjectStorage", log, error=OSError("bucket gone")),
     ]
-    with pytest.raises(RuntimeError, match="No load strategy succeeded") as info:
+    with pytest.raises(LoadFailed, match="No load strategy succeeded") as info:
         run(strategies, log, c)
+    assert info.value.attempts == [a.to_status() for a in c.attempts]  # what goes into status.attempts[]
     text = str(info.value)
     for part in ("Peer: StrategyFailed: no peer source", "Disk: unavailable", "ObjectStorage: OSError: bucket gone"):
         assert part in text
