@@ -43,12 +43,17 @@ from _common import summary
 
 from ferry import checkpoint_format as ckpt
 from ferry.localcluster import S3Server
-from ferry_agent import s3_strategy
-from ferry_agent.checkpoint_store import CheckpointStore
-from ferry_agent.cold_start import run_cold_start
-from ferry_agent.ranks import TorchRankGroup
-from ferry_agent.s3_strategy import DEFAULT_RANGE_BYTES, ObjectStorageStrategy, S3LoadResult, bulk_s3_client
-from ferry_agent.strategy import LoadContext
+from ferry_agent.ranks.agreement import TorchRankGroup
+from ferry_agent.ranks.cold_start import run_cold_start
+from ferry_agent.store.checkpoints import CheckpointStore
+from ferry_agent.strategies.chain import LoadContext
+from ferry_agent.strategies.object_storage import strategy as s3_strategy
+from ferry_agent.strategies.object_storage.strategy import (
+    DEFAULT_RANGE_BYTES,
+    ObjectStorageStrategy,
+    S3LoadResult,
+    bulk_s3_client,
+)
 
 MIB = 1 << 20
 BUCKET = "ferry-bench"

@@ -11,14 +11,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ferry_agent.ranks import TorchRankGroup
-from ferry_agent.strategy import StrategyRecoveryError
+from ferry_agent.ranks.agreement import TorchRankGroup
+from ferry_agent.strategies.chain import StrategyRecoveryError
 
 
 def _worker(rank: int, world: int, store_path: str | None, fn: Callable[..., Any], queue: Any) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
-        from ferry_agent import s3_strategy
+        from ferry_agent.strategies.object_storage import strategy as s3_strategy
 
         s3_strategy._clients.clear()  # a forked rank must not share its parent's pooled S3 connections
         # Without a store file: TCP rendezvous at $MASTER_ADDR:$MASTER_PORT, which the parent set.

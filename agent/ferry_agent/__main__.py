@@ -10,14 +10,15 @@ from pathlib import Path
 
 from ferry.api.models import worker_audience
 from ferry.kube import kube_client
-from ferry_agent import metrics, worker_auth
-from ferry_agent.apiretry import bound_requests
+from ferry_agent import metrics
 from ferry_agent.attach.memstore import HostStore, parse_bytes
 from ferry_agent.attach.service import AttachService
-from ferry_agent.checkpoint_store import CheckpointStore
+from ferry_agent.kube.apiretry import bound_requests
+from ferry_agent.kube.registry import DEFAULT_LEASE_SECONDS
 from ferry_agent.node_agent import NodeAgent
-from ferry_agent.registry import DEFAULT_LEASE_SECONDS
 from ferry_agent.replica_load import seed_argument
+from ferry_agent.store.checkpoints import CheckpointStore
+from ferry_agent.transport import worker_auth
 
 
 def main(argv: list[str] | None = None) -> None:

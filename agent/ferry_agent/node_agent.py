@@ -28,21 +28,18 @@ from kubernetes.client.exceptions import ApiException
 from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION, ReplicaReason
 from ferry_agent import metrics
-from ferry_agent.apiretry import REQUEST_TIMEOUT_S, Backoff, StatusOutbox, describe, is_transient
 from ferry_agent.attach.memstore import HostStore, MemoryBudgetExceeded, SealedVersion, adopt_rank
 from ferry_agent.attach.service import AttachService
 from ferry_agent.attach.status import AttachmentPublisher
-from ferry_agent.checkpoint_store import CheckpointStore, model_key
-from ferry_agent.nixl_transfer import NixlPeer
-from ferry_agent.peer_strategy import Progress, TransferSettings
-from ferry_agent.rank_group import LoadFailed, RankLaunch, RankProcesses
-from ferry_agent.ranks import SingleRank
-from ferry_agent.registry import (
+from ferry_agent.kube.apiretry import REQUEST_TIMEOUT_S, Backoff, StatusOutbox, describe, is_transient
+from ferry_agent.kube.registry import (
     DEFAULT_LEASE_SECONDS,
     LABEL_NODE,
     lease_body,
     lease_name,
 )
+from ferry_agent.ranks.agreement import SingleRank
+from ferry_agent.ranks.supervisor import LoadFailed, RankLaunch, RankProcesses
 from ferry_agent.replica_load import (
     PLURAL,
     ApiSources,
@@ -53,9 +50,12 @@ from ferry_agent.replica_load import (
     serve_rank,
     source_label,
 )
-from ferry_agent.resident import ResidentWeights
-from ferry_agent.worker_auth import ReaderTokens, WorkerAuth
-from ferry_agent.worker_service import WorkerServer
+from ferry_agent.store.checkpoints import CheckpointStore, model_key
+from ferry_agent.store.resident import ResidentWeights
+from ferry_agent.strategies.peer import Progress, TransferSettings
+from ferry_agent.transport.nixl import NixlPeer
+from ferry_agent.transport.worker_auth import ReaderTokens, WorkerAuth
+from ferry_agent.transport.worker_service import WorkerServer
 
 log = logging.getLogger("ferry.agent")
 

@@ -1,6 +1,6 @@
 """Loading one rank of a WeightReplica: the strategies a rank uses, built from the API, and the cold start.
 
-Used in the node agent's own process for one-rank replicas and in each rank process (`ferry_agent.rank_worker`)
+Used in the node agent's own process for one-rank replicas and in each rank process (`ferry_agent.ranks.worker`)
 of a multi-rank one, so both run exactly the same code: `load_rank` over a `RankGroup`.
 """
 
@@ -23,19 +23,19 @@ from kubernetes.client.exceptions import ApiException
 
 from ferry.api.models import GROUP, LABEL_MODEL, VERSION, label_value
 from ferry.storage import credentials_from_secret_data
-from ferry_agent.apiretry import call_with_retry
-from ferry_agent.checkpoint_store import CheckpointStore
-from ferry_agent.cold_start import DEFAULT_SOURCE_ORDER, run_cold_start
-from ferry_agent.nixl_transfer import NixlPeer
-from ferry_agent.peer_strategy import PeerStrategy, Progress, TransferSettings
-from ferry_agent.ranks import RankGroup
-from ferry_agent.registry import first_loader, peer_version_problem, source_candidates
-from ferry_agent.resident import ResidentWeights, spec_of
-from ferry_agent.s3_strategy import ObjectStorageStrategy
-from ferry_agent.sharding import rank_specs
-from ferry_agent.strategy import LoadContext, StrategyFailed
-from ferry_agent.worker_auth import ReadGuard, ServedVersion, WorkerAuth
-from ferry_agent.worker_service import SourceCredentials, WorkerServer, serve_resident
+from ferry_agent.kube.apiretry import call_with_retry
+from ferry_agent.kube.registry import first_loader, peer_version_problem, source_candidates
+from ferry_agent.ranks.agreement import RankGroup
+from ferry_agent.ranks.cold_start import DEFAULT_SOURCE_ORDER, run_cold_start
+from ferry_agent.ranks.sharding import rank_specs
+from ferry_agent.store.checkpoints import CheckpointStore
+from ferry_agent.store.resident import ResidentWeights, spec_of
+from ferry_agent.strategies.chain import LoadContext, StrategyFailed
+from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
+from ferry_agent.strategies.peer import PeerStrategy, Progress, TransferSettings
+from ferry_agent.transport.nixl import NixlPeer
+from ferry_agent.transport.worker_auth import ReadGuard, ServedVersion, WorkerAuth
+from ferry_agent.transport.worker_service import SourceCredentials, WorkerServer, serve_resident
 
 log = logging.getLogger(__name__)
 PLURAL = "weightreplicas"

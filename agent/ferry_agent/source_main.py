@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ferry_agent.resident import ResidentWeights, TensorSpec, spec_of
-from ferry_agent.worker_service import WorkerServer, serve_resident
+from ferry_agent.store.resident import ResidentWeights, TensorSpec, spec_of
+from ferry_agent.transport.worker_service import WorkerServer, serve_resident
 
 READY_MARKER = "FERRY-SOURCE "
 REPLY_MARKER = "FERRY-REPLY "
@@ -102,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
 
-    from ferry_agent.nixl_transfer import NixlPeer  # after torch: the NIXL import probes CUDA through it
+    from ferry_agent.transport.nixl import NixlPeer  # after torch: the NIXL import probes CUDA through it
 
     guard = None
     if args.serve:
         from ferry.kube import kube_client
-        from ferry_agent.worker_auth import ServedVersion, WorkerAuth
+        from ferry_agent.transport.worker_auth import ServedVersion, WorkerAuth
 
         if not args.node:
             parser.error("--serve needs --node")

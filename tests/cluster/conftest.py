@@ -11,7 +11,7 @@ import pytest
 from s3util import BUCKET, Registry, Weights, evolve, weights
 
 from ferry.localcluster import S3Server
-from ferry_agent.checkpoint_store import CheckpointStore
+from ferry_agent.store.checkpoints import CheckpointStore
 
 
 @pytest.fixture(scope="module")

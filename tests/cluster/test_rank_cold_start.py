@@ -13,10 +13,10 @@ from rankutil import spawn
 from s3util import KEY, MODEL, Registry, Weights, delta, full, publish_chain3, shas
 
 from ferry import checkpoint_format as ckpt
-from ferry_agent.checkpoint_store import ArtifactKind, ArtifactRef, CheckpointStore
-from ferry_agent.cold_start import run_cold_start
-from ferry_agent.ranks import TorchRankGroup
-from ferry_agent.strategy import LoadContext, StrategyFailed
+from ferry_agent.ranks.agreement import TorchRankGroup
+from ferry_agent.ranks.cold_start import run_cold_start
+from ferry_agent.store.checkpoints import ArtifactKind, ArtifactRef, CheckpointStore
+from ferry_agent.strategies.chain import LoadContext, StrategyFailed
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 

@@ -39,7 +39,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ferry.api import models
 from ferry.localcluster import LocalCluster, wait_until
-from ferry_agent.registry import lease_body, lease_name
+from ferry_agent.kube.registry import lease_body, lease_name
 
 pytestmark = pytest.mark.cluster
 

@@ -17,9 +17,9 @@ from wvutil import get, wait_for
 
 from ferry.api.models import API_VERSION
 from ferry.localcluster import LocalCluster, ManagedProcess
-from ferry_agent.proto import worker_pb2, worker_pb2_grpc
-from ferry_agent.registry import LABEL_MODEL, LABEL_NODE, LABEL_VERSION
-from ferry_agent.worker_auth import PodIdentity, ReaderTokens
+from ferry_agent.kube.registry import LABEL_MODEL, LABEL_NODE, LABEL_VERSION
+from ferry_agent.transport.proto import worker_pb2, worker_pb2_grpc
+from ferry_agent.transport.worker_auth import PodIdentity, ReaderTokens
 
 # node -> the cluster an agent was started for it in (where a reader on that node mints its worker tokens)
 AGENT_NODES: dict[str, LocalCluster] = {}
@@ -177,10 +177,10 @@ def _admin_api(kubeconfig: str) -> client.ApiClient:
 def pull(rank_entry: dict, replica_name: str, reader_node: str | None = None) -> dict[str, torch.Tensor]:
     """A copy of what one rank of a replica serves, read over NIXL by an independent reader on `reader_node`
     (default: the serving node, whose own replica is assigned the version) with the tokens it mints."""
-    from ferry_agent.candidate import SourceCandidate
-    from ferry_agent.nixl_transfer import NixlPeer
-    from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
-    from ferry_agent.strategy import LoadContext
+    from ferry_agent.strategies.candidate import SourceCandidate
+    from ferry_agent.strategies.chain import LoadContext
+    from ferry_agent.strategies.peer import PeerStrategy, TransferSettings
+    from ferry_agent.transport.nixl import NixlPeer
 
     reader = NixlPeer(f"reader-{os.getpid()}-{replica_name}")
     rank = rank_entry["rank"]

@@ -12,8 +12,8 @@ from agentutil import agent_metrics, content_sha256, node, read_back, replica, s
 from safetensors.torch import save_file
 from wvutil import apply, get, wait_for, wait_reason, wv_body
 
-from ferry_agent.registry import lease_name
-from ferry_agent.resident import ResidentWeights
+from ferry_agent.kube.registry import lease_name
+from ferry_agent.store.resident import ResidentWeights
 
 pytestmark = pytest.mark.e2e
 

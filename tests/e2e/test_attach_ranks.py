@@ -14,8 +14,8 @@ from test_attach import engine_pod
 from wvutil import apply, ml_body, wait_for, wv_body
 
 from ferry.client import attach, request
-from ferry_agent.resident import spec_of
-from ferry_agent.sharding import rank_specs
+from ferry_agent.ranks.sharding import rank_specs
+from ferry_agent.store.resident import spec_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -28,7 +28,7 @@ from wvutil import apply, get, ml_body, wait_for, wait_reason, wv_body
 
 from ferry.api.models import LABEL_NODE
 from ferry.localcluster import LocalCluster, binary, write_kubeconfig
-from ferry_agent.registry import lease_body, lease_name
+from ferry_agent.kube.registry import lease_body, lease_name
 from ferry_operator.modelloads import LEASE_OF_OTHER_NODE_DELETED, replica_name
 
 pytestmark = pytest.mark.e2e

@@ -141,7 +141,7 @@ def test_rank_processes_configured_with_different_versions_both_fail(cluster, na
             [
                 sys.executable,
                 "-m",
-                "ferry_agent.rank_worker",
+                "ferry_agent.ranks.worker",
                 "--namespace",
                 namespace,
                 "--replica",

@@ -26,12 +26,12 @@ from typing import Any
 import grpc
 import pytest
 
-from ferry_agent.candidate import SourceCandidate
-from ferry_agent.nixl_transfer import NixlPeer
-from ferry_agent.peer_strategy import PeerLoadResult, PeerStrategy, TransferSettings
 from ferry_agent.source_main import READY_MARKER, REPLY_MARKER
-from ferry_agent.strategy import LoadContext, Outcome, StrategyFailed, run_strategy_chain
-from ferry_agent.worker_service import (
+from ferry_agent.strategies.candidate import SourceCandidate
+from ferry_agent.strategies.chain import LoadContext, Outcome, StrategyFailed, run_strategy_chain
+from ferry_agent.strategies.peer import PeerLoadResult, PeerStrategy, TransferSettings
+from ferry_agent.transport.nixl import NixlPeer
+from ferry_agent.transport.worker_service import (
     SourceIdentity,
     WorkerServer,
     get_tensor_manifest,

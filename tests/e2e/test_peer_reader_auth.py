@@ -38,7 +38,12 @@ from safetensors.torch import save_file
 from wvutil import apply, get, wait_for, wait_reason, wv_body
 
 from ferry.api.models import worker_audience
-from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest, prepare_tensor_read, release_tensor_read
+from ferry_agent.transport.worker_service import (
+    SourceIdentity,
+    get_tensor_manifest,
+    prepare_tensor_read,
+    release_tensor_read,
+)
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ from agentutil import node, reader_tokens, replica, seed_arg, start_agent, wait_
 from safetensors.torch import save_file
 from wvutil import apply, get, wait_for, wait_reason, wv_body
 
-from ferry_agent.worker_service import SourceIdentity, prepare_tensor_read
+from ferry_agent.transport.worker_service import SourceIdentity, prepare_tensor_read
 
 pytestmark = pytest.mark.e2e
 

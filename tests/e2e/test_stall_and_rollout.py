@@ -13,8 +13,8 @@ from agentutil import content_sha256, node, read_back, seed_arg, seeded_agents, 
 from safetensors.torch import save_file
 from wvutil import condition, ml_body, ml_status, wait_for, wv_body
 
-from ferry_agent.registry import source_candidates
-from ferry_agent.selector import make_selector
+from ferry_agent.kube.registry import source_candidates
+from ferry_agent.strategies.selector import make_selector
 from ferry_operator.modelloads import choose_nodes, replica_name
 
 pytestmark = pytest.mark.e2e

@@ -24,17 +24,17 @@ from typing import Any
 import pytest
 import torch
 
-from ferry_agent.candidate import SourceCandidate
-from ferry_agent.nixl_transfer import ManifestMismatchError, NixlPeer, RemoteTensor, describe
-from ferry_agent.peer_strategy import (
+from ferry_agent.store.resident import ResidentWeights, TensorSpec, manifest_digest
+from ferry_agent.strategies.candidate import SourceCandidate
+from ferry_agent.strategies.chain import LoadContext, Outcome, SourceTransferError, StrategyFailed
+from ferry_agent.strategies.peer import (
     PeerStrategy,
     ProgressThrottle,
     TransferSettings,
     transfer_timeout_seconds,
 )
-from ferry_agent.resident import ResidentWeights, TensorSpec, manifest_digest
-from ferry_agent.strategy import LoadContext, Outcome, SourceTransferError, StrategyFailed
-from ferry_agent.worker_service import SourceIdentity, SourceManifest, build_manifest
+from ferry_agent.transport.nixl import ManifestMismatchError, NixlPeer, RemoteTensor, describe
+from ferry_agent.transport.worker_service import SourceIdentity, SourceManifest, build_manifest
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ferry_agent.strategy import (
+from ferry_agent.strategies.chain import (
     Attempt,
     LoadContext,
     LoadStrategy,

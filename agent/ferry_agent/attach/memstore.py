@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ferry.client.protocol import MAX_FDS, REQUIRED_SEALS
-from ferry_agent.resident import ResidentWeights, TensorSpec, parse_dtype, spec_of
+from ferry_agent.store.resident import ResidentWeights, TensorSpec, parse_dtype, spec_of
 
 log = logging.getLogger("ferry.agent.memstore")
 

@@ -1,4 +1,4 @@
-"""Desired-version cold start of one replica's ranks (reference/modelexpress.md §5.9, over `ferry_agent.ranks`).
+"""Desired-version cold start of one replica's ranks (docs/ranks.md), over `ranks.agreement`.
 
 `run_cold_start` is what every rank of a replica runs, one-rank replicas included (with `SingleRank`):
 
@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ferry_agent.ranks import (
+from ferry_agent.ranks.agreement import (
     RankGroup,
     S3Steps,
     agree_desired_version,
@@ -30,14 +30,14 @@ from ferry_agent.ranks import (
     agree_source_order,
     s3_phases,
 )
-from ferry_agent.s3_strategy import ObjectStorageStrategy, S3LoadResult
-from ferry_agent.strategy import (
+from ferry_agent.strategies.chain import (
     LoadContext,
     LoadStrategy,
     StrategyFailed,
     StrategyRecoveryError,
     run_strategy_chain,
 )
+from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy, S3LoadResult
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The Peer load strategy: READ a rank's weights from another replica that serves the exact version.
 
-Per candidate (reference §3.5/§3.6, the nvbug 6519532 lessons):
+Per candidate (so that a failed READ never leaves a half-open connection on the source):
   PrepareTensorRead lease → manifest checks → remote agent name claimed → add_remote (on failure:
   remove the claimed name, re-raise) → READ (errors wrapped as SourceTransferError) → device sync →
   finally remove_remote → outer finally release the lease.
@@ -21,13 +21,13 @@ from typing import Any, Protocol
 import grpc
 import torch
 
-from ferry_agent.candidate import SourceCandidate
-from ferry_agent.nixl_transfer import ManifestMismatchError, RemoteTensor
-from ferry_agent.resident import ResidentWeights, TensorSpec
-from ferry_agent.selector import Selector, make_selector
-from ferry_agent.strategy import LoadContext, Outcome, SourceTransferError, StrategyFailed
-from ferry_agent.worker_auth import TokenUnavailable
-from ferry_agent.worker_service import (
+from ferry_agent.store.resident import ResidentWeights, TensorSpec
+from ferry_agent.strategies.candidate import SourceCandidate
+from ferry_agent.strategies.chain import LoadContext, Outcome, SourceTransferError, StrategyFailed
+from ferry_agent.strategies.selector import Selector, make_selector
+from ferry_agent.transport.nixl import ManifestMismatchError, RemoteTensor
+from ferry_agent.transport.worker_auth import TokenUnavailable
+from ferry_agent.transport.worker_service import (
     DEFAULT_RPC_TIMEOUT_S,
     DEFAULT_TRANSFER_TIMEOUT_S,
     RetryPolicy,

@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
-from ferry_agent.candidate import SourceCandidate
+from ferry_agent.strategies.candidate import SourceCandidate
 
 SELECTORS = ("random", "rendezvousHash", "loadAware")
 _UNKNOWN_LOAD = 0.5  # prior for a candidate that reports no lease count (ModelExpress uses the same)

@@ -1,4 +1,4 @@
-"""The node agent's side of a multi-rank replica: one `ferry_agent.rank_worker` process per rank.
+"""The node agent's side of a multi-rank replica: one `ferry_agent.ranks.worker` process per rank.
 
 `RankProcesses.start()` opens a TCPStore for the ranks to rendezvous at and starts them; `wait_loaded()` follows
 their events until every rank serves (or any fails, and then stops them all: a rank that crashed leaves the
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ferry_agent.replica_load import SeedKey
 
-from ferry_agent.worker_auth import PodIdentity
+from ferry_agent.transport.worker_auth import PodIdentity
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class RankLaunch:
 
     def argv(self, rank: int, store: str) -> list[str]:
         args = [
-            sys.executable, "-m", "ferry_agent.rank_worker", "--namespace", self.namespace,
+            sys.executable, "-m", "ferry_agent.ranks.worker", "--namespace", self.namespace,
             "--replica", self.replica, "--rank", str(rank), "--world-size", str(self.world_size),
             "--store", store, "--desired-version", self.version, "--agent-name", self.agent_name,
             "--bind-address", self.bind_address, "--timeout-seconds", str(self.timeout_s),

@@ -1,4 +1,4 @@
-"""The load strategy chain, with ModelExpress `execute_load_strategies` semantics (reference §2).
+"""The load strategy chain, with ModelExpress `execute_load_strategies` semantics.
 
 - `is_available` is evaluated for every strategy up front, outside any try: an exception there escapes.
 - `StrategyFailed` → rollback; plus `reinit` when `mutated` (the target may hold partial bytes).
@@ -83,7 +83,7 @@ class LoadContext:
     rank: int
     target_id: str  # this replica's name: the rendezvous-hash key of the target
     device: str = "cpu"
-    world_size: int = 1  # ranks of the replica; each holds its share of the tensors (ferry_agent.sharding)
+    world_size: int = 1  # ranks of the replica; each holds its share of the tensors (ferry_agent.ranks.sharding)
     expected_manifest_digest: str | None = None  # when known, every source must match it
     # uid of the WeightVersion object a strategy checked and loaded `version` from; published as the replica's
     # status.versionUid, so that peers copy only from replicas of the very same object (not an old one of the name)

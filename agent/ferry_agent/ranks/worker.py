@@ -1,4 +1,4 @@
-"""`python -m ferry_agent.rank_worker`: one rank of a multi-rank WeightReplica, as its own process.
+"""`python -m ferry_agent.ranks.worker`: one rank of a multi-rank WeightReplica, as its own process.
 
 The node agent starts one per rank (one per GPU) with a shared TCPStore address; the ranks join a gloo group,
 run the desired-version cold start (`replica_load.load_rank`), and each then serves its share of the tensors
@@ -28,12 +28,9 @@ from typing import Any
 import torch.distributed as dist
 
 from ferry.kube import kube_client
-from ferry_agent import worker_auth
-from ferry_agent.apiretry import bound_requests
 from ferry_agent.attach.memstore import HostStore
-from ferry_agent.checkpoint_store import CheckpointStore
-from ferry_agent.nixl_transfer import NixlPeer
-from ferry_agent.ranks import TorchRankGroup
+from ferry_agent.kube.apiretry import bound_requests
+from ferry_agent.ranks.agreement import TorchRankGroup
 from ferry_agent.replica_load import (
     ApiSources,
     load_rank,
@@ -43,7 +40,10 @@ from ferry_agent.replica_load import (
     serve_rank,
     source_label,
 )
-from ferry_agent.strategy import StrategyRecoveryError
+from ferry_agent.store.checkpoints import CheckpointStore
+from ferry_agent.strategies.chain import StrategyRecoveryError
+from ferry_agent.transport import worker_auth
+from ferry_agent.transport.nixl import NixlPeer
 
 log = logging.getLogger("ferry.rank")
 LEASE_POLL_S = 1.0

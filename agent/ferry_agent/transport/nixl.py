@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferry_agent.resident import ResidentWeights, device_id, mem_type
+from ferry_agent.store.resident import ResidentWeights, device_id, mem_type
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class NixlPeer:
         """Drop a loaded peer and disconnect from it. Never raises: it runs in `finally` blocks.
 
         Only the side that loaded a peer can close the pair, so a target that skips this leaves a
-        half-open connection on the source (ModelExpress nvbug 6519532).
+        half-open connection on the source.
         """
         try:
             self._agent.remove_remote_agent(name)

@@ -1,6 +1,6 @@
 """The ObjectStorage load strategy: a WeightVersion's weights from S3, through the node's checkpoint store.
 
-ModelExpress semantics (reference/modelexpress.md §5.5 to §5.7), in four phases:
+ModelExpress semantics, in four phases:
 
 1. Resolve the replay chain with the operator's `resolve_chain` (at most 64 links, rooted at a FullCheckpoint).
    Every link must be Ready, of this model, and stored in S3.
@@ -57,7 +57,8 @@ from ferry.storage import (
     parse_s3_uri,
     s3_client,
 )
-from ferry_agent.checkpoint_store import (
+from ferry_agent.ranks.sharding import rank_specs
+from ferry_agent.store.checkpoints import (
     ArtifactKind,
     ArtifactRef,
     CheckpointCacheCapacityError,
@@ -67,11 +68,10 @@ from ferry_agent.checkpoint_store import (
     index_digest,
     model_key,
 )
-from ferry_agent.peer_strategy import ProgressThrottle
-from ferry_agent.resident import ResidentWeights, TensorSpec, manifest_digest
-from ferry_agent.sharding import rank_specs
-from ferry_agent.strategy import LoadContext, StrategyFailed
-from ferry_agent.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
+from ferry_agent.store.resident import ResidentWeights, TensorSpec, manifest_digest
+from ferry_agent.strategies.chain import LoadContext, StrategyFailed
+from ferry_agent.strategies.peer import ProgressThrottle
+from ferry_agent.transport.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
