@@ -47,13 +47,9 @@ from ferry_agent.ranks.agreement import TorchRankGroup
 from ferry_agent.ranks.cold_start import run_cold_start
 from ferry_agent.store.checkpoints import CheckpointStore
 from ferry_agent.strategies.chain import LoadContext
-from ferry_agent.strategies.object_storage import strategy as s3_strategy
-from ferry_agent.strategies.object_storage.strategy import (
-    DEFAULT_RANGE_BYTES,
-    ObjectStorageStrategy,
-    S3LoadResult,
-    bulk_s3_client,
-)
+from ferry_agent.strategies.object_storage import client as s3_client
+from ferry_agent.strategies.object_storage.client import bulk_s3_client
+from ferry_agent.strategies.object_storage.strategy import DEFAULT_RANGE_BYTES, ObjectStorageStrategy, S3LoadResult
 
 MIB = 1 << 20
 BUCKET = "ferry-bench"
@@ -138,7 +134,7 @@ def ranked_load(make: Callable[[Path], ObjectStorageStrategy], root: Path, ranks
 
     def rank_main(rank: int) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        s3_strategy._clients.clear()  # a forked rank must not share its parent's pooled S3 connections
+        s3_client._clients.clear()  # a forked rank must not share its parent's pooled S3 connections
         with TorchRankGroup.init(rank=rank, world_size=ranks, store=dist.FileStore(str(root / "gloo"), ranks)) as g:
             ctx = LoadContext(model=MODEL, version="", rank=rank, target_id="bench", world_size=ranks)
             strategy = make(root / "store")

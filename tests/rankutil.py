@@ -18,9 +18,9 @@ from ferry_agent.strategies.chain import StrategyRecoveryError
 def _worker(rank: int, world: int, store_path: str | None, fn: Callable[..., Any], queue: Any) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
-        from ferry_agent.strategies.object_storage import strategy as s3_strategy
+        from ferry_agent.strategies.object_storage import client as s3_client
 
-        s3_strategy._clients.clear()  # a forked rank must not share its parent's pooled S3 connections
+        s3_client._clients.clear()  # a forked rank must not share its parent's pooled S3 connections
         # Without a store file: TCP rendezvous at $MASTER_ADDR:$MASTER_PORT, which the parent set.
         store = dist.FileStore(store_path, world) if store_path else None
         with TorchRankGroup.init(rank=rank, world_size=world, store=store, timeout=dt.timedelta(seconds=20)) as g:

@@ -16,8 +16,8 @@ from ferry_agent.attach.service import AttachService
 from ferry_agent.kube.apiretry import bound_requests
 from ferry_agent.kube.registry import DEFAULT_LEASE_SECONDS
 from ferry_agent.node_agent import NodeAgent
-from ferry_agent.replica_load import seed_argument
 from ferry_agent.store.checkpoints import CheckpointStore
+from ferry_agent.strategies.local_file import seed_argument
 from ferry_agent.transport import worker_auth
 
 

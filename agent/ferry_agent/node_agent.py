@@ -12,7 +12,6 @@ backoff. The agent writes only the WeightReplica `/status` and its Leases.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import threading
 import time
@@ -38,21 +37,15 @@ from ferry_agent.kube.registry import (
     lease_body,
     lease_name,
 )
+from ferry_agent.kube.sources import PLURAL, ApiSources
 from ferry_agent.ranks.agreement import SingleRank
 from ferry_agent.ranks.supervisor import LoadFailed, RankLaunch, RankProcesses
-from ferry_agent.replica_load import (
-    PLURAL,
-    ApiSources,
-    SeedKey,
-    load_rank,
-    rank_context,
-    read_guard,
-    serve_rank,
-    source_label,
-)
+from ferry_agent.replica_load import load_rank, rank_context, read_guard, serve_rank
 from ferry_agent.store.checkpoints import CheckpointStore, model_key
 from ferry_agent.store.resident import ResidentWeights
-from ferry_agent.strategies.peer import Progress, TransferSettings
+from ferry_agent.strategies.local_file import SeedKey
+from ferry_agent.strategies.peer import TransferSettings
+from ferry_agent.strategies.progress import Progress
 from ferry_agent.transport.nixl import NixlPeer
 from ferry_agent.transport.worker_auth import ReaderTokens, WorkerAuth
 from ferry_agent.transport.worker_service import WorkerServer
@@ -298,8 +291,8 @@ class NodeAgent:
         generation = wr["metadata"].get("generation")
         previous = self._served.get(key)
         progress_fields = {
-            "startedTime": _micro_now(), "completedTime": None, "bytesDone": 0, "bytesTotal": None, "source": None,
-            "attempts": [], "reason": None, "observedGeneration": generation,
+            "startedTime": now_rfc3339(micro=True), "completedTime": None, "bytesDone": 0, "bytesTotal": None,
+            "source": None, "attempts": [], "reason": None, "observedGeneration": generation,
         }  # fmt: skip
         if previous is None:
             start = {"phase": "Loading", "version": version, "loadingVersion": None, "ranks": None, "versionUid": None,
@@ -351,9 +344,10 @@ class NodeAgent:
         on_ranks = f" on {len(loaded.ranks)} ranks" if len(loaded.ranks) > 1 else ""
         status = {
             "phase": "Serving", "version": version, "loadingVersion": None, "source": loaded.source,
-            "bytesDone": loaded.bytes_moved, "bytesTotal": loaded.bytes_moved, "completedTime": _micro_now(),
-            "lastProgressTime": _micro_now(), "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks,
-            "reason": None, "versionUid": loaded.version_uid,
+            "bytesDone": loaded.bytes_moved, "bytesTotal": loaded.bytes_moved,
+            "completedTime": now_rfc3339(micro=True), "lastProgressTime": now_rfc3339(micro=True),
+            "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks, "reason": None,
+            "versionUid": loaded.version_uid,
             "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
         }  # fmt: skip
         if isinstance(loaded.handle, InProcessReplica) or loaded.shares:
@@ -406,7 +400,7 @@ class NodeAgent:
         )  # fmt: skip
         handle = InProcessReplica(result.resident, server, self._peer, sealed)
         attempts = [a.to_status() for a in ctx.attempts]
-        return Loaded(handle, source_label(result), result.bytes_moved, attempts, [entry], ctx.version_uid)
+        return Loaded(handle, result.source_label, result.bytes_moved, attempts, [entry], ctx.version_uid)
 
     def _check_budget(self, key: tuple[str, str], spec: Mapping[str, Any]) -> None:
         """Refuse, before any byte moves, a CPU version whose recorded size does not fit the host-memory budget (the
@@ -516,7 +510,7 @@ class NodeAgent:
 
     def _write_lease(self, key: tuple[str, str], *, acquire: bool) -> None:
         namespace, name = key
-        now = _micro_now()
+        now = now_rfc3339(micro=True)
         body = lease_body(name, self.agent_name, now, self._lease_seconds, node=self.node)
         # Acquiring takes over a Lease left by an earlier agent (or kept across a version change) as it is: a
         # replace would need its resourceVersion.
@@ -644,7 +638,3 @@ def _stop(served: Served, drain_seconds: float) -> None:
     served.handle.stop(drain_seconds)
     for share in served.shares:
         share.unref()
-
-
-def _micro_now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

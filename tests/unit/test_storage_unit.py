@@ -470,7 +470,7 @@ def test_connection_dropped_while_reading_a_body_is_transient() -> None:
 
 @pytest.mark.parametrize("timeout_s", [1, 9, 30, 300, 86400])
 def test_every_try_of_an_agent_s3_request_fits_in_the_transfer_timeout(timeout_s: int) -> None:
-    from ferry_agent.strategies.object_storage.strategy import S3_ATTEMPTS, bulk_s3_client, request_timeouts
+    from ferry_agent.strategies.object_storage.client import S3_ATTEMPTS, bulk_s3_client, request_timeouts
 
     connect, read = request_timeouts(timeout_s)
     assert 0 < connect <= 5 and 0 < read <= 60 and S3_ATTEMPTS * (connect + read) <= timeout_s + 1e-9

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ferry_agent.replica_load import SeedKey
+    from ferry_agent.strategies.local_file import SeedKey
 
 from ferry_agent.transport.worker_auth import PodIdentity
 

@@ -30,18 +30,12 @@ import torch.distributed as dist
 from ferry.kube import kube_client
 from ferry_agent.attach.memstore import HostStore
 from ferry_agent.kube.apiretry import bound_requests
+from ferry_agent.kube.sources import ApiSources
 from ferry_agent.ranks.agreement import TorchRankGroup
-from ferry_agent.replica_load import (
-    ApiSources,
-    load_rank,
-    rank_context,
-    read_guard,
-    seed_argument,
-    serve_rank,
-    source_label,
-)
+from ferry_agent.replica_load import load_rank, rank_context, read_guard, serve_rank
 from ferry_agent.store.checkpoints import CheckpointStore
 from ferry_agent.strategies.chain import StrategyRecoveryError
+from ferry_agent.strategies.local_file import seed_argument
 from ferry_agent.transport import worker_auth
 from ferry_agent.transport.nixl import NixlPeer
 
@@ -169,7 +163,7 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
         guard=read_guard(auth, args.namespace, ctx),
     )  # fmt: skip
     report(
-        "serving", rank=args.rank, version=ctx.version, source=source_label(result), bytes=result.bytes_moved,
+        "serving", rank=args.rank, version=ctx.version, source=result.source_label, bytes=result.bytes_moved,
         entry=entry, attempts=[a.to_status() for a in ctx.attempts], version_uid=ctx.version_uid, memory=memory,
     )  # fmt: skip
     stop = threading.Event()
