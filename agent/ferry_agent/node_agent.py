@@ -38,6 +38,7 @@ from ferry_agent.kube.registry import (
     lease_name,
 )
 from ferry_agent.kube.sources import PLURAL, ApiSources
+from ferry_agent.logs import LogFormat
 from ferry_agent.ranks.agreement import SingleRank
 from ferry_agent.ranks.supervisor import LoadFailed, RankLaunch, RankProcesses
 from ferry_agent.replica_load import load_rank, rank_context, read_guard, serve_rank
@@ -129,6 +130,7 @@ class NodeAgent:
         worker_tokens: ReaderTokens | None = None,
         attach: AttachService | None = None,
         host: HostStore | None = None,
+        log_format: LogFormat = LogFormat.PLAIN,
     ) -> None:
         """`worker_auth` checks the readers of what this agent serves and `worker_tokens` are its own credentials
         as a reader (`python -m ferry_agent` always sets both; None leaves the worker services open). `attach`
@@ -158,6 +160,7 @@ class NodeAgent:
         self._worker_tokens = worker_tokens
         self._attach = attach
         self._host = host or HostStore()
+        self._log_format = log_format  # the rank processes log as the agent does
         self._host.on_change = lambda: self._wake.set()  # memory a lease held is freed: republish residentBytes
         self._renewing: dict[tuple[str, str], Renewal] = {}  # replicas whose Lease this agent renews
         self._status = StatusOutbox(self._write_status)
@@ -428,6 +431,7 @@ class NodeAgent:
             s3_endpoint=self._s3_endpoint, seeds=self._seeds, timeout_s=self._rank_timeout_s,
             node=self.node, reader=self._worker_tokens.identity if self._worker_tokens else None,
             worker_allowed_identities=tuple(sorted(self._worker_auth.allowed_identities)) if self._worker_auth else (),
+            log_format=self._log_format,
         )  # fmt: skip
         ranks = RankProcesses(launch, progress=progress, note=note, wake=self._wake.set)
         try:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -97,12 +98,13 @@ def start_agent(
     kubeconfig: Path | None = None,
     pod: dict[str, str] | None = None,
     socket_dir: Path | None = None,
+    args: Sequence[str] = (),
 ) -> ManagedProcess:
     """An agent process for one node; with `s3`, it has a checkpoint store of its own and reads that S3. It runs as
     a Pod on that node (`LocalCluster.agent_pod`), as the chart's downward-API env says, and mints real worker
     tokens bound to it. It talks to the apiserver as admin, or with `kubeconfig` (e.g. its ServiceAccount's
     Pod-bound token; `pod` then names that Pod: `agent_pod`'s namespace, service_account and pod). With
-    `socket_dir` it serves attach sockets for the node's Pods there (else none)."""
+    `socket_dir` it serves attach sockets for the node's Pods there (else none); `args` are further flags."""
     AGENT_NODES[node_name] = cluster
     argv = [
         sys.executable,
@@ -121,6 +123,7 @@ def start_agent(
         *cluster.agent_identity_args(node_name, **(pod or {})),
         "--socket-dir",
         str(socket_dir or ""),
+        *args,
     ]
     for seed in seeds:
         argv += ["--seed", seed]

@@ -5,6 +5,7 @@ WeightVersion to exist and be Ready (the agent checks), so the operator verifies
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -16,6 +17,9 @@ from ferry_agent.kube.registry import lease_name
 from ferry_agent.store.resident import ResidentWeights
 
 pytestmark = pytest.mark.e2e
+
+_PLAIN_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \S+ [A-Z]+ ")  # a plain log line
+_PLAIN_PROBLEM = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \S+ (WARNING|ERROR|CRITICAL) ")
 
 
 def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
@@ -32,7 +36,7 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
     apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"))
     uid = wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")["metadata"]["uid"]
     agent_a = start_agent(cluster, tmp_path, "node-a", seed_arg(namespace, "v1", seed_file))
-    agent_b = start_agent(cluster, tmp_path, "node-b")
+    agent_b = start_agent(cluster, tmp_path, "node-b", args=["--log-format", "json"])
     try:
         replica(cluster, namespace, "wr-a", "node-a", "v1")
         a = wait_phase(cluster, namespace, "wr-a", "Serving", agent_a)
@@ -57,6 +61,14 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
 
         assert 'ferry_agent_loads_total{outcome="Loaded",source_kind="peer"} 1.0' in agent_metrics(agent_b)
         assert 'ferry_agent_loads_total{outcome="Loaded",source_kind="local"} 1.0' in agent_metrics(agent_a)
+
+        # A cold start warns of nothing: A's first Peer attempt has no source yet, which is an expected miss. B
+        # logs JSON lines only, as the operator does.
+        assert not [line for line in agent_a.log_path.read_text().splitlines() if _PLAIN_PROBLEM.match(line)]
+        logged = [json.loads(line) for line in agent_b.log_path.read_text().splitlines() if line.startswith("{")]
+        assert not [line for line in agent_b.log_path.read_text().splitlines() if _PLAIN_RECORD.match(line)]
+        assert any(r["logger"] == "ferry.agent" and "serving v1" in r["message"] for r in logged), logged
+        assert {r["severity"] for r in logged} == {"info"}, [r for r in logged if r["severity"] != "info"]
 
         # B's read lease on A was released; A publishes the count only when it changes.
         assert (get(cluster, namespace, "wr", "wr-a")["status"].get("activeLeases") or 0) == 0

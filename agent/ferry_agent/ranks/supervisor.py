@@ -58,6 +58,7 @@ class RankLaunch:
     node: str = ""  # the agent's node: the ranks' worker services accept tokens for its audience
     reader: PodIdentity | None = None  # whom the ranks mint their worker tokens as; None: their env's
     worker_allowed_identities: tuple[str, ...] = ()
+    log_format: str = "plain"  # `logs.LogFormat`: the agent's
 
     def argv(self, rank: int, store: str) -> list[str]:
         args = [
@@ -66,6 +67,7 @@ class RankLaunch:
             "--store", store, "--desired-version", self.version, "--agent-name", self.agent_name,
             "--bind-address", self.bind_address, "--timeout-seconds", str(self.timeout_s),
             "--checkpoint-quota-gib", str(self.checkpoint_quota_gib), "--parent-pid", str(os.getpid()),
+            "--log-format", str(self.log_format),
         ]  # fmt: skip
         if self.checkpoint_dir is not None:
             args += ["--checkpoint-dir", str(self.checkpoint_dir)]

@@ -171,7 +171,7 @@ def run_strategy_chain(
             reason = "FailedMutated" if exc.mutated else "Failed"
             ctx.record(strategy.name, AttemptOutcome.FAILED, reason, _describe(exc))
             failures.append(f"{strategy.name}: {_describe(exc)}")
-            log.warning("strategy %s failed (mutated=%s): %s", strategy.name, exc.mutated, exc)
+            log.info("strategy %s failed (mutated=%s): %s", strategy.name, exc.mutated, exc)  # an expected miss
             _rollback(strategy, ctx)
             if exc.mutated:
                 _clear_tracebacks(exc)
