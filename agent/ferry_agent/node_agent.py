@@ -4,9 +4,9 @@ For each WeightReplica with `spec.nodeName` == this node it runs the desired-ver
 (`replica_load.load_rank`: the source order, Peer then ObjectStorage by default, then a local seed checkpoint
 when one is configured for that version), publishes every loaded rank as a P2P source in `status.ranks[]`,
 and keeps a coordination Lease alive (recreating it if it is deleted). A one-rank replica loads in this process;
-a replica of N ranks runs one `rank_worker` process per rank (`rank_group.RankProcesses`), which agree through a
+a replica of N ranks runs one `ranks.worker` process per rank (`ranks.supervisor.RankProcesses`), which agree through a
 gloo group. An unreachable or failing apiserver costs nothing held: loaded replicas keep serving, status patches
-are kept and written when it answers again (`apiretry.StatusOutbox`), and every loop retries with capped
+are kept and written when it answers again (`kube.apiretry.StatusOutbox`), and every loop retries with capped
 backoff. The agent writes only the WeightReplica `/status` and its Leases.
 """
 

@@ -5,7 +5,7 @@ and serves the Worker service on 127.0.0.1.
 
 Unauthenticated by default: anyone who reaches the port may read. That is only for tests and benchmarks of the
 transfer path; the node agent never serves that way. With `--serve NAMESPACE/MODEL/VERSION --node NODE` it checks
-readers exactly as an agent on NODE does (`worker_auth`, against the API of $KUBECONFIG: tokens for audience
+readers exactly as an agent on NODE does (`transport.worker_auth`, against the API of $KUBECONFIG: tokens for audience
 ferry.dev/worker/NODE).
 
 It prints one `FERRY-SOURCE {json}` line when ready (port, identity, manifest digest, content sha256)

@@ -509,7 +509,7 @@ class HostStore:
 
 
 def entry_of(t: Mapping[str, Any]) -> Entry:
-    """An entry as `rank_worker` reports it: the manifest entry and its sha256."""
+    """An entry as `ranks.worker` reports it: the manifest entry and its sha256."""
     return Entry(str(t["name"]), str(t["dtype"]), tuple(int(d) for d in t["shape"]), int(t["chunk"]),
                  int(t["offset"]), int(t["nbytes"]), int(t["adler32"]), str(t["sha256"]))  # fmt: skip
 

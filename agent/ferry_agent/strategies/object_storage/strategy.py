@@ -18,7 +18,7 @@ ModelExpress semantics, in four phases:
    write the result to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
 
 A stored artifact is used only for the exact versions it was written from (namespace, WeightVersion uid, storage
-URI, index digest: `checkpoint_store.VersionIdentity`); an index fetched from S3 must have the sha256 the operator
+URI, index digest: `store.checkpoints.VersionIdentity`); an index fetched from S3 must have the sha256 the operator
 recorded as `status.indexDigest` when it verified the version. Every S3 request is bounded by the transfer
 timeout (`spec.transfer.timeoutSeconds`: all tries of one request together), and the S3 object a load waits on
 is its progress `source`, so a hung endpoint fails the load in bounded time and a stall names what it waits on.
