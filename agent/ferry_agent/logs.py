@@ -17,6 +17,7 @@ class LogFormat(StrEnum):
 
 
 PLAIN_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+_configured = False  # `configure` ran: library loggers with handlers of their own are routed through ours
 
 
 def _severity(levelno: int) -> str:
@@ -58,4 +59,16 @@ def configure(log_format: LogFormat, *, stream: TextIO = sys.stderr, prefix: str
     else:
         handler.setFormatter(logging.Formatter(PLAIN_FORMAT.replace("%(name)s", f"{prefix}%(name)s")))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    global _configured
+    _configured = True
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # each retry's warning; ours say it once
+
+
+def adopt(name: str) -> None:
+    """Once `configure` ran, send logger `name` (and its children) through the agent's handler instead of its own:
+    NIXL installs a plain-text handler on stdout when it is imported, which would break JSON lines."""
+    if not _configured:
+        return
+    logger = logging.getLogger(name)
+    logger.handlers.clear()
+    logger.propagate = True

@@ -18,7 +18,6 @@ from ferry_agent.store.resident import ResidentWeights
 
 pytestmark = pytest.mark.e2e
 
-_PLAIN_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \S+ [A-Z]+ ")  # a plain log line
 _PLAIN_PROBLEM = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \S+ (WARNING|ERROR|CRITICAL) ")
 
 
@@ -63,10 +62,9 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
         assert 'ferry_agent_loads_total{outcome="Loaded",source_kind="local"} 1.0' in agent_metrics(agent_a)
 
         # A cold start warns of nothing: A's first Peer attempt has no source yet, which is an expected miss. B
-        # logs JSON lines only, as the operator does.
+        # logs JSON lines only, as the operator does, NIXL's included.
         assert not [line for line in agent_a.log_path.read_text().splitlines() if _PLAIN_PROBLEM.match(line)]
-        logged = [json.loads(line) for line in agent_b.log_path.read_text().splitlines() if line.startswith("{")]
-        assert not [line for line in agent_b.log_path.read_text().splitlines() if _PLAIN_RECORD.match(line)]
+        logged = [json.loads(line) for line in agent_b.log_path.read_text().splitlines()]  # NIXL's lines too
         assert any(r["logger"] == "ferry.agent" and "serving v1" in r["message"] for r in logged), logged
         assert {r["severity"] for r in logged} == {"info"}, [r for r in logged if r["severity"] != "info"]
 

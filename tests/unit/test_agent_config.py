@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ferry_agent.config import AgentConfig, argument_parser
-from ferry_agent.logs import LogFormat, configure
+from ferry_agent.logs import LogFormat, adopt, configure
 
 pytestmark = pytest.mark.unit
 
@@ -58,3 +58,18 @@ def test_json_logs(monkeypatch):
     }
     assert first["timestamp"].endswith("+00:00")
     assert second["severity"] == "error" and "ValueError: boom" in second["exc_info"]
+
+
+def test_a_library_handler_is_routed_through_ours():
+    out, own = io.StringIO(), io.StringIO()
+    library = logging.getLogger("library-with-its-own-handler")
+    library.addHandler(logging.StreamHandler(own))
+    library.propagate = False
+    try:
+        configure(LogFormat.JSON, stream=out)
+        adopt(library.name)
+        library.info("instantiated")
+    finally:
+        logging.basicConfig(force=True)
+    assert own.getvalue() == ""
+    assert json.loads(out.getvalue())["message"] == "instantiated"

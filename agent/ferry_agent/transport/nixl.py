@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ferry_agent import logs
 from ferry_agent.store.resident import ResidentWeights, device_id, mem_type
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class NixlPeer:
         """`agent`: an existing `nixl_agent` (or a stand-in) instead of creating one."""
         if agent is None:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # slow; only when used
+
+            logs.adopt("nixl")  # its import configured a handler of its own
 
             config = nixl_agent_config(
                 enable_prog_thread=False,
