@@ -40,7 +40,7 @@ from ferry.client import attach  # noqa: E402
 from ferry_agent.attach.memstore import HostStore  # noqa: E402
 from ferry_agent.attach.server import AttachServer, Pod  # noqa: E402
 from ferry_agent.attach.service import AttachService  # noqa: E402
-from ferry_agent.resident import ResidentWeights, spec_of  # noqa: E402
+from ferry_agent.store.resident import ResidentWeights, spec_of  # noqa: E402
 
 TENSOR_BYTES = 16 << 20
 

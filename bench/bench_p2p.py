@@ -39,13 +39,13 @@ except ImportError:  # run as a script: bench/ is on sys.path, the repository ro
     from _common import summary
 
 from ferry.api.models import API_VERSION, worker_audience
-from ferry_agent.candidate import SourceCandidate
-from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
-from ferry_agent.registry import LABEL_NODE
-from ferry_agent.resident import ResidentWeights, TensorSpec
+from ferry_agent.kube.registry import LABEL_NODE
 from ferry_agent.source_main import READY_MARKER
-from ferry_agent.strategy import LoadContext
-from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest
+from ferry_agent.store.resident import ResidentWeights, TensorSpec
+from ferry_agent.strategies.candidate import SourceCandidate
+from ferry_agent.strategies.chain import LoadContext
+from ferry_agent.strategies.peer import PeerStrategy, TransferSettings
+from ferry_agent.transport.worker_service import SourceIdentity, get_tensor_manifest
 from ferry_dev.localcluster import local_stack
 
 MIB = 1 << 20
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             "bench/bench_p2p.py'"
         )
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    from ferry_agent.nixl_transfer import NixlPeer
+    from ferry_agent.transport.nixl import NixlPeer
 
     with contextlib.ExitStack() as stack:
         auth = None

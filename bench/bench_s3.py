@@ -43,12 +43,12 @@ from _common import summary
 
 from ferry import checkpoint_format as ckpt
 from ferry import s3
-from ferry_agent.checkpoint_store import CheckpointStore
-from ferry_agent.cold_start import run_cold_start
-from ferry_agent.ranks import TorchRankGroup
-from ferry_agent.s3_strategy import DEFAULT_RANGE_BYTES, ObjectStorageStrategy, S3LoadResult
-from ferry_agent.strategy import LoadContext
-from ferry_agent.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
+from ferry_agent.ranks.agreement import TorchRankGroup
+from ferry_agent.ranks.cold_start import run_cold_start
+from ferry_agent.store.checkpoints import CheckpointStore
+from ferry_agent.strategies.chain import LoadContext
+from ferry_agent.strategies.object_storage.strategy import DEFAULT_RANGE_BYTES, ObjectStorageStrategy, S3LoadResult
+from ferry_agent.transport.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
 from ferry_dev.localcluster import S3Server
 
 MIB = 1 << 20

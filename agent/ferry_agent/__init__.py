@@ -1,5 +1,14 @@
-"""Ferry node agent: the peer-to-peer core (strategy chain, resident weights, NIXL transfer, worker gRPC).
+"""The Ferry node agent (`python -m ferry_agent`): loads the WeightReplicas assigned to its node and serves them
+to peers and to the node's pods.
 
-Nothing in this package talks to Kubernetes; the agent's CRD wiring feeds it `SourceCandidate`s and
-copies `Attempt` records into WeightReplica status.
+- `node_agent`: the process's loop: watch this node's WeightReplicas, load, serve, keep their Leases, write status.
+- `strategies/`: how a rank's bytes arrive (the chain; peer, object storage, local seed file).
+- `ranks/`: the ranks of one replica: sharding, agreement, the rank processes and their supervisor.
+- `transport/`: NIXL, the per-rank Worker gRPC service and who may call it.
+- `store/`: the node's checkpoint store and a rank's resident weights.
+- `kube/`: the Kubernetes API side: retries, source registry and Lease, a load's reads.
+- `attach/`: sealed host memory offered to the node's engine pods.
+
+The Kubernetes API is reached from `node_agent`, `ranks.worker`, `kube/`, `transport.worker_auth` and `attach/`;
+the strategies see it only through the callables they are given.
 """

@@ -4,15 +4,14 @@ For each WeightReplica with `spec.nodeName` == this node it runs the desired-ver
 (`replica_load.load_rank`: the source order, Peer then ObjectStorage by default, then a local seed checkpoint
 when one is configured for that version), publishes every loaded rank as a P2P source in `status.ranks[]`,
 and keeps a coordination Lease alive (recreating it if it is deleted). A one-rank replica loads in this process;
-a replica of N ranks runs one `rank_worker` process per rank (`rank_group.RankProcesses`), which agree through a
+a replica of N ranks runs one `ranks.worker` process per rank (`ranks.supervisor.RankProcesses`), which agree through a
 gloo group. An unreachable or failing apiserver costs nothing held: loaded replicas keep serving, status patches
-are kept and written when it answers again (`apiretry.StatusOutbox`), and every loop retries with capped
+are kept and written when it answers again (`kube.apiretry.StatusOutbox`), and every loop retries with capped
 backoff. The agent writes only the WeightReplica `/status` and its Leases.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import threading
 import time
@@ -29,34 +28,29 @@ from ferry.api.conditions import now_rfc3339
 from ferry.api.models import GROUP, VERSION, ReplicaReason
 from ferry.errors import LoadFailed
 from ferry_agent import metrics
-from ferry_agent.apiretry import REQUEST_TIMEOUT_S, Backoff, StatusOutbox, describe, is_transient
 from ferry_agent.attach.memstore import HostStore, MemoryBudgetExceeded, SealedVersion, adopt_rank
 from ferry_agent.attach.service import AttachService
 from ferry_agent.attach.status import AttachmentPublisher
-from ferry_agent.checkpoint_store import CheckpointStore, model_key
-from ferry_agent.nixl_transfer import NixlPeer
-from ferry_agent.peer_strategy import Progress, TransferSettings
-from ferry_agent.rank_group import RankLaunch, RankProcesses
-from ferry_agent.ranks import SingleRank
-from ferry_agent.registry import (
+from ferry_agent.kube.apiretry import REQUEST_TIMEOUT_S, Backoff, StatusOutbox, describe, is_transient
+from ferry_agent.kube.registry import (
     DEFAULT_LEASE_SECONDS,
     LABEL_NODE,
     lease_body,
     lease_name,
 )
-from ferry_agent.replica_load import (
-    PLURAL,
-    ApiSources,
-    SeedKey,
-    load_rank,
-    rank_context,
-    read_guard,
-    serve_rank,
-    source_label,
-)
-from ferry_agent.resident import ResidentWeights
-from ferry_agent.worker_auth import ReaderTokens, WorkerAuth
-from ferry_agent.worker_service import WorkerServer
+from ferry_agent.kube.sources import PLURAL, ApiSources
+from ferry_agent.logs import LogFormat
+from ferry_agent.ranks.agreement import SingleRank
+from ferry_agent.ranks.supervisor import RankLaunch, RankProcesses
+from ferry_agent.replica_load import load_rank, rank_context, read_guard, serve_rank
+from ferry_agent.store.checkpoints import CheckpointStore, model_key
+from ferry_agent.store.resident import ResidentWeights
+from ferry_agent.strategies.local_file import SeedKey
+from ferry_agent.strategies.peer import TransferSettings
+from ferry_agent.strategies.progress import Progress
+from ferry_agent.transport.nixl import NixlPeer
+from ferry_agent.transport.worker_auth import ReaderTokens, WorkerAuth
+from ferry_agent.transport.worker_service import WorkerServer
 
 log = logging.getLogger("ferry.agent")
 
@@ -137,6 +131,7 @@ class NodeAgent:
         worker_tokens: ReaderTokens | None = None,
         attach: AttachService | None = None,
         host: HostStore | None = None,
+        log_format: LogFormat = LogFormat.PLAIN,
     ) -> None:
         """`worker_auth` checks the readers of what this agent serves and `worker_tokens` are its own credentials
         as a reader (`python -m ferry_agent` always sets both; None leaves the worker services open). `attach`
@@ -166,6 +161,7 @@ class NodeAgent:
         self._worker_tokens = worker_tokens
         self._attach = attach
         self._host = host or HostStore()
+        self._log_format = log_format  # the rank processes log as the agent does
         self._host.on_change = lambda: self._wake.set()  # memory a lease held is freed: republish residentBytes
         self._renewing: dict[tuple[str, str], Renewal] = {}  # replicas whose Lease this agent renews
         self._status = StatusOutbox(self._write_status)
@@ -299,8 +295,9 @@ class NodeAgent:
         generation = wr["metadata"].get("generation")
         previous = self._served.get(key)
         progress_fields = {
-            "startedTime": _micro_now(), "completedTime": None, "bytesDone": 0, "bytesTotal": None, "source": None,
-            "attempts": [], "reason": None, "observedGeneration": generation, "progress": None,
+            "startedTime": now_rfc3339(micro=True), "completedTime": None, "bytesDone": 0, "bytesTotal": None,
+            "source": None, "attempts": [], "reason": None, "observedGeneration": generation,
+            "progress": None,
         }  # fmt: skip
         if previous is None:
             start = {"phase": "Loading", "version": version, "loadingVersion": None, "ranks": None, "versionUid": None,
@@ -353,9 +350,10 @@ class NodeAgent:
         on_ranks = f" on {len(loaded.ranks)} ranks" if len(loaded.ranks) > 1 else ""
         status = {
             "phase": "Serving", "version": version, "loadingVersion": None, "source": loaded.source,
-            "bytesDone": loaded.bytes_moved, "bytesTotal": loaded.bytes_moved, "completedTime": _micro_now(),
-            "lastProgressTime": _micro_now(), "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks,
-            "reason": None, "versionUid": loaded.version_uid,
+            "bytesDone": loaded.bytes_moved, "bytesTotal": loaded.bytes_moved,
+            "completedTime": now_rfc3339(micro=True), "lastProgressTime": now_rfc3339(micro=True),
+            "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks, "reason": None,
+            "versionUid": loaded.version_uid,
             "progress": metrics.progress_text(loaded.bytes_moved, loaded.bytes_moved, seconds),
             "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
         }  # fmt: skip
@@ -409,7 +407,7 @@ class NodeAgent:
         )  # fmt: skip
         handle = InProcessReplica(result.resident, server, self._peer, sealed)
         attempts = [a.to_status() for a in ctx.attempts]
-        return Loaded(handle, source_label(result), result.bytes_moved, attempts, [entry], ctx.version_uid)
+        return Loaded(handle, result.source_label, result.bytes_moved, attempts, [entry], ctx.version_uid)
 
     def _check_budget(self, key: tuple[str, str], spec: Mapping[str, Any]) -> None:
         """Refuse, before any byte moves, a CPU version whose recorded size does not fit the host-memory budget (the
@@ -437,6 +435,7 @@ class NodeAgent:
             s3_endpoint=self._s3_endpoint, seeds=self._seeds, timeout_s=self._rank_timeout_s,
             node=self.node, reader=self._worker_tokens.identity if self._worker_tokens else None,
             worker_allowed_identities=tuple(sorted(self._worker_auth.allowed_identities)) if self._worker_auth else (),
+            log_format=self._log_format,
         )  # fmt: skip
         ranks = RankProcesses(launch, progress=progress, note=note, wake=self._wake.set)
         try:
@@ -519,7 +518,7 @@ class NodeAgent:
 
     def _write_lease(self, key: tuple[str, str], *, acquire: bool) -> None:
         namespace, name = key
-        now = _micro_now()
+        now = now_rfc3339(micro=True)
         body = lease_body(name, self.agent_name, now, self._lease_seconds, node=self.node)
         # Acquiring takes over a Lease left by an earlier agent (or kept across a version change) as it is: a
         # replace would need its resourceVersion.
@@ -647,7 +646,3 @@ def _stop(served: Served, drain_seconds: float) -> None:
     served.handle.stop(drain_seconds)
     for share in served.shares:
         share.unref()
-
-
-def _micro_now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

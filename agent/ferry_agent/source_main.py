@@ -5,7 +5,7 @@ and serves the Worker service on 127.0.0.1.
 
 Unauthenticated by default: anyone who reaches the port may read. That is only for tests and benchmarks of the
 transfer path; the node agent never serves that way. With `--serve NAMESPACE/MODEL/VERSION --node NODE` it checks
-readers exactly as an agent on NODE does (`worker_auth`, against the API of $KUBECONFIG: tokens for audience
+readers exactly as an agent on NODE does (`transport.worker_auth`, against the API of $KUBECONFIG: tokens for audience
 ferry.dev/worker/NODE).
 
 It prints one `FERRY-SOURCE {json}` line when ready (port, identity, manifest digest, content sha256)
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ferry_agent.resident import ResidentWeights, TensorSpec, spec_of
-from ferry_agent.worker_service import WorkerServer, serve_resident
+from ferry_agent.store.resident import ResidentWeights, TensorSpec, spec_of
+from ferry_agent.transport.worker_service import WorkerServer, serve_resident
 
 READY_MARKER = "FERRY-SOURCE "
 REPLY_MARKER = "FERRY-REPLY "
@@ -102,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
 
-    from ferry_agent.nixl_transfer import NixlPeer  # after torch: the NIXL import probes CUDA through it
+    from ferry_agent.transport.nixl import NixlPeer  # after torch: the NIXL import probes CUDA through it
 
     guard = None
     if args.serve:
         from ferry.kube import kube_client
-        from ferry_agent.worker_auth import ServedVersion, WorkerAuth
+        from ferry_agent.transport.worker_auth import ServedVersion, WorkerAuth
 
         if not args.node:
             parser.error("--serve needs --node")

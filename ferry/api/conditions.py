@@ -7,8 +7,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 
-def now_rfc3339() -> str:
-    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+def now_rfc3339(*, micro: bool = False) -> str:
+    """Now (UTC) in whole seconds, or with `micro` in microseconds (a Lease's MicroTime, a load's start and end)."""
+    now = dt.datetime.now(dt.UTC)
+    if micro:
+        return now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return now.replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def set_condition(

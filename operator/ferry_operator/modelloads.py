@@ -310,7 +310,7 @@ def plan_replicas(
     if not placeable:
         return plan
     # Created in name order: an agent that sees its replica also sees every smaller-named one, so all agree on
-    # which cold replica reads S3 first (ferry_agent.registry.first_loader).
+    # which cold replica reads S3 first (ferry_agent.kube.registry.first_loader).
     plan.create = sorted(
         (
             replica_body(modelload, node, desired, PLACEMENT_POOL if node in pool else PLACEMENT_PODS)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ferry_agent.checkpoint_store import CheckpointStore
+from ferry_agent.store.checkpoints import CheckpointStore
 from ferry_dev.localcluster import S3Server
 from tests.support.s3 import BUCKET, Registry, Weights, evolve, weights
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from ferry import checkpoint_format as ckpt
-from ferry_agent.checkpoint_store import ArtifactKind, ArtifactRef, CheckpointStore
-from ferry_agent.cold_start import run_cold_start
-from ferry_agent.ranks import TorchRankGroup
-from ferry_agent.strategy import LoadContext, StrategyFailed
+from ferry_agent.ranks.agreement import TorchRankGroup
+from ferry_agent.ranks.cold_start import run_cold_start
+from ferry_agent.store.checkpoints import ArtifactKind, ArtifactRef, CheckpointStore
+from ferry_agent.strategies.chain import LoadContext, StrategyFailed
 from tests.support.ranks import spawn
 from tests.support.s3 import KEY, MODEL, Registry, Weights, delta, full, publish_chain3, shas
 

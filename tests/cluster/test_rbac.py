@@ -37,7 +37,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api import models
-from ferry_agent.registry import lease_body, lease_name
+from ferry_agent.kube.registry import lease_body, lease_name
 from ferry_dev.localcluster import LocalCluster, wait_until
 from tests.support.helm import render
 

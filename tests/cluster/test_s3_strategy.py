@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from ferry import checkpoint_format as ckpt
-from ferry_agent.checkpoint_store import ArtifactRef, CheckpointStore, StoreStatus, chain_refs
-from ferry_agent.s3_strategy import ObjectStorageStrategy
-from ferry_agent.strategy import LoadContext, StrategyFailed
+from ferry_agent.store.checkpoints import ArtifactRef, CheckpointStore, StoreStatus, chain_refs
+from ferry_agent.strategies.chain import LoadContext, StrategyFailed
+from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
 from tests.support.s3 import (
     DELTA,
     KEY,
@@ -157,9 +157,9 @@ CHILD = textwrap.dedent(
     import json, os, signal, sys
     from pathlib import Path
     from ferry import checkpoint_format as ckpt
-    from ferry_agent.checkpoint_store import CheckpointStore
-    from ferry_agent.s3_strategy import ObjectStorageStrategy
-    from ferry_agent.strategy import LoadContext
+    from ferry_agent.store.checkpoints import CheckpointStore
+    from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
+    from ferry_agent.strategies.chain import LoadContext
 
     root, versions, endpoint, key, secret, model, version = sys.argv[1:]
     apply, applied = ckpt.apply_xor_delta_into, []

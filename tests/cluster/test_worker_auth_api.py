@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from ferry.api.models import API_VERSION, LABEL_NODE, worker_audience
-from ferry_agent.worker_auth import (
+from ferry_agent.transport.worker_auth import (
     CLOCK_LEEWAY_S,
     NODE_NAME_EXTRA,
     CachedReviewer,

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ferry_agent.registry import lease_name
-from ferry_agent.resident import ResidentWeights
+from ferry_agent.kube.registry import lease_name
+from ferry_agent.store.resident import ResidentWeights
 from tests.support.agents import (
     agent_metrics,
     content_sha256,
@@ -26,6 +26,8 @@ from tests.support.agents import (
 from tests.support.objects import apply, get, wait_for, wait_reason, wv_body
 
 pytestmark = pytest.mark.e2e
+
+_PLAIN_PROBLEM = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \S+ (WARNING|ERROR|CRITICAL) ")
 
 
 def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
@@ -42,7 +44,7 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
     apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"))
     uid = wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")["metadata"]["uid"]
     agent_a = start_agent(cluster, tmp_path, "node-a", seed_arg(namespace, "v1", seed_file))
-    agent_b = start_agent(cluster, tmp_path, "node-b")
+    agent_b = start_agent(cluster, tmp_path, "node-b", args=["--log-format", "json"])
     try:
         replica(cluster, namespace, "wr-a", "node-a", "v1")
         a = wait_phase(cluster, namespace, "wr-a", "Serving", agent_a)
@@ -72,6 +74,13 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
 
         assert 'ferry_agent_loads_total{outcome="Loaded",source_kind="peer"} 1.0' in agent_metrics(agent_b)
         assert 'ferry_agent_loads_total{outcome="Loaded",source_kind="local"} 1.0' in agent_metrics(agent_a)
+
+        # A cold start warns of nothing: A's first Peer attempt has no source yet, which is an expected miss. B
+        # logs JSON lines only, as the operator does, NIXL's included.
+        assert not [line for line in agent_a.log_path.read_text().splitlines() if _PLAIN_PROBLEM.match(line)]
+        logged = [json.loads(line) for line in agent_b.log_path.read_text().splitlines()]  # NIXL's lines too
+        assert any(r["logger"] == "ferry.agent" and "serving v1" in r["message"] for r in logged), logged
+        assert {r["severity"] for r in logged} == {"info"}, [r for r in logged if r["severity"] != "info"]
 
         # B's read lease on A was released; A publishes the count only when it changes.
         assert (get(cluster, namespace, "wr", "wr-a")["status"].get("activeLeases") or 0) == 0

@@ -25,7 +25,7 @@ from kubernetes import client
 from safetensors.torch import save_file
 
 from ferry.api.models import LABEL_NODE
-from ferry_agent.registry import lease_body, lease_name
+from ferry_agent.kube.registry import lease_body, lease_name
 from ferry_dev.localcluster import LocalCluster, binary, write_kubeconfig
 from ferry_operator.modelloads import LEASE_OF_OTHER_NODE_DELETED, replica_name
 from tests.support.agents import node, replica, seed_arg, start_agent, wait_phase

@@ -105,8 +105,8 @@ def test_two_rank_replicas_from_s3_then_peers_then_a_delta(cluster, s3, namespac
 
         # A rank process dies: its replica no longer holds the whole version, fails, and reloads.
         victim = pair[0]["metadata"]["name"]
-        pids = subprocess.run(["pgrep", "-f", f"rank_worker .*--replica {victim} --rank 1"], capture_output=True,
-                              text=True).stdout.split()  # fmt: skip
+        pattern = f"ferry_agent.ranks.worker .*--replica {victim} --rank 1"
+        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
         assert len(pids) == 1, pids
         os.kill(int(pids[0]), 9)
 
@@ -126,7 +126,8 @@ def test_two_rank_replicas_from_s3_then_peers_then_a_delta(cluster, s3, namespac
         cluster.kubectl("delete", "ml", "tp", "-n", namespace, "--wait=false", check=False)
         for a in agents.values():
             a.stop()
-        leftover = subprocess.run(["pgrep", "-f", f"rank_worker .*--namespace {namespace}"], capture_output=True)
+        pattern = f"ferry_agent.ranks.worker .*--namespace {namespace}"
+        leftover = subprocess.run(["pgrep", "-f", pattern], capture_output=True)
         assert leftover.returncode == 1, "rank processes outlived their agent"
 
 
@@ -142,7 +143,7 @@ def test_rank_processes_configured_with_different_versions_both_fail(cluster, na
             [
                 sys.executable,
                 "-m",
-                "ferry_agent.rank_worker",
+                "ferry_agent.ranks.worker",
                 "--namespace",
                 namespace,
                 "--replica",

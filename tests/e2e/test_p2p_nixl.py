@@ -26,12 +26,13 @@ from typing import Any
 import grpc
 import pytest
 
-from ferry_agent.candidate import SourceCandidate
-from ferry_agent.nixl_transfer import NixlPeer
-from ferry_agent.peer_strategy import PeerLoadResult, PeerStrategy, TransferSettings
+from ferry.api.models import AttemptOutcome
 from ferry_agent.source_main import READY_MARKER, REPLY_MARKER
-from ferry_agent.strategy import LoadContext, Outcome, StrategyFailed, run_strategy_chain
-from ferry_agent.worker_service import (
+from ferry_agent.strategies.candidate import SourceCandidate
+from ferry_agent.strategies.chain import LoadContext, StrategyFailed, run_strategy_chain
+from ferry_agent.strategies.peer import PeerLoadResult, PeerStrategy, TransferSettings
+from ferry_agent.transport.nixl import NixlPeer
+from ferry_agent.transport.worker_service import (
     SourceIdentity,
     WorkerServer,
     get_tensor_manifest,
@@ -231,8 +232,8 @@ def test_peer_load_moves_verified_bytes_and_releases_everything(sources: dict[st
     verify_and_drop(peer, result, a)
     assert a.active_leases() == 0
     assert [(x.source, x.outcome) for x in ctx.attempts] == [
-        ("peer/replica-a", Outcome.LOADED),
-        ("Peer", Outcome.LOADED),
+        ("peer/replica-a", AttemptOutcome.LOADED),
+        ("Peer", AttemptOutcome.LOADED),
     ]
     assert seen[0][0] == 0 and seen[-1][0] == seen[-1][1] == result.bytes_moved
     # The pair was closed by the target, so the same source serves the next reader from a fresh connection.
@@ -293,7 +294,7 @@ def test_killed_source_mid_transfer_falls_over_to_the_next(sources: dict[str, So
     )
     assert not dead.alive
     first = ctx.attempts[0]
-    assert (first.source, first.outcome) == ("peer/replica-dead", Outcome.FAILED)
+    assert (first.source, first.outcome) == ("peer/replica-dead", AttemptOutcome.FAILED)
     assert first.reason in ("TransferFailed", "TransferTimeout"), first
     assert result.source.replica == "replica-a"
     verify_and_drop(peer, result, a)

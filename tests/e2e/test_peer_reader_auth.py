@@ -26,7 +26,12 @@ import torch
 from safetensors.torch import save_file
 
 from ferry.api.models import worker_audience
-from ferry_agent.worker_service import SourceIdentity, get_tensor_manifest, prepare_tensor_read, release_tensor_read
+from ferry_agent.transport.worker_service import (
+    SourceIdentity,
+    get_tensor_manifest,
+    prepare_tensor_read,
+    release_tensor_read,
+)
 from tests.support.agents import (
     bare_calls,
     content_sha256,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ferry_agent.worker_service import SourceIdentity, prepare_tensor_read
+from ferry_agent.transport.worker_service import SourceIdentity, prepare_tensor_read
 from tests.support.agents import node, reader_tokens, replica, seed_arg, start_agent, wait_phase
 from tests.support.objects import apply, get, wait_for, wait_reason, wv_body
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ferry_agent.attach.memstore import HostStore
-from ferry_agent.nixl_transfer import NixlPeer, describe
-from ferry_agent.resident import TensorSpec
+from ferry_agent.store.resident import TensorSpec
+from ferry_agent.transport.nixl import NixlPeer, describe
 
 pytestmark = pytest.mark.e2e
 

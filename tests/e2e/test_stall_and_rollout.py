@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
-from ferry_agent.registry import source_candidates
-from ferry_agent.selector import make_selector
+from ferry_agent.kube.registry import source_candidates
+from ferry_agent.strategies.selector import make_selector
 from ferry_operator.modelloads import choose_nodes, replica_name
 from tests.support.agents import (
     agent_metrics,

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -15,9 +16,9 @@ from kubernetes import client, config
 from safetensors.torch import save_file
 
 from ferry.api.models import API_VERSION
-from ferry_agent.proto import worker_pb2, worker_pb2_grpc
-from ferry_agent.registry import LABEL_MODEL, LABEL_NODE, LABEL_VERSION
-from ferry_agent.worker_auth import PodIdentity, ReaderTokens
+from ferry_agent.kube.registry import LABEL_MODEL, LABEL_NODE, LABEL_VERSION
+from ferry_agent.transport.proto import worker_pb2, worker_pb2_grpc
+from ferry_agent.transport.worker_auth import PodIdentity, ReaderTokens
 from ferry_dev.localcluster import LocalCluster, ManagedProcess
 from tests.support.objects import get, wait_for
 
@@ -97,12 +98,13 @@ def start_agent(
     kubeconfig: Path | None = None,
     pod: dict[str, str] | None = None,
     socket_dir: Path | None = None,
+    args: Sequence[str] = (),
 ) -> ManagedProcess:
     """An agent process for one node; with `s3`, it has a checkpoint store of its own and reads that S3. It runs as
     a Pod on that node (`LocalCluster.agent_pod`), as the chart's downward-API env says, and mints real worker
     tokens bound to it. It talks to the apiserver as admin, or with `kubeconfig` (e.g. its ServiceAccount's
     Pod-bound token; `pod` then names that Pod: `agent_pod`'s namespace, service_account and pod). With
-    `socket_dir` it serves attach sockets for the node's Pods there (else none)."""
+    `socket_dir` it serves attach sockets for the node's Pods there (else none); `args` are further flags."""
     AGENT_NODES[node_name] = cluster
     argv = [
         sys.executable,
@@ -121,6 +123,7 @@ def start_agent(
         *cluster.agent_identity_args(node_name, **(pod or {})),
         "--socket-dir",
         str(socket_dir or ""),
+        *args,
     ]
     for seed in seeds:
         argv += ["--seed", seed]
@@ -177,10 +180,10 @@ def _admin_api(kubeconfig: str) -> client.ApiClient:
 def pull(rank_entry: dict, replica_name: str, reader_node: str | None = None) -> dict[str, torch.Tensor]:
     """A copy of what one rank of a replica serves, read over NIXL by an independent reader on `reader_node`
     (default: the serving node, whose own replica is assigned the version) with the tokens it mints."""
-    from ferry_agent.candidate import SourceCandidate
-    from ferry_agent.nixl_transfer import NixlPeer
-    from ferry_agent.peer_strategy import PeerStrategy, TransferSettings
-    from ferry_agent.strategy import LoadContext
+    from ferry_agent.strategies.candidate import SourceCandidate
+    from ferry_agent.strategies.chain import LoadContext
+    from ferry_agent.strategies.peer import PeerStrategy, TransferSettings
+    from ferry_agent.transport.nixl import NixlPeer
 
     reader = NixlPeer(f"reader-{os.getpid()}-{replica_name}")
     rank = rank_entry["rank"]

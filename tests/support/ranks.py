@@ -11,8 +11,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ferry_agent.ranks import TorchRankGroup
-from ferry_agent.strategy import StrategyRecoveryError
+from ferry_agent.ranks.agreement import TorchRankGroup
+from ferry_agent.strategies.chain import StrategyRecoveryError
 
 
 def _worker(rank: int, world: int, store_path: str | None, fn: Callable[..., Any], queue: Any) -> None:

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from ferry import checkpoint_format as ckpt
-from ferry_agent.checkpoint_store import ArtifactKind, CheckpointStore, model_key
-from ferry_agent.s3_strategy import ObjectStorageStrategy, S3LoadResult
-from ferry_agent.strategy import LoadContext
+from ferry_agent.store.checkpoints import ArtifactKind, CheckpointStore, model_key
+from ferry_agent.strategies.chain import LoadContext
+from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy, S3LoadResult
 from ferry_dev.localcluster import S3Server
 
 BUCKET = "ferry-s3-strategy"

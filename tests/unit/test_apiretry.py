@@ -11,8 +11,8 @@ import pytest
 import urllib3.exceptions
 from kubernetes.client.exceptions import ApiException
 
-from ferry_agent import apiretry
-from ferry_agent.apiretry import Backoff, StatusOutbox, call_with_retry, is_transient
+from ferry_agent.kube import apiretry
+from ferry_agent.kube.apiretry import Backoff, StatusOutbox, call_with_retry, is_transient
 from ferry_agent.node_agent import NodeAgent, Served
 
 pytestmark = pytest.mark.unit

@@ -16,8 +16,8 @@ from ferry.client import AttachError, attach
 from ferry_agent.attach.memstore import HostStore, adopt_rank
 from ferry_agent.attach.server import Pod
 from ferry_agent.attach.service import AttachService
-from ferry_agent.resident import spec_of
-from ferry_agent.sharding import rank_specs
+from ferry_agent.ranks.sharding import rank_specs
+from ferry_agent.store.resident import spec_of
 
 pytestmark = pytest.mark.unit
 

@@ -235,7 +235,7 @@ def test_a_removed_pod_loses_its_socket(server):
 def test_watch_and_refit_only_changed(tmp_path):
     """Through AttachService.serve, which compares each version with the replica's previous one."""
     from ferry_agent.attach.service import AttachService
-    from ferry_agent.resident import ResidentWeights
+    from ferry_agent.store.resident import ResidentWeights
 
     root = Path(tempfile.mkdtemp(prefix="ferry-t-", dir="/tmp"))
     service = AttachService(None, "node", root)  # no API: pods are added by hand

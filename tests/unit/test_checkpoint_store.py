@@ -19,7 +19,7 @@ import pytest
 import zstandard
 
 from ferry import checkpoint_format as ckpt
-from ferry_agent.checkpoint_store import (
+from ferry_agent.store.checkpoints import (
     MARKER,
     STATE_FILE,
     ArtifactKind,
@@ -239,7 +239,7 @@ CHILD = textwrap.dedent(
     """
     import os, signal, sys
     from pathlib import Path
-    from ferry_agent.checkpoint_store import ArtifactKind, ArtifactRef, CheckpointStore
+    from ferry_agent.store.checkpoints import ArtifactKind, ArtifactRef, CheckpointStore
 
     store = CheckpointStore(Path(sys.argv[1]), 1 << 30)
     with store.update("ns/m", "v2", ("v1", "v2")):

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from ferry_agent.cold_start import run_cold_start
-from ferry_agent.ranks import SingleRank, TorchRankGroup
-from ferry_agent.resident import TensorSpec
-from ferry_agent.sharding import rank_of_tensors, rank_specs
-from ferry_agent.strategy import LoadContext, StrategyFailed, StrategyRecoveryError
+from ferry_agent.ranks.agreement import SingleRank, TorchRankGroup
+from ferry_agent.ranks.cold_start import run_cold_start
+from ferry_agent.ranks.sharding import rank_of_tensors, rank_specs
+from ferry_agent.store.resident import TensorSpec
+from ferry_agent.strategies.chain import LoadContext, StrategyFailed, StrategyRecoveryError
 from tests.support.ranks import spawn
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(90)]

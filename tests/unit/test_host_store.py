@@ -14,7 +14,7 @@ import torch
 
 from ferry.client.protocol import REQUIRED_SEALS
 from ferry_agent.attach.memstore import HostStore, MemoryBudgetExceeded, parse_bytes, sealed_of
-from ferry_agent.resident import TensorSpec
+from ferry_agent.store.resident import TensorSpec
 
 pytestmark = pytest.mark.unit
 

@@ -12,8 +12,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api.models import LABEL_NODE
+from ferry_agent.kube.registry import lease_name
 from ferry_agent.node_agent import NodeAgent
-from ferry_agent.registry import lease_name
 
 pytestmark = pytest.mark.unit
 

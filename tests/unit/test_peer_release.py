@@ -24,17 +24,18 @@ from typing import Any
 import pytest
 import torch
 
-from ferry_agent.candidate import SourceCandidate
-from ferry_agent.nixl_transfer import ManifestMismatchError, NixlPeer, RemoteTensor, describe
-from ferry_agent.peer_strategy import (
+from ferry.api.models import AttemptOutcome
+from ferry_agent.store.resident import ResidentWeights, TensorSpec, manifest_digest
+from ferry_agent.strategies.candidate import SourceCandidate
+from ferry_agent.strategies.chain import LoadContext, SourceTransferError, StrategyFailed
+from ferry_agent.strategies.peer import (
     PeerStrategy,
     ProgressThrottle,
     TransferSettings,
     transfer_timeout_seconds,
 )
-from ferry_agent.resident import ResidentWeights, TensorSpec, manifest_digest
-from ferry_agent.strategy import LoadContext, Outcome, SourceTransferError, StrategyFailed
-from ferry_agent.worker_service import SourceIdentity, SourceManifest, build_manifest
+from ferry_agent.transport.nixl import ManifestMismatchError, NixlPeer, RemoteTensor, describe
+from ferry_agent.transport.worker_service import SourceIdentity, SourceManifest, build_manifest
 
 pytestmark = pytest.mark.unit
 
@@ -211,7 +212,7 @@ def test_rules_3_4_5_success_releases_once_during_the_load_in_order(monkeypatch:
     assert peer.loaded == set() and exit_hooks == []
     assert result.resident.content_sha256() == SOURCE.content_sha256()
     assert result.source.replica == "a" and result.bytes_moved == SOURCE.total_bytes
-    assert [(a.source, a.outcome) for a in c.attempts] == [("peer/a", Outcome.LOADED)]
+    assert [(a.source, a.outcome) for a in c.attempts] == [("peer/a", AttemptOutcome.LOADED)]
 
 
 # ---------------------------------------------------------------------------------- rule 6
@@ -327,7 +328,10 @@ def test_lease_failure_releases_nothing_and_the_next_candidate_loads() -> None:
     assert result.source.replica == "b"
     a_entries = [e for e in log if len(e) > 1 and e[1] == "agent-a"]
     assert [e[0] for e in a_entries] == ["lease"]  # never loaded, so nothing removed or released
-    assert [(a.source, a.outcome) for a in c.attempts] == [("peer/a", Outcome.FAILED), ("peer/b", Outcome.LOADED)]
+    assert [(a.source, a.outcome) for a in c.attempts] == [
+        ("peer/a", AttemptOutcome.FAILED),
+        ("peer/b", AttemptOutcome.LOADED),
+    ]
 
 
 def test_each_candidate_is_fully_released_before_the_next_lease() -> None:
@@ -394,7 +398,7 @@ def test_wrong_rank_self_and_mismatched_digest_are_never_tried() -> None:
     ]
     assert strategy(FakePeer(log), FakeClient(log), pool).load(c).source.replica == "good"
     assert [e[1] for e in log if e[0] == "lease"] == ["agent-good"]
-    assert (c.attempts[0].source, c.attempts[0].outcome) == ("peer/stale", Outcome.SKIPPED)
+    assert (c.attempts[0].source, c.attempts[0].outcome) == ("peer/stale", AttemptOutcome.SKIPPED)
 
 
 def test_manifest_checks_run_before_the_claim() -> None:

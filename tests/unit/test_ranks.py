@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ferry_agent.ranks import (
+from ferry_agent.ranks.agreement import (
     S3Steps,
     SingleRank,
     TorchRankGroup,
@@ -20,7 +20,7 @@ from ferry_agent.ranks import (
     agree_source_order,
     s3_phases,
 )
-from ferry_agent.strategy import StrategyRecoveryError
+from ferry_agent.strategies.chain import StrategyRecoveryError
 from ferry_dev.localcluster import free_port
 from tests.support.ranks import spawn
 
@@ -74,7 +74,7 @@ def test_agreement_succeeds(tmp_path: Path, rendezvous: str, monkeypatch: pytest
 
 
 def test_no_desired_version_runs_only_version_agnostic_path(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="ferry_agent.ranks"):
+    with caplog.at_level(logging.WARNING, logger="ferry_agent.ranks.agreement"):
         assert agree_desired_version(SingleRank(), "") is None
     assert "only the version-agnostic load path runs" in caplog.text
     assert agree_desired_version(SingleRank(), "v1") == "v1"

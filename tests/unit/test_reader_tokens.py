@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from ferry_agent import worker_auth
-from ferry_agent.worker_auth import EXPIRY_MARGIN_S, PodIdentity, ReaderTokens, TokenUnavailable
+from ferry_agent.transport import worker_auth
+from ferry_agent.transport.worker_auth import EXPIRY_MARGIN_S, PodIdentity, ReaderTokens, TokenUnavailable
 
 pytestmark = pytest.mark.unit
 

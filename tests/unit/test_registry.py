@@ -7,7 +7,7 @@ import datetime as dt
 import pytest
 
 from ferry.api.models import GROUP, LABEL_NODE, REPLICA_LEASE_PREFIX
-from ferry_agent.registry import lease_body, lease_is_live, lease_name, peer_version_problem, source_candidates
+from ferry_agent.kube.registry import lease_body, lease_is_live, lease_name, peer_version_problem, source_candidates
 
 pytestmark = pytest.mark.unit
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ferry_agent.replica_load import LocalFileStrategy, SeedKey, parse_seed, read_guard
-from ferry_agent.strategy import LoadContext, StrategyFailed
-from ferry_agent.worker_auth import WorkerAuth
+from ferry_agent.replica_load import read_guard
+from ferry_agent.strategies.chain import LoadContext, StrategyFailed
+from ferry_agent.strategies.local_file import LocalFileStrategy, SeedKey, parse_seed
+from ferry_agent.transport.worker_auth import WorkerAuth
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from ferry.api.models import ModelLoadSpec, RolloutSpec
-from ferry_agent.registry import first_loader
+from ferry_agent.kube.registry import first_loader
 from ferry_operator.modelloads import (
     aggregate_status,
     max_unavailable,

@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from ferry_agent.candidate import SourceCandidate
-from ferry_agent.peer_strategy import TransferSettings
-from ferry_agent.selector import (
+from ferry_agent.strategies.candidate import SourceCandidate
+from ferry_agent.strategies.peer import TransferSettings
+from ferry_agent.strategies.selector import (
     LoadAwareSelector,
     RandomSelector,
     RendezvousHashSelector,

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
+from ferry.api.models import AttemptOutcome
 from ferry.errors import LoadFailed
-from ferry_agent.strategy import (
+from ferry_agent.strategies.chain import (
     Attempt,
     LoadContext,
     LoadStrategy,
-    Outcome,
     StrategyFailed,
     StrategyRecoveryError,
     run_strategy_chain,
@@ -94,7 +94,7 @@ def test_success_publishes_and_returns_without_trying_later_strategies() -> None
     c = ctx()
     assert run([Fake("a", log, result="A"), Fake("b", log)], log, c) == "A"
     assert log == ["available:a", "available:b", "load:a", "publish:A"]
-    assert [(a.source, a.outcome, a.reason) for a in c.attempts] == [("a", Outcome.LOADED, "Loaded")]
+    assert [(a.source, a.outcome, a.reason) for a in c.attempts] == [("a", AttemptOutcome.LOADED, "Loaded")]
 
 
 def test_unmutated_failure_rolls_back_and_continues_without_reinit() -> None:
@@ -102,7 +102,7 @@ def test_unmutated_failure_rolls_back_and_continues_without_reinit() -> None:
     c = ctx()
     assert run([Fake("a", log, error=StrategyFailed("miss")), Fake("b", log)], log, c) == "b-result"
     assert log[2:] == ["load:a", "rollback:a", "load:b", "publish:b-result"]
-    assert (c.attempts[0].outcome, c.attempts[0].reason) == (Outcome.FAILED, "Failed")
+    assert (c.attempts[0].outcome, c.attempts[0].reason) == (AttemptOutcome.FAILED, "Failed")
     assert "miss" in c.attempts[0].message
 
 
@@ -154,9 +154,9 @@ def test_no_success_lists_every_strategy_failure() -> None:
         assert part in text
     assert "publish" not in "".join(log)
     assert [(a.source, a.outcome) for a in c.attempts] == [
-        ("Disk", Outcome.SKIPPED),
-        ("Peer", Outcome.FAILED),
-        ("ObjectStorage", Outcome.FAILED),
+        ("Disk", AttemptOutcome.SKIPPED),
+        ("Peer", AttemptOutcome.FAILED),
+        ("ObjectStorage", AttemptOutcome.FAILED),
     ]
 
 
@@ -216,7 +216,7 @@ def test_mutated_failure_frees_frame_locals_before_reinit() -> None:
 
 
 def test_attempt_status_is_truncated_to_crd_bounds() -> None:
-    status = Attempt("peer/x", Outcome.FAILED, "R" * 500, "m" * 10_000).to_status()
+    status = Attempt("peer/x", AttemptOutcome.FAILED, "R" * 500, "m" * 10_000).to_status()
     assert len(status["reason"]) == 128
     assert len(status["message"]) == 4096
     assert status["outcome"] == "Failed"

@@ -14,9 +14,9 @@ import pytest
 from kubernetes import client
 
 from ferry.api.models import worker_audience
-from ferry_agent.peer_strategy import TransferSettings
-from ferry_agent.proto import worker_pb2
-from ferry_agent.worker_auth import (
+from ferry_agent.strategies.peer import TransferSettings
+from ferry_agent.transport.proto import worker_pb2
+from ferry_agent.transport.worker_auth import (
     CLOCK_LEEWAY_S,
     NODE_NAME_EXTRA,
     AccessDenied,
@@ -27,7 +27,7 @@ from ferry_agent.worker_auth import (
     WorkerAuth,
     _NamespaceView,
 )
-from ferry_agent.worker_service import (
+from ferry_agent.transport.worker_service import (
     RetryPolicy,
     TensorReadLeases,
     WorkerServer,

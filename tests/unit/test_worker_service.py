@@ -12,10 +12,10 @@ import grpc
 import pytest
 import torch
 
-from ferry_agent.nixl_transfer import ManifestMismatchError
-from ferry_agent.proto import worker_pb2, worker_pb2_grpc
-from ferry_agent.resident import ResidentWeights
-from ferry_agent.worker_service import (
+from ferry_agent.store.resident import ResidentWeights
+from ferry_agent.transport.nixl import ManifestMismatchError
+from ferry_agent.transport.proto import worker_pb2, worker_pb2_grpc
+from ferry_agent.transport.worker_service import (
     SourceDraining,
     SourceIdentity,
     SourceManifest,

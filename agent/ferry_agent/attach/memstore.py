@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ferry.client.protocol import MAX_FDS, REQUIRED_SEALS
-from ferry_agent.resident import ResidentWeights, TensorSpec, parse_dtype, spec_of
+from ferry_agent.store.resident import ResidentWeights, TensorSpec, parse_dtype, spec_of
 
 log = logging.getLogger("ferry.agent.memstore")
 
@@ -509,7 +509,7 @@ class HostStore:
 
 
 def entry_of(t: Mapping[str, Any]) -> Entry:
-    """An entry as `rank_worker` reports it: the manifest entry and its sha256."""
+    """An entry as `ranks.worker` reports it: the manifest entry and its sha256."""
     return Entry(str(t["name"]), str(t["dtype"]), tuple(int(d) for d in t["shape"]), int(t["chunk"]),
                  int(t["offset"]), int(t["nbytes"]), int(t["adler32"]), str(t["sha256"]))  # fmt: skip
 

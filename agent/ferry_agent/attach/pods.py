@@ -9,8 +9,8 @@ from typing import Any
 
 from kubernetes import client, watch
 
-from ferry_agent.apiretry import REQUEST_TIMEOUT_S, Backoff, describe
 from ferry_agent.attach.server import AttachServer, Pod
+from ferry_agent.kube.apiretry import REQUEST_TIMEOUT_S, Backoff, describe
 
 log = logging.getLogger("ferry.agent.attach")
 

@@ -19,7 +19,7 @@ from kubernetes import client
 from ferry_agent.attach.memstore import CHUNK_BYTES, HostStore, SealedVersion, combined, seal_tensors, sealed_of
 from ferry_agent.attach.pods import PodWatcher
 from ferry_agent.attach.server import AttachServer, Offer
-from ferry_agent.resident import ResidentWeights
+from ferry_agent.store.resident import ResidentWeights
 
 log = logging.getLogger("ferry.agent.attach")
 

@@ -4,7 +4,7 @@
 A lease taken or let go (attach, release, a refit's make-before-break, a socket the kernel closed) only wakes a
 thread of its own, which waits a moment so a burst is one write, and hands the replicas whose consumers changed to
 the agent's status outbox: the attach socket never waits on the apiserver, and what an outage keeps from being
-written is written when it answers (`apiretry.StatusOutbox`). The agent's resync also compares what each replica's
+written is written when it answers (`kube.apiretry.StatusOutbox`). The agent's resync also compares what each replica's
 object says with the leases (`publish(observed=...)`), so an entry left by an earlier agent process, whose
 consumers' sockets closed with it, is cleared.
 """

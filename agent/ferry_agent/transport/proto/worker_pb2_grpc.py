@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ferry_agent.proto import worker_pb2 as ferry__agent_dot_proto_dot_worker__pb2
+from ferry_agent.transport.proto import worker_pb2 as ferry__agent_dot_transport_dot_proto_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in ferry_agent/proto/worker_pb2_grpc.py depends on'
+        + ' but the generated code in ferry_agent/transport/proto/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -31,7 +31,7 @@ class WorkerStub:
     bound to the reader agent's Pod. No token, or one TokenReview rejects -> UNAUTHENTICATED; a user that is not an
     allowed agent identity, a token without the node-name extra, or (manifest, lease) a node with no WeightReplica
     assigned the served namespace/model/version -> PERMISSION_DENIED; the API unreachable -> UNAVAILABLE. Only the
-    reader that took a lease may release it (else PERMISSION_DENIED). See ferry_agent/worker_auth.py.
+    reader that took a lease may release it (else PERMISSION_DENIED). See ferry_agent/transport/worker_auth.py.
     """
 
     def __init__(self, channel):
@@ -42,18 +42,18 @@ class WorkerStub:
         """
         self.GetTensorManifest = channel.unary_unary(
                 '/ferry.worker.v1.Worker/GetTensorManifest',
-                request_serializer=ferry__agent_dot_proto_dot_worker__pb2.GetTensorManifestRequest.SerializeToString,
-                response_deserializer=ferry__agent_dot_proto_dot_worker__pb2.GetTensorManifestResponse.FromString,
+                request_serializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.GetTensorManifestRequest.SerializeToString,
+                response_deserializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.GetTensorManifestResponse.FromString,
                 _registered_method=True)
         self.PrepareTensorRead = channel.unary_unary(
                 '/ferry.worker.v1.Worker/PrepareTensorRead',
-                request_serializer=ferry__agent_dot_proto_dot_worker__pb2.PrepareTensorReadRequest.SerializeToString,
-                response_deserializer=ferry__agent_dot_proto_dot_worker__pb2.PrepareTensorReadResponse.FromString,
+                request_serializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.PrepareTensorReadRequest.SerializeToString,
+                response_deserializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.PrepareTensorReadResponse.FromString,
                 _registered_method=True)
         self.ReleaseTensorRead = channel.unary_unary(
                 '/ferry.worker.v1.Worker/ReleaseTensorRead',
-                request_serializer=ferry__agent_dot_proto_dot_worker__pb2.ReleaseTensorReadRequest.SerializeToString,
-                response_deserializer=ferry__agent_dot_proto_dot_worker__pb2.ReleaseTensorReadResponse.FromString,
+                request_serializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.ReleaseTensorReadRequest.SerializeToString,
+                response_deserializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.ReleaseTensorReadResponse.FromString,
                 _registered_method=True)
 
 
@@ -63,7 +63,7 @@ class WorkerServicer:
     bound to the reader agent's Pod. No token, or one TokenReview rejects -> UNAUTHENTICATED; a user that is not an
     allowed agent identity, a token without the node-name extra, or (manifest, lease) a node with no WeightReplica
     assigned the served namespace/model/version -> PERMISSION_DENIED; the API unreachable -> UNAVAILABLE. Only the
-    reader that took a lease may release it (else PERMISSION_DENIED). See ferry_agent/worker_auth.py.
+    reader that took a lease may release it (else PERMISSION_DENIED). See ferry_agent/transport/worker_auth.py.
     """
 
     def GetTensorManifest(self, request, context):
@@ -93,18 +93,18 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetTensorManifest': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTensorManifest,
-                    request_deserializer=ferry__agent_dot_proto_dot_worker__pb2.GetTensorManifestRequest.FromString,
-                    response_serializer=ferry__agent_dot_proto_dot_worker__pb2.GetTensorManifestResponse.SerializeToString,
+                    request_deserializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.GetTensorManifestRequest.FromString,
+                    response_serializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.GetTensorManifestResponse.SerializeToString,
             ),
             'PrepareTensorRead': grpc.unary_unary_rpc_method_handler(
                     servicer.PrepareTensorRead,
-                    request_deserializer=ferry__agent_dot_proto_dot_worker__pb2.PrepareTensorReadRequest.FromString,
-                    response_serializer=ferry__agent_dot_proto_dot_worker__pb2.PrepareTensorReadResponse.SerializeToString,
+                    request_deserializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.PrepareTensorReadRequest.FromString,
+                    response_serializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.PrepareTensorReadResponse.SerializeToString,
             ),
             'ReleaseTensorRead': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseTensorRead,
-                    request_deserializer=ferry__agent_dot_proto_dot_worker__pb2.ReleaseTensorReadRequest.FromString,
-                    response_serializer=ferry__agent_dot_proto_dot_worker__pb2.ReleaseTensorReadResponse.SerializeToString,
+                    request_deserializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.ReleaseTensorReadRequest.FromString,
+                    response_serializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.ReleaseTensorReadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -120,7 +120,7 @@ class Worker:
     bound to the reader agent's Pod. No token, or one TokenReview rejects -> UNAUTHENTICATED; a user that is not an
     allowed agent identity, a token without the node-name extra, or (manifest, lease) a node with no WeightReplica
     assigned the served namespace/model/version -> PERMISSION_DENIED; the API unreachable -> UNAVAILABLE. Only the
-    reader that took a lease may release it (else PERMISSION_DENIED). See ferry_agent/worker_auth.py.
+    reader that took a lease may release it (else PERMISSION_DENIED). See ferry_agent/transport/worker_auth.py.
     """
 
     @staticmethod
@@ -138,8 +138,8 @@ class Worker:
             request,
             target,
             '/ferry.worker.v1.Worker/GetTensorManifest',
-            ferry__agent_dot_proto_dot_worker__pb2.GetTensorManifestRequest.SerializeToString,
-            ferry__agent_dot_proto_dot_worker__pb2.GetTensorManifestResponse.FromString,
+            ferry__agent_dot_transport_dot_proto_dot_worker__pb2.GetTensorManifestRequest.SerializeToString,
+            ferry__agent_dot_transport_dot_proto_dot_worker__pb2.GetTensorManifestResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -165,8 +165,8 @@ class Worker:
             request,
             target,
             '/ferry.worker.v1.Worker/PrepareTensorRead',
-            ferry__agent_dot_proto_dot_worker__pb2.PrepareTensorReadRequest.SerializeToString,
-            ferry__agent_dot_proto_dot_worker__pb2.PrepareTensorReadResponse.FromString,
+            ferry__agent_dot_transport_dot_proto_dot_worker__pb2.PrepareTensorReadRequest.SerializeToString,
+            ferry__agent_dot_transport_dot_proto_dot_worker__pb2.PrepareTensorReadResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -192,8 +192,8 @@ class Worker:
             request,
             target,
             '/ferry.worker.v1.Worker/ReleaseTensorRead',
-            ferry__agent_dot_proto_dot_worker__pb2.ReleaseTensorReadRequest.SerializeToString,
-            ferry__agent_dot_proto_dot_worker__pb2.ReleaseTensorReadResponse.FromString,
+            ferry__agent_dot_transport_dot_proto_dot_worker__pb2.ReleaseTensorReadRequest.SerializeToString,
+            ferry__agent_dot_transport_dot_proto_dot_worker__pb2.ReleaseTensorReadResponse.FromString,
             options,
             channel_credentials,
             insecure,

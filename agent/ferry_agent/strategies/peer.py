@@ -1,6 +1,6 @@
 """The Peer load strategy: READ a rank's weights from another replica that serves the exact version.
 
-Per candidate (reference §3.5/§3.6, the nvbug 6519532 lessons):
+Per candidate (so that a failed READ never leaves a half-open connection on the source):
   PrepareTensorRead lease → manifest checks → remote agent name claimed → add_remote (on failure:
   remove the claimed name, re-raise) → READ (errors wrapped as SourceTransferError) → device sync →
   finally remove_remote → outer finally release the lease.
@@ -21,13 +21,15 @@ from typing import Any, Protocol
 import grpc
 import torch
 
-from ferry_agent.candidate import SourceCandidate
-from ferry_agent.nixl_transfer import ManifestMismatchError, RemoteTensor
-from ferry_agent.resident import ResidentWeights, TensorSpec
-from ferry_agent.selector import Selector, make_selector
-from ferry_agent.strategy import LoadContext, Outcome, SourceTransferError, StrategyFailed
-from ferry_agent.worker_auth import TokenUnavailable
-from ferry_agent.worker_service import (
+from ferry.api.models import AttemptOutcome, SelectorKind, SourceKind
+from ferry_agent.store.resident import ResidentWeights, TensorSpec
+from ferry_agent.strategies.candidate import SourceCandidate
+from ferry_agent.strategies.chain import LoadContext, SourceTransferError, StrategyFailed
+from ferry_agent.strategies.progress import Progress, ProgressThrottle
+from ferry_agent.strategies.selector import Selector, make_selector
+from ferry_agent.transport.nixl import ManifestMismatchError, RemoteTensor
+from ferry_agent.transport.worker_auth import TokenUnavailable
+from ferry_agent.transport.worker_service import (
     DEFAULT_RPC_TIMEOUT_S,
     DEFAULT_TRANSFER_TIMEOUT_S,
     RetryPolicy,
@@ -42,8 +44,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SOURCE_ATTEMPTS = 3
 DEFAULT_RPC_RETRIES = 3
 DEFAULT_RPC_BACKOFF_S = 0.5
-
-Progress = Callable[[int, int, str], None]  # (bytes_done, bytes_total, source label)
 
 
 def transfer_timeout_seconds(value: object) -> float:
@@ -65,7 +65,7 @@ def transfer_timeout_seconds(value: object) -> float:
 class TransferSettings:
     timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S  # per candidate: lease, handshake and READ together
     max_source_attempts: int = DEFAULT_MAX_SOURCE_ATTEMPTS
-    selector: str = "rendezvousHash"
+    selector: str = SelectorKind.RENDEZVOUS_HASH
     rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S  # one Worker RPC; the lease release always gets this much
     progress_interval_s: float = 1.0
     rpc_retries: int = DEFAULT_RPC_RETRIES  # lease RPCs, on UNAVAILABLE only
@@ -88,7 +88,7 @@ class TransferSettings:
         return cls(
             timeout_s=transfer.get("timeoutSeconds"),  # type: ignore[arg-type]  # validated in __post_init__
             max_source_attempts=transfer.get("maxSourceAttempts", DEFAULT_MAX_SOURCE_ATTEMPTS),
-            selector=transfer.get("selector", "rendezvousHash"),
+            selector=transfer.get("selector", SelectorKind.RENDEZVOUS_HASH),
             rpc_retries=transfer.get("rpcRetries", DEFAULT_RPC_RETRIES),
             rpc_backoff_s=transfer.get("rpcBackoffSeconds", DEFAULT_RPC_BACKOFF_S),
             **overrides,
@@ -158,37 +158,16 @@ class GrpcSourceClient:
         )
 
 
-class ProgressThrottle:
-    """Forwards at most one report per interval, but always the first one, a completion, and any report that
-    changes the source or the total (a new candidate, or a transfer whose size just became known)."""
-
-    def __init__(self, callback: Progress | None, interval_s: float, clock: Callable[[], float] = time.monotonic):
-        self._callback = callback
-        self._interval_s = interval_s
-        self._clock = clock
-        self._last: float | None = None
-        self._shape: tuple[int, str] | None = None
-
-    def __call__(self, done: int, total: int, source: str) -> None:
-        if self._callback is None:
-            return
-        now = self._clock()
-        shape = (total, source)
-        if self._last is not None and done < total and shape == self._shape and now - self._last < self._interval_s:
-            return
-        self._last, self._shape = now, shape
-        try:
-            self._callback(done, total, source)
-        except Exception as exc:  # a status writer must not break a transfer
-            log.warning("progress callback failed: %s", exc)
-
-
 @dataclass(frozen=True)
 class PeerLoadResult:
     source: SourceCandidate
     resident: ResidentWeights
     bytes_moved: int
     seconds: float
+
+    @property
+    def source_label(self) -> str:
+        return self.source.label
 
 
 def _describe(exc: BaseException) -> str:
@@ -222,7 +201,7 @@ class PeerStrategy:
     """Loads one rank from peers. The target tensors are allocated from the first source manifest
     (or supplied by `allocate`), registered once, and handed over in the result."""
 
-    name = "Peer"
+    name = SourceKind.PEER
 
     def __init__(
         self,
@@ -266,7 +245,7 @@ class PeerStrategy:
             if cand.rank != ctx.rank or cand.agent_name == self._peer.name:
                 continue
             if ctx.expected_manifest_digest and cand.manifest_digest not in ("", ctx.expected_manifest_digest):
-                ctx.record(cand.label, Outcome.SKIPPED, "ManifestMismatch", "advertised manifest digest differs")
+                ctx.record(cand.label, AttemptOutcome.SKIPPED, "ManifestMismatch", "advertised manifest digest differs")
                 continue
             usable.append(cand)
         if not usable:
@@ -280,7 +259,7 @@ class PeerStrategy:
                 moved = self._load_from(cand, ctx)
             except Exception as exc:
                 message = _describe(exc)
-                ctx.record(cand.label, Outcome.FAILED, _reason(exc), message)
+                ctx.record(cand.label, AttemptOutcome.FAILED, _reason(exc), message)
                 failures.append(f"{cand.label}: {message}")
                 log.warning("peer load of rank %d from %s failed: %s", ctx.rank, cand.label, message)
                 continue
@@ -288,7 +267,7 @@ class PeerStrategy:
             assert self._target is not None
             result = PeerLoadResult(source=cand, resident=self._target, bytes_moved=moved, seconds=seconds)
             self._target = None  # ownership moves to the caller with the result
-            ctx.record(cand.label, Outcome.LOADED, "Loaded", f"{moved} bytes in {seconds:.3f}s")
+            ctx.record(cand.label, AttemptOutcome.LOADED, "Loaded", f"{moved} bytes in {seconds:.3f}s")
             return result
         raise StrategyFailed(
             f"no peer source succeeded for rank {ctx.rank}: " + "; ".join(failures), mutated=self._landed

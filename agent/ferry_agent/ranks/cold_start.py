@@ -1,4 +1,4 @@
-"""Desired-version cold start of one replica's ranks (reference/modelexpress.md §5.9, over `ferry_agent.ranks`).
+"""Desired-version cold start of one replica's ranks (docs/ranks.md), over `ranks.agreement`.
 
 `run_cold_start` is what every rank of a replica runs, one-rank replicas included (with `SingleRank`):
 
@@ -21,7 +21,8 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ferry_agent.ranks import (
+from ferry.api.models import SourceKind
+from ferry_agent.ranks.agreement import (
     RankGroup,
     S3Steps,
     agree_desired_version,
@@ -30,19 +31,20 @@ from ferry_agent.ranks import (
     agree_source_order,
     s3_phases,
 )
-from ferry_agent.s3_strategy import ObjectStorageStrategy, S3LoadResult
-from ferry_agent.strategy import (
+from ferry_agent.strategies.chain import (
     LoadContext,
+    LoadResult,
     LoadStrategy,
     StrategyFailed,
     StrategyRecoveryError,
     run_strategy_chain,
 )
+from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy, S3LoadResult
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SOURCE_ORDER = ("Peer", "ObjectStorage")
-Release = Callable[[Any], None]  # frees a result this rank loaded but the replica does not keep
+DEFAULT_SOURCE_ORDER = tuple(SourceKind)
+Release = Callable[[LoadResult], None]  # frees a result this rank loaded but the replica does not keep
 
 
 class _Agreed:
@@ -76,10 +78,10 @@ class RankAgreedStrategy(_Agreed):
                  release: Release) -> None:  # fmt: skip
         super().__init__(inner, group, pinned=pinned, configured=configured)
         self._release = release
-        self._held: Any = None
+        self._held: LoadResult | None = None
         self._missed = False
 
-    def load(self, ctx: LoadContext) -> Any:
+    def load(self, ctx: LoadContext) -> LoadResult:
         self._missed = False
         result: Any = None
         failure: Exception | None = None
@@ -193,9 +195,9 @@ def run_cold_start(
     version_agnostic: Sequence[LoadStrategy] = (),
     release: Release = lambda _result: None,
     reinit: Callable[[LoadContext], None] = lambda _ctx: None,
-    publish: Callable[[Any, LoadContext], None] = lambda _result, _ctx: None,
+    publish: Callable[[LoadResult, LoadContext], None] = lambda _result, _ctx: None,
     local_rank: int | None = None,
-) -> Any:
+) -> LoadResult:
     """Load this rank of a replica. `strategies` maps source names (`Peer`, `ObjectStorage`) to this rank's
     strategies; `exact` are further version-exact sources tried after the source order (a local seed);
     `version_agnostic` is all that runs when rank 0 has no desired version. Sets `ctx.version` to the agreed
@@ -211,7 +213,9 @@ def run_cold_start(
     ctx.version = desired
     unknown = [s for s in source_order if s not in DEFAULT_SOURCE_ORDER]
     if unknown:
-        raise ValueError(f"unknown source(s) {unknown} in the source order; known: {list(DEFAULT_SOURCE_ORDER)}")
+        raise ValueError(
+            f"unknown source(s) {unknown} in the source order; known: {[str(s) for s in DEFAULT_SOURCE_ORDER]}"
+        )
     # What this rank can use, in order: a rank lacking one (no checkpoint store) disagrees and so is fatal.
     order = agree_source_order(
         group, [s for s in source_order if s in strategies], pinned=desired, configured=configured

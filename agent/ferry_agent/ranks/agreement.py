@@ -1,4 +1,4 @@
-"""Rank agreement for a desired-version cold start (reference/modelexpress.md §5.9; DESIGN.md "Ranks").
+"""Rank agreement for a desired-version cold start (docs/ranks.md).
 
 The ranks of one replica load the same version or none of them does. Rank 0 broadcasts the desired version;
 every later step is all-gathered and any disagreement raises `StrategyRecoveryError` on every rank, so the
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from ferry_agent.strategy import StrategyRecoveryError
+from ferry_agent.strategies.chain import StrategyRecoveryError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The per-rank Worker gRPC service (manifest + tensor read leases), and its client helpers.
 
-Semantics follow ModelExpress `worker_server.py` (reference §3.4): identity validated on every call,
+Semantics follow ModelExpress's worker server: identity validated on every call,
 UNAVAILABLE while draining, NOT_FOUND for an unknown or expired lease, lease TTL
 ceil(2*max(120, transfer timeout) + 30) seconds, lazy expiry, and `drain(timeout)` that re-opens the
 source and raises `TimeoutError` when readers do not finish in time.
@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ferry_agent.nixl_transfer import ManifestMismatchError, NixlPeer, RemoteTensor, describe
-from ferry_agent.proto import worker_pb2, worker_pb2_grpc
-from ferry_agent.resident import ResidentWeights, TensorSpec, manifest_digest
-from ferry_agent.worker_auth import AccessDenied, ReadGuard, bearer_metadata
+from ferry_agent.store.resident import ResidentWeights, TensorSpec, manifest_digest
+from ferry_agent.transport.nixl import ManifestMismatchError, NixlPeer, RemoteTensor, describe
+from ferry_agent.transport.proto import worker_pb2, worker_pb2_grpc
+from ferry_agent.transport.worker_auth import AccessDenied, ReadGuard, bearer_metadata
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -1,4 +1,4 @@
-"""`python -m ferry_agent.rank_worker`: one rank of a multi-rank WeightReplica, as its own process.
+"""`python -m ferry_agent.ranks.worker`: one rank of a multi-rank WeightReplica, as its own process.
 
 The node agent starts one per rank (one per GPU) with a shared TCPStore address; the ranks join a gloo group,
 run the desired-version cold start (`replica_load.load_rank`), and each then serves its share of the tensors
@@ -28,22 +28,18 @@ from typing import Any
 import torch.distributed as dist
 
 from ferry.kube import kube_client
-from ferry_agent import worker_auth
-from ferry_agent.apiretry import bound_requests
+from ferry_agent import logs
 from ferry_agent.attach.memstore import HostStore
-from ferry_agent.checkpoint_store import CheckpointStore
-from ferry_agent.nixl_transfer import NixlPeer
-from ferry_agent.ranks import TorchRankGroup
-from ferry_agent.replica_load import (
-    ApiSources,
-    load_rank,
-    rank_context,
-    read_guard,
-    seed_argument,
-    serve_rank,
-    source_label,
-)
-from ferry_agent.strategy import StrategyRecoveryError
+from ferry_agent.kube.apiretry import bound_requests
+from ferry_agent.kube.sources import ApiSources
+from ferry_agent.logs import LogFormat
+from ferry_agent.ranks.agreement import TorchRankGroup
+from ferry_agent.replica_load import load_rank, rank_context, read_guard, serve_rank
+from ferry_agent.store.checkpoints import CheckpointStore
+from ferry_agent.strategies.chain import StrategyRecoveryError
+from ferry_agent.strategies.local_file import seed_argument
+from ferry_agent.transport import worker_auth
+from ferry_agent.transport.nixl import NixlPeer
 
 log = logging.getLogger("ferry.rank")
 LEASE_POLL_S = 1.0
@@ -65,10 +61,10 @@ class Reporter:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ferry-rank", description=__doc__.splitlines()[0])
-    p.add_argument("--namespace", required=True)
+    p.add_argument("--namespace", required=True, help="the namespace of the WeightReplica")
     p.add_argument("--replica", required=True, help="the WeightReplica this rank belongs to")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True, help="this rank, from 0")
+    p.add_argument("--world-size", type=int, required=True, help="the replica's number of ranks")
     p.add_argument("--store", required=True, metavar="HOST:PORT", help="the TCPStore the ranks rendezvous at")
     p.add_argument(
         "--desired-version",
@@ -76,11 +72,24 @@ def _parser() -> argparse.ArgumentParser:
         help="the version this rank is configured to load; rank 0's wins, a different one is fatal",
     )
     p.add_argument("--agent-name", required=True, help="prefix of this rank's NIXL agent name")
-    p.add_argument("--bind-address", default="127.0.0.1")
+    p.add_argument("--bind-address", default="127.0.0.1", help="address peers reach this rank's worker service on")
     p.add_argument("--checkpoint-dir", type=Path, help="the node's checkpoint store (shared by its ranks)")
-    p.add_argument("--checkpoint-quota-gib", type=float, default=500.0)
-    p.add_argument("--s3-endpoint")
-    p.add_argument("--seed", type=seed_argument, action="append", default=[], metavar="NAMESPACE/MODEL/VERSION=PATH")
+    p.add_argument("--checkpoint-quota-gib", type=float, default=500.0, help="most the checkpoint store may hold")
+    p.add_argument("--s3-endpoint", help="S3 endpoint for versions that name none")
+    p.add_argument(
+        "--seed",
+        type=seed_argument,
+        action="append",
+        default=[],
+        metavar="NAMESPACE/MODEL/VERSION=PATH",
+        help="a local safetensors file that holds that WeightVersion; repeatable",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=[str(f) for f in LogFormat],
+        default=LogFormat.PLAIN,
+        help="plain text, or one JSON object a line (the agent passes its own)",
+    )
     p.add_argument("--timeout-seconds", type=float, default=3600.0, help="bound on every collective")
     p.add_argument("--parent-pid", type=int, help="the node agent's pid: this rank ends when the agent does")
     p.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this rank's node (env NODE_NAME)")
@@ -169,7 +178,7 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
         guard=read_guard(auth, args.namespace, ctx),
     )  # fmt: skip
     report(
-        "serving", rank=args.rank, version=ctx.version, source=source_label(result), bytes=result.bytes_moved,
+        "serving", rank=args.rank, version=ctx.version, source=result.source_label, bytes=result.bytes_moved,
         entry=entry, attempts=[a.to_status() for a in ctx.attempts], version_uid=ctx.version_uid, memory=memory,
     )  # fmt: skip
     stop = threading.Event()
@@ -199,11 +208,13 @@ def _die_with(parent_pid: int | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     _die_with(args.parent_pid)
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
-        format=f"%(asctime)s rank{args.rank}/{args.world_size} %(name)s %(levelname)s %(message)s",
-    )  # fmt: skip
-    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # each retry's warning; ours say it once
+    logs.configure(
+        LogFormat(args.log_format),
+        stream=sys.stderr,
+        prefix=f"rank{args.rank}/{args.world_size} ",
+        replica=f"{args.namespace}/{args.replica}",
+        rank=args.rank,
+    )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of a replica share one node
     # Events keep the original stdout to themselves; anything else printed there (NIXL logs to stdout, C++
     # libraries write to fd 1) goes to stderr with the logs.

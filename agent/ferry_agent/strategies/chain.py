@@ -1,4 +1,4 @@
-"""The load strategy chain, with ModelExpress `execute_load_strategies` semantics (reference §2).
+"""The load strategy chain, with ModelExpress `execute_load_strategies` semantics.
 
 - `is_available` is evaluated for every strategy up front, outside any try: an exception there escapes.
 - `StrategyFailed` → rollback; plus `reinit` when `mutated` (the target may hold partial bytes).
@@ -12,13 +12,17 @@ Every step is recorded as an `Attempt` on the context so the caller can copy it 
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from ferry.api.conditions import now_rfc3339
+from ferry.api.models import AttemptOutcome
+
+if TYPE_CHECKING:
+    from ferry_agent.store.resident import ResidentWeights
 
 from ferry.errors import LoadFailed, NotFound
 
@@ -45,25 +49,15 @@ class SourceTransferError(RuntimeError):
     """A failure that is demonstrably the source's (a data-plane error), as opposed to a target-local one."""
 
 
-class Outcome(StrEnum):
-    LOADED = "Loaded"
-    FAILED = "Failed"
-    SKIPPED = "Skipped"
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
 @dataclass(frozen=True)
 class Attempt:
     """One tried source: a strategy (`Peer`) or a peer (`peer/<replica>`)."""
 
     source: str
-    outcome: Outcome
+    outcome: AttemptOutcome
     reason: str
     message: str = ""
-    time: str = field(default_factory=_now)
+    time: str = field(default_factory=now_rfc3339)
 
     def to_status(self) -> dict[str, str]:
         """The WeightReplica `status.attempts[]` item, truncated to the CRD's bounds."""
@@ -85,17 +79,31 @@ class LoadContext:
     rank: int
     target_id: str  # this replica's name: the rendezvous-hash key of the target
     device: str = "cpu"
-    world_size: int = 1  # ranks of the replica; each holds its share of the tensors (ferry_agent.sharding)
+    world_size: int = 1  # ranks of the replica; each holds its share of the tensors (ferry_agent.ranks.sharding)
     expected_manifest_digest: str | None = None  # when known, every source must match it
     # uid of the WeightVersion object a strategy checked and loaded `version` from; published as the replica's
     # status.versionUid, so that peers copy only from replicas of the very same object (not an old one of the name)
     version_uid: str | None = None
     attempts: list[Attempt] = field(default_factory=list)
 
-    def record(self, source: str, outcome: Outcome, reason: str, message: str = "") -> Attempt:
+    def record(self, source: str, outcome: AttemptOutcome, reason: str, message: str = "") -> Attempt:
         attempt = Attempt(source=source, outcome=outcome, reason=reason, message=message)
         self.attempts.append(attempt)
         return attempt
+
+
+class LoadResult(Protocol):
+    """What a strategy's `load` hands over: this rank's weights, now the caller's, and where they came from."""
+
+    @property
+    def resident(self) -> ResidentWeights: ...
+
+    @property
+    def bytes_moved(self) -> int: ...
+
+    @property
+    def source_label(self) -> str:
+        """The `status.source` value: `peer/<replica>`, `s3` or `local`."""
 
 
 @runtime_checkable
@@ -104,7 +112,7 @@ class LoadStrategy(Protocol):
 
     def is_available(self, ctx: LoadContext) -> bool: ...
 
-    def load(self, ctx: LoadContext) -> Any: ...
+    def load(self, ctx: LoadContext) -> LoadResult: ...
 
     def rollback(self, ctx: LoadContext) -> None:
         """Undo strategy-owned state only; it must not decide whether the target is dirty."""
@@ -141,8 +149,8 @@ def run_strategy_chain(
     ctx: LoadContext,
     *,
     reinit: Callable[[LoadContext], None],
-    publish: Callable[[Any, LoadContext], None],
-) -> Any:
+    publish: Callable[[LoadResult, LoadContext], None],
+) -> LoadResult:
     """Run `strategies` in order until one loads; publish and return its result."""
     eligible: list[LoadStrategy] = []
     failures: list[str] = []
@@ -150,22 +158,22 @@ def run_strategy_chain(
         if strategy.is_available(ctx):
             eligible.append(strategy)
         else:
-            ctx.record(strategy.name, Outcome.SKIPPED, "Unavailable")
+            ctx.record(strategy.name, AttemptOutcome.SKIPPED, "Unavailable")
             failures.append(f"{strategy.name}: unavailable")
 
     for strategy in eligible:
         try:
             result = strategy.load(ctx)
         except StrategyRecoveryError as exc:
-            ctx.record(strategy.name, Outcome.FAILED, "RecoveryFailed", _describe(exc))
+            ctx.record(strategy.name, AttemptOutcome.FAILED, "RecoveryFailed", _describe(exc))
             log.error("strategy %s cannot recover, stopping the chain: %s", strategy.name, exc)
             _rollback(strategy, ctx)
             raise
         except StrategyFailed as exc:
             reason = "FailedMutated" if exc.mutated else "Failed"
-            ctx.record(strategy.name, Outcome.FAILED, reason, _describe(exc))
+            ctx.record(strategy.name, AttemptOutcome.FAILED, reason, _describe(exc))
             failures.append(f"{strategy.name}: {_describe(exc)}")
-            log.warning("strategy %s failed (mutated=%s): %s", strategy.name, exc.mutated, exc)
+            log.info("strategy %s failed (mutated=%s): %s", strategy.name, exc.mutated, exc)  # an expected miss
             _rollback(strategy, ctx)
             if exc.mutated:
                 _clear_tracebacks(exc)
@@ -178,12 +186,12 @@ def run_strategy_chain(
             continue
         except Exception as exc:
             # Unexpected: the strategy did not claim a mutation, so (as in ModelExpress) no reinit.
-            ctx.record(strategy.name, Outcome.FAILED, "UnexpectedError", _describe(exc))
+            ctx.record(strategy.name, AttemptOutcome.FAILED, "UnexpectedError", _describe(exc))
             failures.append(f"{strategy.name}: {_describe(exc)}")
             log.warning("strategy %s raised unexpectedly: %s", strategy.name, exc, exc_info=True)
             _rollback(strategy, ctx)
             continue
-        ctx.record(strategy.name, Outcome.LOADED, "Loaded")
+        ctx.record(strategy.name, AttemptOutcome.LOADED, "Loaded")
         publish(result, ctx)
         return result
 

@@ -1,4 +1,4 @@
-"""The node agent's side of a multi-rank replica: one `ferry_agent.rank_worker` process per rank.
+"""The node agent's side of a multi-rank replica: one `ferry_agent.ranks.worker` process per rank.
 
 `RankProcesses.start()` opens a TCPStore for the ranks to rendezvous at and starts them; `wait_loaded()` follows
 their events until every rank serves (or any fails, and then stops them all: a rank that crashed leaves the
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ferry_agent.replica_load import SeedKey
+    from ferry_agent.strategies.local_file import SeedKey
 
 from ferry.errors import LoadFailed
-from ferry_agent.worker_auth import PodIdentity
+from ferry_agent.transport.worker_auth import PodIdentity
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +51,16 @@ class RankLaunch:
     node: str = ""  # the agent's node: the ranks' worker services accept tokens for its audience
     reader: PodIdentity | None = None  # whom the ranks mint their worker tokens as; None: their env's
     worker_allowed_identities: tuple[str, ...] = ()
+    log_format: str = "plain"  # `logs.LogFormat`: the agent's
 
     def argv(self, rank: int, store: str) -> list[str]:
         args = [
-            sys.executable, "-m", "ferry_agent.rank_worker", "--namespace", self.namespace,
+            sys.executable, "-m", "ferry_agent.ranks.worker", "--namespace", self.namespace,
             "--replica", self.replica, "--rank", str(rank), "--world-size", str(self.world_size),
             "--store", store, "--desired-version", self.version, "--agent-name", self.agent_name,
             "--bind-address", self.bind_address, "--timeout-seconds", str(self.timeout_s),
             "--checkpoint-quota-gib", str(self.checkpoint_quota_gib), "--parent-pid", str(os.getpid()),
+            "--log-format", str(self.log_format),
         ]  # fmt: skip
         if self.checkpoint_dir is not None:
             args += ["--checkpoint-dir", str(self.checkpoint_dir)]

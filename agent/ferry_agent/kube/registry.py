@@ -15,7 +15,7 @@ from ferry.api.conditions import is_true
 from ferry.api.liveness import DEFAULT_LEASE_SECONDS, lease_is_live
 from ferry.api.models import GROUP, LABEL_MODEL, LABEL_NODE, LABEL_VERSION
 from ferry.api.models import replica_lease_name as lease_name
-from ferry_agent.candidate import SourceCandidate
+from ferry_agent.strategies.candidate import SourceCandidate
 
 __all__ = ["DEFAULT_LEASE_SECONDS", "LABEL_MODEL", "LABEL_NODE", "LABEL_VERSION", "lease_is_live", "lease_name"]
 

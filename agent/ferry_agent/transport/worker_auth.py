@@ -582,7 +582,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def from_arguments(args: argparse.Namespace, api: client.ApiClient, node: str) -> tuple[ReaderTokens, WorkerAuth]:
+class ReaderArguments(Protocol):
+    """The settings `add_arguments` adds: parsed arguments, or an `AgentConfig`."""
+
+    @property
+    def pod_namespace(self) -> str | None: ...
+
+    @property
+    def service_account(self) -> str | None: ...
+
+    @property
+    def pod_name(self) -> str | None: ...
+
+    @property
+    def pod_uid(self) -> str | None: ...
+
+    @property
+    def worker_allowed_identity(self) -> Sequence[str]: ...
+
+
+def from_arguments(args: ReaderArguments, api: client.ApiClient, node: str) -> tuple[ReaderTokens, WorkerAuth]:
     """The reader's credentials and the checks of the worker services on `node`; `ValueError` names what is
     missing."""
     missing = [f"--{n.replace('_', '-')}" for n in ("pod_namespace", "service_account", "pod_name", "pod_uid")

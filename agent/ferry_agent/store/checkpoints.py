@@ -1,4 +1,4 @@
-"""The node-local checkpoint store (ModelExpress §5.7, simplified): what the ObjectStorage strategy downloaded
+"""The node-local checkpoint store (after ModelExpress's, simplified): what the ObjectStorage strategy downloaded
 and derived, kept so that the next load of the same model only fetches what is missing.
 
 Layout under `<root>/<namespace>/<quoted model name>/` (a model's store key is `<namespace>/<model>`, see

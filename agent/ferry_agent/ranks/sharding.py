@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
-from ferry_agent.resident import TensorSpec
+from ferry_agent.store.resident import TensorSpec
 
 
 def rank_of_tensors(specs: Iterable[TensorSpec], world_size: int) -> dict[str, int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -134,3 +134,8 @@ class ResidentWeights:
             if spec.nbytes:
                 h.update(tensor.detach().reshape(-1).view(torch.uint8).cpu().numpy())
         return h.hexdigest()
+
+
+# What a strategy allocates its target with: `(specs, device[, share]) -> ResidentWeights` (`share`:
+# `memstore.Share`, the tensors a held version has the same bytes of).
+Allocate = Callable[..., ResidentWeights]

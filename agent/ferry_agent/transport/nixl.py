@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferry_agent.resident import ResidentWeights, device_id, mem_type
+from ferry_agent import logs
+from ferry_agent.store.resident import ResidentWeights, device_id, mem_type
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ class NixlPeer:
         if agent is None:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # slow; only when used
 
+            logs.adopt("nixl")  # its import configured a handler of its own
+
             config = nixl_agent_config(
                 enable_prog_thread=False,
                 enable_listen_thread=False,
@@ -163,7 +166,7 @@ class NixlPeer:
         """Drop a loaded peer and disconnect from it. Never raises: it runs in `finally` blocks.
 
         Only the side that loaded a peer can close the pair, so a target that skips this leaves a
-        half-open connection on the source (ModelExpress nvbug 6519532).
+        half-open connection on the source.
         """
         try:
             self._agent.remove_remote_agent(name)

@@ -14,9 +14,9 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
-from ferry_agent.candidate import SourceCandidate
+from ferry.api.models import SelectorKind
+from ferry_agent.strategies.candidate import SourceCandidate
 
-SELECTORS = ("random", "rendezvousHash", "loadAware")
 _UNKNOWN_LOAD = 0.5  # prior for a candidate that reports no lease count (ModelExpress uses the same)
 
 
@@ -35,7 +35,7 @@ def rendezvous_score(model: str, target_id: str, target_rank: int, candidate: So
 
 
 class RandomSelector:
-    name = "random"
+    name = SelectorKind.RANDOM
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
@@ -49,7 +49,7 @@ class RandomSelector:
 
 
 class RendezvousHashSelector:
-    name = "rendezvousHash"
+    name = SelectorKind.RENDEZVOUS_HASH
 
     def order(
         self, candidates: Sequence[SourceCandidate], *, model: str, target_id: str, target_rank: int
@@ -62,7 +62,7 @@ class RendezvousHashSelector:
 
 
 class LoadAwareSelector:
-    name = "loadAware"
+    name = SelectorKind.LOAD_AWARE
 
     def __init__(self, load_weight: float = 1.0) -> None:
         self.load_weight = load_weight
@@ -86,10 +86,10 @@ class LoadAwareSelector:
 
 def make_selector(name: str, *, load_weight: float = 1.0, rng: random.Random | None = None) -> Selector:
     """Build a selector by its ModelLoad `spec.transfer.selector` name; unknown names are a config error."""
-    if name == "random":
+    if name == SelectorKind.RANDOM:
         return RandomSelector(rng)
-    if name == "rendezvousHash":
+    if name == SelectorKind.RENDEZVOUS_HASH:
         return RendezvousHashSelector()
-    if name == "loadAware":
+    if name == SelectorKind.LOAD_AWARE:
         return LoadAwareSelector(load_weight)
-    raise ValueError(f"unknown source selector {name!r}; expected one of {', '.join(SELECTORS)}")
+    raise ValueError(f"unknown source selector {name!r}; expected one of {', '.join(SelectorKind)}")

@@ -1,0 +1,122 @@
+"""The API reads of one rank's load: its WeightReplica, the WeightVersions of its chain, S3 credentials and the
+peer sources of a version, each retried while the apiserver is unreachable."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from ferry.api.models import GROUP, LABEL_MODEL, VERSION, WeightReplica, label_value
+from ferry.s3 import credentials_from_secret_data
+from ferry_agent.kube.apiretry import call_with_retry
+from ferry_agent.kube.registry import first_loader, peer_version_problem, source_candidates
+from ferry_agent.strategies.chain import LoadContext
+from ferry_agent.strategies.progress import Progress
+
+PLURAL = WeightReplica.plural
+
+
+class ApiSources:
+    """What a rank reads from the API while loading: peer sources, WeightVersions and S3 credentials. Each read
+    is retried with backoff while the apiserver is unreachable or failing (`apiretry.call_with_retry`), so a
+    short outage delays a load instead of failing it."""
+
+    def __init__(self, api: client.ApiClient, namespace: str, stopping: threading.Event | None = None) -> None:
+        self._api = api
+        self._objects = client.CustomObjectsApi(api)
+        self._leases = client.CoordinationV1Api(api)
+        self.namespace = namespace
+        self._stopping = stopping or threading.Event()
+
+    def _read(self, what: str, fn: Callable[[], Any]) -> Any:
+        return call_with_retry(fn, what=f"reading {what} in {self.namespace}", stop=self._stopping)
+
+    def replica(self, name: str) -> dict[str, Any]:
+        return self._read(
+            f"WeightReplica {name}",
+            lambda: self._objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name),
+        )
+
+    def candidates(
+        self, version: str, self_name: str, wait_s: float, note: Callable[[str], None], progress: Progress | None = None
+    ) -> Callable[[LoadContext], list]:
+        """Peer sources for a rank: replicas serving the very WeightVersion object of that name, which must exist,
+        be Ready and be of the replica's model (raises otherwise; `ctx.version_uid` says which object). When
+        there are none yet but another replica is the first loader of the version, wait up to `wait_s` for it
+        (`note` says so, and `progress` names it as the source waited on) and copy from it, instead of all
+        reading S3."""
+
+        def check(ctx: LoadContext) -> str:
+            body = self.version(version)
+            problem = peer_version_problem(body, name=version, model=ctx.model)
+            if problem is not None:
+                raise ValueError(problem)
+            assert body is not None
+            return str(body["metadata"]["uid"])
+
+        def listed(ctx: LoadContext) -> tuple[list, dict]:
+            # By model, not by the version label: that names spec.version, and a replica moving to a newer version
+            # still serves this one until the newer one is resident (make-before-break).
+            replicas = self._objects.list_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, label_selector=f"{LABEL_MODEL}={label_value(ctx.model)}"
+            )["items"]
+            leases = {
+                lease.metadata.name: self._api.sanitize_for_serialization(lease)
+                for lease in self._leases.list_namespaced_lease(self.namespace).items
+            }
+            return replicas, leases
+
+        def once(ctx: LoadContext, uid: str) -> tuple[list, list]:
+            replicas, leases = self._read(f"the sources of {version}", lambda: listed(ctx))
+            found = source_candidates(
+                replicas, leases, version=version, rank=ctx.rank, self_replica=self_name,
+                now=dt.datetime.now(dt.UTC), world_size=ctx.world_size, version_uid=uid,
+            )  # fmt: skip
+            return found, replicas
+
+        def listing(ctx: LoadContext) -> list:
+            ctx.version_uid = uid = check(ctx)
+            found, replicas = once(ctx, uid)
+            deadline = time.monotonic() + wait_s
+            waited_on = None
+            while not found and time.monotonic() < deadline:
+                leader = first_loader(replicas, version=version, self_replica=self_name)
+                if leader == self_name or self._stopping.is_set():
+                    break
+                note(f"waiting for {leader} to load {version}")
+                if progress is not None and leader != waited_on:  # once: progress reports reset stall detection
+                    progress(0, 0, f"peer/{leader}")  # a stall names the peer waited on
+                    waited_on = leader
+                time.sleep(0.5)
+                found, replicas = once(ctx, uid)
+            return found
+
+        return listing
+
+    def version(self, name: str) -> dict | None:
+        try:
+            return self._read(
+                f"WeightVersion {name}",
+                lambda: self._objects.get_namespaced_custom_object(
+                    GROUP, VERSION, self.namespace, "weightversions", name
+                ),
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def credentials(self, storage: Mapping) -> dict[str, str] | None:
+        secret = storage.get("credentialsSecret")
+        if not secret:
+            return None  # the agent's own environment (instance role, env vars)
+        data = self._read(
+            f"Secret {secret}", lambda: client.CoreV1Api(self._api).read_namespaced_secret(secret, self.namespace).data
+        )
+        return credentials_from_secret_data(data)

@@ -1,0 +1,254 @@
+"""The ObjectStorage load strategy: a WeightVersion's weights from S3, through the node's checkpoint store.
+
+ModelExpress semantics, in four phases:
+
+1. Resolve the replay chain with the operator's `resolve_chain` (at most 64 links, rooted at a FullCheckpoint).
+   Every link must be Ready, of this model, and stored in S3.
+2. Validate everything before changing anything: every index (canonical shape, delta identity, safe shard names)
+   and every shard header (exact object size, the tensor set the index promises, checksums), delta tensors
+   against the root's layout. Loading starts from the newest version of the chain the store already holds, so
+   only what is missing is fetched (and validated) from S3.
+3. Download what is missing with parallel ranged GETs into the store (tmp + fsync + rename), checking every full
+   tensor's adler32 before the rename.
+4. Build the target in one pass per tensor, in parallel: read the base bytes straight into a freshly allocated
+   `ResidentWeights` pool (CPU: the agent's host store; through a host buffer for other devices), from the store,
+   or from the base version's sealed host memory when a pod still holds that very version (then the tensors no
+   delta changes are not copied at all: the new version shares the base's chunks), check their adler32, apply
+   each delta in place (streamed zstd, numpy XOR) checking the exact decoded size and adler32 after each, and
+   write the result to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
+
+A stored artifact is used only for the exact versions it was written from (namespace, WeightVersion uid, storage
+URI, index digest: `store.checkpoints.VersionIdentity`); an index fetched from S3 must have the sha256 the operator
+recorded as `status.indexDigest` when it verified the version. Every S3 request is bounded by the transfer
+timeout (`spec.transfer.timeoutSeconds`: all tries of one request together), and the S3 object a load waits on
+is its progress `source`, so a hung endpoint fails the load in bounded time and a stall names what it waits on.
+
+Every failure is `StrategyFailed(mutated=False)`: the new pool is never handed out, so nothing the replica served
+changes, and the store goes back to its last activated version. An artifact found corrupt is discarded, so a
+retry downloads it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ferry import s3
+from ferry.api.models import SourceKind
+from ferry_agent.store.checkpoints import CheckpointCacheCapacityError, CheckpointStore
+from ferry_agent.store.resident import ResidentWeights, TensorSpec
+from ferry_agent.strategies.chain import LoadContext, StrategyFailed
+from ferry_agent.strategies.object_storage.build import build
+from ferry_agent.strategies.object_storage.checkpoint import Link, LoadError, Plan
+from ferry_agent.strategies.object_storage.download import download
+from ferry_agent.strategies.object_storage.plan import Planner
+from ferry_agent.strategies.progress import Progress
+from ferry_agent.transport.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+DEFAULT_RANGE_BYTES = 16 * MIB
+SOURCE = "s3"
+
+
+@dataclass(frozen=True)
+class S3LoadResult:
+    resident: ResidentWeights
+    bytes_moved: int  # bytes placed in memory (the version's tensor bytes)
+    bytes_downloaded: int  # fetched from S3 by this load; 0 when the store already held everything
+    chain: tuple[str, ...]  # root → target
+    reused: str | None  # the stored artifact the load started from, e.g. "materialized/v2"
+    seconds: float
+    timings: Mapping[str, float]  # seconds per phase: validate, download (+ checks), build, commit (fsync + rename)
+    source: str = SOURCE
+
+    @property
+    def source_label(self) -> str:
+        return self.source
+
+
+class ObjectStorageStrategy:
+    """Loads a WeightVersion from object storage, replaying its full + XOR-delta chain through `store`."""
+
+    name = SourceKind.OBJECT_STORAGE
+
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        fetch_version: Callable[[str], Mapping[str, Any] | None],
+        credentials: Callable[[Mapping[str, Any]], Mapping[str, str] | None],
+        store: CheckpointStore,
+        default_endpoint: str | None = None,
+        download_workers: int = 8,
+        progress: Progress | None = None,
+        range_bytes: int = DEFAULT_RANGE_BYTES,
+        timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+        allocate: Callable[[Sequence[TensorSpec], str], ResidentWeights] = ResidentWeights.allocate,
+    ) -> None:
+        """`fetch_version(name)`: the WeightVersion object (a dict) of that name in the replica's `namespace`, or
+        None. `credentials(storage)`: S3 credentials for a `spec.storage` dict, or None for the environment's.
+        `timeout_s` bounds each S3 request, all its tries together (the replica's `spec.transfer.timeoutSeconds`).
+        `allocate(specs, device)`: the target's memory (the agent's host store on `cpu`)."""
+        if download_workers < 1 or range_bytes < 1 or timeout_s <= 0:
+            raise ValueError("download_workers, range_bytes and timeout_s must be positive")
+        self._namespace = namespace
+        self._timeout_s = float(timeout_s)
+        self._fetch_version = fetch_version
+        self._credentials = credentials
+        self._store = store
+        self._default_endpoint = default_endpoint
+        self._workers = download_workers
+        self._progress = progress
+        self._range_bytes = range_bytes
+        self._allocate = allocate
+        self._planner = Planner(
+            namespace=namespace, fetch_version=fetch_version, store=store, client=self._client, progress=progress
+        )
+
+    # ------------------------------------------------------------------ LoadStrategy
+
+    def is_available(self, ctx: LoadContext) -> bool:
+        """The target version exists and is stored in S3. Errors reading it escape, as the chain expects."""
+        body = self._fetch_version(ctx.version)
+        return body is not None and bool(((body.get("spec") or {}).get("storage") or {}).get("uri"))
+
+    def load(self, ctx: LoadContext) -> S3LoadResult:
+        """Replay `ctx.version` into a new pool and activate it in the store (a one-rank replica); every failure
+        is StrategyFailed(mutated=False)."""
+        return self.prepare(ctx, activate=True)
+
+    def resolve(self, ctx: LoadContext) -> tuple[str, ...]:
+        """The replay chain of `ctx.version`, root first (the ranks of a replica agree on it first)."""
+        with self._failures():
+            return tuple(link.name for link in self._planner.resolve(ctx))
+
+    def prepare(self, ctx: LoadContext, *, activate: bool) -> S3LoadResult:
+        """The local leader's step: fetch what the store lacks, replay the chain and load this rank's tensors
+        in the same pass, materializing every rank's tensors in the store. With `activate=False` the store only
+        marks the version prepared; `activate()` follows once every rank has loaded it."""
+        t0 = time.monotonic()
+        timings: dict[str, float] = {}
+        with self._failures():
+            links = self._planner.resolve(ctx)
+            with (
+                self._store.lock(),
+                ThreadPoolExecutor(self._workers, thread_name_prefix="ferry-s3") as pool,
+            ):
+                plan = self._planner.plan(ctx, links, pool)
+                timings["validate"] = time.monotonic() - t0
+                resident, downloaded = self._execute(ctx, plan, pool, timings, activate=activate)
+        ctx.version_uid = links[-1].uid
+        return self._result(ctx, plan, resident, downloaded, t0, timings)
+
+    def attach(self, ctx: LoadContext, chain: Sequence[str]) -> None:
+        """Another rank's check that its local leader prepared `chain` in the node's store."""
+        with self._failures():
+            self._require_prepared(ctx, tuple(chain))
+
+    def _require_prepared(self, ctx: LoadContext, chain: tuple[str, ...]) -> None:
+        if self._store.prepared_head(self._planner.key(ctx), chain) is None:
+            raise LoadError(
+                f"{ctx.version} (chain {' → '.join(chain)}) is neither prepared nor active in this node's checkpoint "
+                f"store {self._store.root}; every rank of a replica must share its node's store"
+            )
+
+    def load_prepared(self, ctx: LoadContext) -> S3LoadResult:
+        """Another rank's step: load this rank's tensors from what the local leader prepared (checking every
+        tensor's adler32), without fetching or changing anything in the store."""
+        t0 = time.monotonic()
+        timings: dict[str, float] = {}
+        with self._failures():
+            links = self._planner.resolve(ctx)
+            chain = tuple(link.name for link in links)
+            with ThreadPoolExecutor(self._workers, thread_name_prefix="ferry-s3") as pool:
+                with self._store.lock():
+                    self._require_prepared(ctx, chain)
+                    plan = self._planner.plan(ctx, links, pool, remote=False)
+                if plan.deltas:
+                    raise LoadError(f"no materialized {ctx.version} in the store: the local leader did not build it")
+                timings["validate"] = time.monotonic() - t0
+                # The prepared chain is protected in the store's state, so it is read outside the lock.
+                resident = build(self._store, self._allocate, ctx, plan, pool, timings)
+        ctx.version_uid = links[-1].uid
+        return self._result(ctx, plan, resident, 0, t0, timings)
+
+    def activate(self, ctx: LoadContext, chain: Sequence[str]) -> None:
+        """Mark the prepared version active in the store (protecting its chain from eviction)."""
+        with self._failures():
+            try:
+                self._store.activate(self._planner.key(ctx), ctx.version, chain)
+            except RuntimeError as exc:
+                raise LoadError(str(exc)) from exc
+
+    def release_prepared(self, ctx: LoadContext) -> None:
+        """Undo `prepare(activate=False)` when the replica gives up: the store forgets the prepared version."""
+        self._store.release_prepared(self._planner.key(ctx), ctx.version)
+
+    @contextlib.contextmanager
+    def _failures(self) -> Iterator[None]:
+        """Every failure is StrategyFailed(mutated=False); an artifact found corrupt is discarded first, so that
+        a retry fetches it again instead of failing the same way forever."""
+        try:
+            yield
+        except LoadError as exc:
+            if exc.discard is not None:
+                self._store.discard(exc.discard)
+            raise StrategyFailed(f"ObjectStorage: {exc}", mutated=False) from exc
+        except OSError as exc:  # local I/O (disk full, permissions): the new pool was never handed out
+            raise StrategyFailed(f"ObjectStorage: local checkpoint store I/O failed: {exc}", mutated=False) from exc
+
+    @staticmethod
+    def _result(
+        ctx: LoadContext, plan: Plan, resident: ResidentWeights, downloaded: int, t0: float, timings: dict[str, float]
+    ) -> S3LoadResult:
+        seconds = time.monotonic() - t0
+        log.info(
+            "rank %d/%d loaded %s (%d bytes, chain %s) from %s in %.2fs, %d bytes downloaded",
+            ctx.rank, ctx.world_size, ctx.version, resident.total_bytes, " → ".join(plan.chain),
+            plan.reused or "S3", seconds, downloaded,
+        )  # fmt: skip
+        return S3LoadResult(
+            resident=resident,
+            bytes_moved=resident.total_bytes,
+            bytes_downloaded=downloaded,
+            chain=plan.chain,
+            reused=plan.reused,
+            seconds=seconds,
+            timings={k: round(v, 6) for k, v in timings.items()},
+        )
+
+    def rollback(self, ctx: LoadContext) -> None:
+        """Nothing is held after `load` returns or raises: the store restores its own state."""
+
+    def _client(self, link: Link) -> Any:
+        endpoint = link.storage.get("endpoint") or self._default_endpoint
+        region = link.storage.get("region")
+        try:
+            creds = self._credentials(link.storage)
+        except Exception as exc:
+            raise LoadError(f"no S3 credentials for {link.uri}: {exc}") from exc
+        return s3.client(endpoint, region, creds, s3.bulk_download(self._workers, self._timeout_s))
+
+    def _execute(
+        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], *, activate: bool
+    ) -> tuple[ResidentWeights, int]:
+        fetch = [c for c in (plan.base, *plan.deltas) if c.path is None]
+        downloaded = sum(c.stored_bytes for c in fetch)
+        needed = downloaded + (plan.base.stored_bytes if plan.deltas else 0)  # + the materialized target
+        with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
+            try:
+                self._store.reserve(needed)
+            except CheckpointCacheCapacityError as exc:
+                raise LoadError(str(exc)) from exc
+            if fetch:
+                download(self._store, fetch, pool, timings, report=self._progress, range_bytes=self._range_bytes)
+            resident = build(self._store, self._allocate, ctx, plan, pool, timings)
+            update.commit(activate=activate)
+        return resident, downloaded
