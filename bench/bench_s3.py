@@ -42,6 +42,8 @@ import torch.distributed as dist
 from _common import summary
 
 from ferry import checkpoint_format as ckpt
+from ferry.api.conditions import set_condition
+from ferry.api.models import WeightVersionConditionType, WeightVersionReadyReason
 from ferry.localcluster import S3Server
 from ferry_agent import s3_strategy
 from ferry_agent.checkpoint_store import CheckpointStore
@@ -105,7 +107,8 @@ def version(name: str, fmt: str, uri: str, base: str | None = None) -> dict[str,
     spec: dict[str, Any] = {"modelName": MODEL, "format": fmt, "storage": {"uri": uri}}
     if base:
         spec["baseVersion"] = base
-    return {"metadata": {"name": name}, "spec": spec, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    ready = set_condition([], WeightVersionConditionType.READY, True, WeightVersionReadyReason.VERIFIED)
+    return {"metadata": {"name": name}, "spec": spec, "status": {"conditions": ready}}
 
 
 def raw_ranged_gets(client: Any, objects: dict[str, int], workers: int, range_bytes: int) -> dict[str, bytearray]:

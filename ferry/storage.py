@@ -14,7 +14,6 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import boto3
@@ -31,7 +30,7 @@ from botocore.exceptions import (
 )
 
 from ferry import checkpoint_format as ckpt
-from ferry.api.models import WeightFormat
+from ferry.api.models import StorageReason, WeightFormat
 
 ACCESS_KEY = "AWS_ACCESS_KEY_ID"
 SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
@@ -48,19 +47,6 @@ _DENIED_CODES = {
     "SignatureDoesNotMatch",
     "AllAccessDisabled",
 }
-
-
-class StorageReason(StrEnum):
-    """Reasons of the WeightVersion `StorageVerified` condition (a fixed list)."""
-
-    Verified = "Verified"  # index, shards and sizes all check out
-    NotApplicable = "NotApplicable"  # PeerOnly: nothing is stored
-    ObjectMissing = "ObjectMissing"  # the index, a shard or the bucket does not exist
-    IndexInvalid = "IndexInvalid"  # index or a shard header is not canonical, or not for this version
-    SizeMismatch = "SizeMismatch"  # a shard is truncated/padded, or total_size disagrees with the shards
-    AccessDenied = "AccessDenied"  # the credentials are wrong or lack permission
-    CredentialsMissing = "CredentialsMissing"  # no credentials, or the Secret lacks a key
-    EndpointUnreachable = "EndpointUnreachable"  # network error, timeout or 5xx: transient, retry
 
 
 @dataclass(frozen=True)

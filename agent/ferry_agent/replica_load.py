@@ -21,7 +21,7 @@ import torch
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from ferry.api.models import GROUP, LABEL_MODEL, VERSION, label_value
+from ferry.api.models import GROUP, LABEL_MODEL, VERSION, RankState, label_value
 from ferry.storage import credentials_from_secret_data
 from ferry_agent.apiretry import call_with_retry
 from ferry_agent.checkpoint_store import CheckpointStore
@@ -290,8 +290,8 @@ def serve_rank(
     timeout_s = TransferSettings.from_spec(spec.get("transfer") or {}).timeout_s
     server = serve_resident(resident, peer, rank=rank, host=host, transfer_timeout_s=timeout_s, guard=guard)
     entry = {
-        "rank": rank, "agentName": peer.name, "grpcEndpoint": server.endpoint, "metadataEndpoint": "",
-        "tensorCount": resident.tensor_count, "manifestDigest": resident.digest, "state": "Ready",
+        "rank": rank, "agentName": peer.name, "grpcEndpoint": server.endpoint,
+        "tensorCount": resident.tensor_count, "manifestDigest": resident.digest, "state": RankState.READY,
     }  # fmt: skip
     return server, entry
 

@@ -17,8 +17,9 @@ import logging
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
+
+from ferry.api.models import AttemptOutcome as Outcome  # the status.attempts[].outcome values
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,6 @@ class StrategyRecoveryError(RuntimeError):
 
 class SourceTransferError(RuntimeError):
     """A failure that is demonstrably the source's (a data-plane error), as opposed to a target-local one."""
-
-
-class Outcome(StrEnum):
-    LOADED = "Loaded"
-    FAILED = "Failed"
-    SKIPPED = "Skipped"
 
 
 def _now() -> str:
