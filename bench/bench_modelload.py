@@ -28,7 +28,7 @@ import torch
 from _common import write_results
 from safetensors.torch import load_file, save_file
 
-from ferry.api.models import API_VERSION, GROUP, VERSION
+from ferry.api.models import API_VERSION, GROUP, VERSION, ReplicaPhase, WeightVersionPhase
 from ferry_dev.localcluster import LocalCluster, ManagedProcess, local_stack, start_operator, wait_until
 
 MODEL = "bench"
@@ -207,14 +207,13 @@ def wall(rfc3339: str) -> float:
 
 def serving(objects, namespace: str, version: str) -> int:
     items = objects.list_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas")["items"]
-    return sum(
-        1 for r in items if (r.get("status") or {}).get("phase") == "Serving" and r["status"]["version"] == version
-    )
+    statuses = [r.get("status") or {} for r in items]
+    return sum(1 for s in statuses if s.get("phase") == ReplicaPhase.SERVING and s.get("version") == version)
 
 
 def version_ready(objects, namespace: str, version: str) -> bool:
     body = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, "weightversions", version)
-    return (body.get("status") or {}).get("phase") == "Ready"
+    return (body.get("status") or {}).get("phase") == WeightVersionPhase.READY
 
 
 def rollout_table(rows: list[dict]) -> list[str]:

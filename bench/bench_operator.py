@@ -27,7 +27,8 @@ from _common import write_results
 from kubernetes import client, config, watch
 
 from ferry import checkpoint_format as cf
-from ferry.api.models import API_VERSION, GROUP, VERSION
+from ferry.api.conditions import is_true
+from ferry.api.models import API_VERSION, GROUP, VERSION, WeightVersionConditionType
 from ferry_dev.localcluster import local_stack, start_operator, wait_until
 
 BUCKET = "bench"
@@ -77,7 +78,7 @@ class Watcher:
             key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
             self.seen.setdefault(key, now)
             conditions = (obj.get("status") or {}).get("conditions") or []
-            if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
+            if is_true(conditions, WeightVersionConditionType.READY):
                 self.ready.setdefault(key, now)
             if self._stop:
                 w.stop()

@@ -43,6 +43,8 @@ from _common import summary
 
 from ferry import checkpoint_format as ckpt
 from ferry import s3
+from ferry.api.conditions import set_condition
+from ferry.api.models import WeightVersionConditionType, WeightVersionReadyReason
 from ferry_agent.ranks.agreement import TorchRankGroup
 from ferry_agent.ranks.cold_start import run_cold_start
 from ferry_agent.store.checkpoints import CheckpointStore
@@ -106,7 +108,8 @@ def version(name: str, fmt: str, uri: str, base: str | None = None) -> dict[str,
     spec: dict[str, Any] = {"modelName": MODEL, "format": fmt, "storage": {"uri": uri}}
     if base:
         spec["baseVersion"] = base
-    return {"metadata": {"name": name}, "spec": spec, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    ready = set_condition([], WeightVersionConditionType.READY, True, WeightVersionReadyReason.VERIFIED)
+    return {"metadata": {"name": name}, "spec": spec, "status": {"conditions": ready}}
 
 
 def raw_ranged_gets(client: Any, objects: dict[str, int], workers: int, range_bytes: int) -> dict[str, bytearray]:

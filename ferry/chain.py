@@ -12,24 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from ferry.api.conditions import is_true
-from ferry.api.models import MAX_CHAIN_LENGTH, WeightFormat
-
-
-class ChainReason(StrEnum):
-    """Reasons of the WeightVersion `ChainResolved` condition; a fixed list that alerts may key on."""
-
-    Resolved = "Resolved"  # the chain is sound and the direct base (if any) is Ready
-    BaseNotFound = "BaseNotFound"  # a baseVersion names a WeightVersion that does not exist (yet)
-    BaseNotReady = "BaseNotReady"  # the direct base exists but is not Ready, or is being released
-    ModelMismatch = "ModelMismatch"  # a version in the chain is for a different modelName
-    ChainCycle = "ChainCycle"  # baseVersion links loop back on themselves
-    ChainTooLong = "ChainTooLong"  # more versions than the replay limit (64 by default)
-    LayoutMismatch = "LayoutMismatch"  # two non-empty layoutSignatures in the chain differ
-    UnsupportedFormat = "UnsupportedFormat"  # PeerOnly base, FullCheckpoint with a base, delta without one, unknown
+from ferry.api.models import MAX_CHAIN_LENGTH, ChainReason, WeightFormat, WeightVersionConditionType
 
 
 @dataclass(frozen=True)
@@ -63,7 +49,7 @@ class VersionView:
             format=spec.get("format", ""),
             base_version=spec.get("baseVersion") or None,
             layout_signature=spec.get("layoutSignature") or None,
-            ready=is_true(status.get("conditions"), "Ready"),
+            ready=is_true(status.get("conditions"), WeightVersionConditionType.READY),
             deleting=bool(metadata.get("deletionTimestamp")),
             has_storage=bool(storage.get("uri")),
             uid=metadata.get("uid", ""),

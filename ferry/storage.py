@@ -10,30 +10,16 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ferry import checkpoint_format as ckpt
 from ferry import s3
-from ferry.api.models import WeightFormat
+from ferry.api.models import StorageReason, WeightFormat
 
 MAX_INDEX_BYTES = 64 * 1024 * 1024  # real indexes are a few MiB at most; refuse to buffer anything bigger
 HEADER_PROBE_BYTES = 64 * 1024  # one ranged GET reads most headers whole
-
-
-class StorageReason(StrEnum):
-    """Reasons of the WeightVersion `StorageVerified` condition (a fixed list)."""
-
-    Verified = "Verified"  # index, shards and sizes all check out
-    NotApplicable = "NotApplicable"  # PeerOnly: nothing is stored
-    ObjectMissing = "ObjectMissing"  # the index, a shard or the bucket does not exist
-    IndexInvalid = "IndexInvalid"  # index or a shard header is not canonical, or not for this version
-    SizeMismatch = "SizeMismatch"  # a shard is truncated/padded, or total_size disagrees with the shards
-    AccessDenied = "AccessDenied"  # the credentials are wrong or lack permission
-    CredentialsMissing = "CredentialsMissing"  # no credentials, or the Secret lacks a key
-    EndpointUnreachable = "EndpointUnreachable"  # network error, timeout or 5xx: transient, retry
 
 
 @dataclass(frozen=True)

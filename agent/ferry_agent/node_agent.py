@@ -25,7 +25,7 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api.conditions import now_rfc3339
-from ferry.api.models import GROUP, VERSION, ReplicaReason
+from ferry.api.models import GROUP, VERSION, AttemptOutcome, ReplicaPhase, ReplicaReason
 from ferry.errors import LoadFailed
 from ferry_agent import metrics
 from ferry_agent.attach.memstore import HostStore, MemoryBudgetExceeded, SealedVersion, adopt_rank
@@ -278,7 +278,7 @@ class NodeAgent:
         status = wr.get("status") or {}
         # A failed next version that is no longer wanted (spec is back on the served one) is cleared the same way.
         moot = bool(status.get("loadingVersion")) and wr["spec"]["version"] == served.version
-        said = (status.get("phase"), status.get("version")) == ("Serving", served.version)
+        said = (status.get("phase"), status.get("version")) == (ReplicaPhase.SERVING, served.version)
         if self._status.pending(key) or (said and not moot):
             return
         log.info("%s/%s: status says %s %s, but %s is served; publishing it again", *key, status.get("phase"),
@@ -300,8 +300,8 @@ class NodeAgent:
             "progress": None,
         }  # fmt: skip
         if previous is None:
-            start = {"phase": "Loading", "version": version, "loadingVersion": None, "ranks": None, "versionUid": None,
-                     "message": ""}  # fmt: skip
+            start = {"phase": ReplicaPhase.LOADING, "version": version, "loadingVersion": None, "ranks": None,
+                     "versionUid": None, "message": ""}  # fmt: skip
         else:
             start = {"loadingVersion": version, "message": f"loading {version}; {previous.version} serves meanwhile"}
         self._patch_status(key, {**progress_fields, **start})
@@ -328,7 +328,7 @@ class NodeAgent:
             else:
                 loaded = self._load_ranks(namespace, name, spec, progress, note)
         except (LoadFailed, MemoryBudgetExceeded) as exc:  # the message names every strategy's (or rank's) failure
-            metrics.LOADS.labels(source_kind="none", outcome="Failed").inc()
+            metrics.LOADS.labels(source_kind="none", outcome=AttemptOutcome.FAILED).inc()
             attempts = exc.attempts if isinstance(exc, LoadFailed) else []
             refused = exc if isinstance(exc, MemoryBudgetExceeded) else self._host.take_refusal(key)
             if refused is not None:  # every source would need the same memory: that is the reason, not a source
@@ -344,12 +344,12 @@ class NodeAgent:
             tracked.close()
         seconds = time.monotonic() - t0
         kind = metrics.source_kind(loaded.source)
-        metrics.LOADS.labels(source_kind=kind, outcome="Loaded").inc()
+        metrics.LOADS.labels(source_kind=kind, outcome=AttemptOutcome.LOADED).inc()
         metrics.BYTES.labels(source_kind=kind).inc(loaded.bytes_moved)
         metrics.LOAD_SECONDS.labels(source_kind=kind).observe(seconds)
         on_ranks = f" on {len(loaded.ranks)} ranks" if len(loaded.ranks) > 1 else ""
         status = {
-            "phase": "Serving", "version": version, "loadingVersion": None, "source": loaded.source,
+            "phase": ReplicaPhase.SERVING, "version": version, "loadingVersion": None, "source": loaded.source,
             "bytesDone": loaded.bytes_moved, "bytesTotal": loaded.bytes_moved,
             "completedTime": now_rfc3339(micro=True), "lastProgressTime": now_rfc3339(micro=True),
             "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks, "reason": None,
@@ -481,7 +481,7 @@ class NodeAgent:
         self._note_failure(key, version)
         self._patch_status(
             key,
-            {"phase": "Failed", "version": version, "loadingVersion": None, "reason": str(reason),
+            {"phase": ReplicaPhase.FAILED, "version": version, "loadingVersion": None, "reason": str(reason),
              "message": message[:4096], "attempts": attempts or [], "observedGeneration": generation},
         )  # fmt: skip
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ferry.api.models import SourceKind
+from ferry.api.models import RankState, SourceKind
 from ferry_agent.kube.sources import ApiSources
 from ferry_agent.ranks.agreement import RankGroup
 from ferry_agent.ranks.cold_start import DEFAULT_SOURCE_ORDER, run_cold_start
@@ -50,8 +50,8 @@ def serve_rank(
     timeout_s = TransferSettings.from_spec(spec.get("transfer") or {}).timeout_s
     server = serve_resident(resident, peer, rank=rank, host=host, transfer_timeout_s=timeout_s, guard=guard)
     entry = {
-        "rank": rank, "agentName": peer.name, "grpcEndpoint": server.endpoint, "metadataEndpoint": "",
-        "tensorCount": resident.tensor_count, "manifestDigest": resident.digest, "state": "Ready",
+        "rank": rank, "agentName": peer.name, "grpcEndpoint": server.endpoint,
+        "tensorCount": resident.tensor_count, "manifestDigest": resident.digest, "state": RankState.READY,
     }  # fmt: skip
     return server, entry
 

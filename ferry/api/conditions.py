@@ -6,6 +6,8 @@ import datetime as dt
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ferry.api.models import ConditionStatus
+
 
 def now_rfc3339(*, micro: bool = False) -> str:
     """Now (UTC) in whole seconds, or with `micro` in microseconds (a Lease's MicroTime, a load's start and end)."""
@@ -25,8 +27,11 @@ def set_condition(
     generation: int | None = None,
     now: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Return a new condition list with `type_` set; other conditions are kept in order."""
-    status_text = status if isinstance(status, str) else ("True" if status else "False")
+    """Return a new condition list with `type_` set; other conditions are kept in order. Enum members (the types
+    and reasons of ferry.api.models) are stored as plain strings."""
+    status_text = (
+        str(status) if isinstance(status, str) else str(ConditionStatus.TRUE if status else ConditionStatus.FALSE)
+    )
     result: list[dict[str, Any]] = []
     found = False
     for existing in conditions or ():
@@ -52,9 +57,9 @@ def set_condition(
 
 def _condition(type_: str, status: str, reason: str, message: str, generation: int | None, when: str) -> dict:
     cond: dict[str, Any] = {
-        "type": type_,
+        "type": str(type_),
         "status": status,
-        "reason": reason,
+        "reason": str(reason),
         "message": message,
         "lastTransitionTime": when,
     }
@@ -69,7 +74,7 @@ def get_condition(conditions: Iterable[Mapping[str, Any]] | None, type_: str) ->
 
 def is_true(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> bool:
     cond = get_condition(conditions, type_)
-    return cond is not None and cond.get("status") == "True"
+    return cond is not None and cond.get("status") == ConditionStatus.TRUE
 
 
 def human_bytes(n: int) -> str:

@@ -16,6 +16,8 @@ from pydantic import BaseModel
 from ferry.api import models
 
 _DROP_KEYS = {"title", "$defs"}
+_API_VERSION_DOC = f"The versioned schema of this object: {models.API_VERSION}."
+_KIND_DOC = "The REST resource this object represents, in CamelCase."
 
 
 def _cel_rules_by_def_name() -> dict[str, list[dict]]:
@@ -55,6 +57,8 @@ def _structural(node: Any, defs: dict[str, Any], rules: dict[str, list[dict]]) -
             out[key] = {k: _structural(v, defs, rules) for k, v in value.items()}
         elif key == "default" and value is None:
             continue
+        elif key == "description":
+            out[key] = " ".join(value.split())  # docstrings wrap at the source's line length; kubectl rewraps
         elif key == "additionalProperties" and value is False:
             continue  # structural schemas reject unknown fields by pruning; `false` is not allowed here
         else:
@@ -69,11 +73,10 @@ def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
     defs = raw.get("$defs", {})
     schema = _structural(raw, defs, _cel_rules_by_def_name())
     props = schema["properties"]
-    props["apiVersion"] = {"type": "string"}
-    props["kind"] = {"type": "string"}
+    props["apiVersion"] = {"type": "string", "description": _API_VERSION_DOC}
+    props["kind"] = {"type": "string", "description": _KIND_DOC}
+    # ObjectMeta: the apiserver rejects a CRD whose schema says more of it than its type (even a description).
     props["metadata"] = {"type": "object"}
-    schema.pop("required", None)
-    schema["required"] = ["spec"]
     if model.cel_rules:
         schema["x-kubernetes-validations"] = [r.model_dump(exclude_none=True) for r in model.cel_rules]
     return schema
@@ -102,7 +105,7 @@ def crd(model: type[BaseModel]) -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},
-                    "additionalPrinterColumns": model.printer_columns,
+                    "additionalPrinterColumns": [c.model_dump(exclude_none=True) for c in model.printer_columns],
                     "schema": {"openAPIV3Schema": openapi_schema(model)},
                 }
             ],

@@ -1,11 +1,16 @@
-"""The ferry.dev/v1alpha1 API. These pydantic models are the source of truth; `make crds` renders the CRDs."""
+"""The ferry.dev/v1alpha1 API. These pydantic models are the source of truth; `make crds` renders the CRDs.
+
+Every field's docstring is its CRD `description` (what `kubectl explain` shows). Next to each kind stand the
+enums of its vocabulary: condition types, their reasons and the phases, each member saying when it applies
+(docs/conditions.md lists them for users). Writers and readers use these enums, never the strings.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import re
 from enum import StrEnum
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -27,10 +32,13 @@ ObjectName = Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBD
 LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 LABEL_KEY = rf"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?{LABEL_NAME}$"
 LabelValue = Annotated[str, Field(max_length=63, pattern=rf"^({LABEL_NAME})?$")]
+Int64 = Annotated[int, Field(ge=0, json_schema_extra={"format": "int64"})]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, use_enum_values=True)
+    model_config = ConfigDict(
+        extra="forbid", populate_by_name=True, use_enum_values=True, use_attribute_docstrings=True
+    )
 
 
 class CelRule(_Model):
@@ -40,6 +48,25 @@ class CelRule(_Model):
     message: str
     reason: str | None = None
     fieldPath: str | None = None
+
+
+class PrinterColumn(_Model):
+    """One `additionalPrinterColumns` entry: a column of `kubectl get`."""
+
+    name: str
+    type: Literal["string", "integer", "number", "boolean", "date"]
+    jsonPath: str
+    description: str | None = None
+    priority: int | None = None  # 1: only with `-o wide`
+
+
+def condition_column(name: str, condition: str, field: str = "status", *, priority: int | None = None) -> PrinterColumn:
+    """A column showing `field` of the condition of type `condition`."""
+    path = f'.status.conditions[?(@.type=="{condition}")].{field}'
+    return PrinterColumn(name=name, type="string", jsonPath=path, priority=priority)
+
+
+AGE_COLUMN = PrinterColumn(name="Age", type="date", jsonPath=".metadata.creationTimestamp")
 
 
 # ---------------------------------------------------------------- shared parts
@@ -52,17 +79,23 @@ class ConditionStatus(StrEnum):
 
 
 class Condition(_Model):
-    """metav1.Condition, as the Kubernetes API conventions define it."""
+    """A metav1.Condition, as the Kubernetes API conventions define it."""
 
     type: str = Field(
         max_length=316,
         pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
     )
+    """The aspect this condition reports, e.g. Ready (docs/conditions.md lists each kind's types)."""
     status: ConditionStatus
+    """True, False or Unknown."""
     reason: str = Field(min_length=1, max_length=1024, pattern=CONDITION_REASON)
+    """Why the condition has its status, in CamelCase, from a fixed list per type (docs/conditions.md)."""
     message: str = Field(default="", max_length=32768)
+    """What happened, for people: names the objects involved."""
     observedGeneration: int | None = Field(default=None, ge=0)
+    """metadata.generation of the object when the condition was set."""
     lastTransitionTime: str = Field(json_schema_extra={"format": "date-time"})
+    """When status last changed (RFC 3339); a new reason or message with the same status keeps it."""
 
 
 Conditions = Annotated[
@@ -75,14 +108,14 @@ Conditions = Annotated[
 
 
 class SourceKind(StrEnum):
-    PEER = "Peer"
-    OBJECT_STORAGE = "ObjectStorage"
+    PEER = "Peer"  # another node's replica of the same version, over NIXL
+    OBJECT_STORAGE = "ObjectStorage"  # the version's checkpoint in S3
 
 
 class SelectorKind(StrEnum):
-    RENDEZVOUS_HASH = "rendezvousHash"
-    RANDOM = "random"
-    LOAD_AWARE = "loadAware"
+    RENDEZVOUS_HASH = "rendezvousHash"  # each target ranks the peers by a hash of (target, peer): load spreads evenly
+    RANDOM = "random"  # a random order per load
+    LOAD_AWARE = "loadAware"  # the peers with the fewest active read leases first
 
 
 class Device(StrEnum):
@@ -91,48 +124,63 @@ class Device(StrEnum):
 
 
 class TransferSpec(_Model):
-    timeoutSeconds: int = Field(default=300, ge=1, le=86400, description="Per-candidate transfer timeout.")
-    maxSourceAttempts: int = Field(default=3, ge=1, le=16, description="Peers tried before falling back.")
+    """How an agent copies a version: timeouts, retries and peer choice."""
+
+    timeoutSeconds: int = Field(default=300, ge=1, le=86400)
+    """Per-candidate transfer timeout: a peer or an S3 request (all its tries together) that takes longer fails."""
+    maxSourceAttempts: int = Field(default=3, ge=1, le=16)
+    """Peers tried before falling back to the next source kind of sourceOrder."""
     selector: SelectorKind = SelectorKind.RENDEZVOUS_HASH
-    stallSeconds: int = Field(default=60, ge=1, le=86400, description="No progress for this long is a stall.")
-    rpcRetries: int = Field(
-        default=3,
-        ge=0,
-        le=10,
-        description="Retries of a read-lease RPC (PrepareTensorRead/ReleaseTensorRead) that failed with a transient "
-        "error (UNAVAILABLE), before the source counts as failed.",
-    )
-    rpcBackoffSeconds: float = Field(
-        default=0.5,
-        ge=0,
-        le=30,
-        description="Wait before the first lease RPC retry; each further retry waits twice as long.",
-    )
+    """The order in which peers are tried: rendezvousHash (spread by a stable hash), random, or loadAware (fewest
+    active read leases first)."""
+    stallSeconds: int = Field(default=60, ge=1, le=86400)
+    """No progress for this long is a stall: the ModelLoad's PeerStalled condition turns True."""
+    rpcRetries: int = Field(default=3, ge=0, le=10)
+    """Retries of a read-lease RPC (PrepareTensorRead/ReleaseTensorRead) that failed with a transient error
+    (UNAVAILABLE), before the source counts as failed."""
+    rpcBackoffSeconds: float = Field(default=0.5, ge=0, le=30)
+    """Wait before the first lease RPC retry; each further retry waits twice as long."""
+
+
+SourceOrder = Annotated[
+    list[SourceKind],
+    Field(
+        default_factory=lambda: [SourceKind.PEER, SourceKind.OBJECT_STORAGE],
+        min_length=1,
+        max_length=2,
+        json_schema_extra={"x-kubernetes-list-type": "set", "default": ["Peer", "ObjectStorage"]},
+    ),
+]
+# `{}` lets the apiserver fill the nested defaults.
+Transfer = Annotated[TransferSpec, Field(default_factory=TransferSpec, json_schema_extra={"default": {}})]
 
 
 # ---------------------------------------------------------------- WeightVersion
 
 
 class WeightFormat(StrEnum):
-    FULL_CHECKPOINT = "FullCheckpoint"
-    XOR_DELTA = "XorDelta"
-    PEER_ONLY = "PeerOnly"
+    FULL_CHECKPOINT = "FullCheckpoint"  # a whole checkpoint in object storage
+    XOR_DELTA = "XorDelta"  # the bytes that changed since spec.baseVersion, XORed; replayed on the base
+    PEER_ONLY = "PeerOnly"  # nothing stored: the bytes exist only on replicas (published from a running engine)
 
 
 class StorageLocation(_Model):
-    uri: str = Field(
-        max_length=2048,
-        pattern=S3_INDEX_URI,
-        description="s3://bucket/key/model.safetensors.index.json; shards live beside the index.",
-    )
+    """Where a version's checkpoint lives in S3-compatible object storage."""
+
+    uri: str = Field(max_length=2048, pattern=S3_INDEX_URI)
+    """s3://bucket/key/model.safetensors.index.json; the shards it names live beside the index."""
     endpoint: str | None = Field(default=None, max_length=512, pattern=HTTP_ENDPOINT)
+    """S3 endpoint URL, e.g. http://seaweedfs.storage:8333; unset: the operator's and agents' default endpoint."""
     region: str | None = Field(default=None, max_length=64)
-    credentialsSecret: ObjectName | None = Field(
-        default=None, description="Secret in the same namespace with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."
-    )
+    """S3 region; unset: the client's default."""
+    credentialsSecret: ObjectName | None = None
+    """Secret in the same namespace with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; unset: the operator's and
+    agents' own credentials."""
 
 
 class WeightVersionSpec(_Model):
+    """An immutable published version of a model's weights."""
+
     cel_rules: ClassVar[list[CelRule]] = [
         CelRule(rule="self == oldSelf", message="spec is immutable: publish a new WeightVersion instead"),
         CelRule(
@@ -156,41 +204,110 @@ class WeightVersionSpec(_Model):
     ]
 
     modelName: str = Field(min_length=1, max_length=253)
+    """The model these weights are of; ModelLoads of this modelName may desire this version."""
     format: WeightFormat
-    baseVersion: ObjectName | None = Field(default=None, description="WeightVersion this delta applies to.")
+    """FullCheckpoint: a whole checkpoint in spec.storage. XorDelta: the XOR of what changed since baseVersion, in
+    spec.storage. PeerOnly: nothing stored; replicas copy it from peers only."""
+    baseVersion: ObjectName | None = None
+    """XorDelta only: the WeightVersion (same namespace and modelName) this delta applies to."""
     storage: StorageLocation | None = None
+    """Where the checkpoint is stored; required unless format is PeerOnly."""
     layoutSignature: str | None = Field(default=None, max_length=256)
+    """Optional fingerprint of the tensor layout (names, shapes, dtypes); versions of one chain must not differ in
+    a non-empty one."""
+
+
+class WeightVersionConditionType(StrEnum):
+    """WeightVersion `status.conditions`, written by the operator."""
+
+    CHAIN_RESOLVED = "ChainResolved"  # True: the replay chain (root to self) is sound and the direct base is Ready
+    STORAGE_VERIFIED = "StorageVerified"  # True: the index and every shard exist and add up (or PeerOnly)
+    READY = "Ready"  # True: both of the above; False carries the first failing condition's reason
+
+
+class ChainReason(StrEnum):
+    """Reasons of the WeightVersion `ChainResolved` condition."""
+
+    Resolved = "Resolved"  # True: the chain is sound and the direct base (if any) is Ready
+    BaseNotFound = "BaseNotFound"  # a baseVersion names a WeightVersion that does not exist (yet)
+    BaseNotReady = "BaseNotReady"  # the direct base exists but is not Ready, or is being released
+    ModelMismatch = "ModelMismatch"  # a version in the chain is for a different modelName
+    ChainCycle = "ChainCycle"  # baseVersion links loop back on themselves
+    ChainTooLong = "ChainTooLong"  # more versions than the replay limit (MAX_CHAIN_LENGTH)
+    LayoutMismatch = "LayoutMismatch"  # two non-empty layoutSignatures in the chain differ
+    UnsupportedFormat = "UnsupportedFormat"  # PeerOnly base, FullCheckpoint with a base, delta without one, unknown
+
+
+class StorageReason(StrEnum):
+    """Reasons of the WeightVersion `StorageVerified` condition."""
+
+    Verified = "Verified"  # True: index, shards and sizes all check out
+    NotApplicable = "NotApplicable"  # True: PeerOnly, nothing is stored
+    VerificationPending = "VerificationPending"  # Unknown: not checked yet (also Ready=False meanwhile)
+    ObjectMissing = "ObjectMissing"  # the index, a shard or the bucket does not exist
+    IndexInvalid = "IndexInvalid"  # index or a shard header is not canonical, or not for this version
+    SizeMismatch = "SizeMismatch"  # a shard is truncated/padded, or total_size disagrees with the shards
+    AccessDenied = "AccessDenied"  # the credentials are wrong or lack permission
+    CredentialsMissing = "CredentialsMissing"  # no credentials, or the Secret lacks a key
+    EndpointUnreachable = "EndpointUnreachable"  # network error, timeout or 5xx: transient, retry
+
+
+class WeightVersionReadyReason(StrEnum):
+    """Reasons of the WeightVersion `Ready` condition besides the first failing condition's (a ChainReason or a
+    StorageReason, e.g. VerificationPending)."""
+
+    VERIFIED = "Verified"  # True: the chain is resolved and the storage verified
+    RELEASE_BLOCKED = "ReleaseBlocked"  # False: deleted, but status.releaseBlockers still need it
+    RELEASING = "Releasing"  # False: deleted and needed no more; the finalizer is about to go
+
+
+class WeightVersionEventReason(StrEnum):
+    """Reasons of the Events the operator posts on a WeightVersion besides condition changes and retention's."""
+
+    RELEASED = "Released"  # Normal: nothing depends on it any more, the finalizer goes
 
 
 class WeightVersionPhase(StrEnum):
-    PENDING = "Pending"
-    VERIFYING = "Verifying"
-    READY = "Ready"
-    FAILED = "Failed"
-    RELEASING = "Releasing"
+    PENDING = "Pending"  # waiting on something that may appear (a base, an object, credentials)
+    VERIFYING = "Verifying"  # the chain is resolved; the storage is not verified yet
+    READY = "Ready"  # Ready=True: replicas may load it
+    FAILED = "Failed"  # a permanent reason: publish a new version
+    RELEASING = "Releasing"  # deleted; waits until nothing needs it
 
 
 class WeightVersionStatus(_Model):
+    """What the operator found: the chain, the verified storage, readiness. Written by the operator alone."""
+
     phase: WeightVersionPhase | None = None
+    """Pending, Verifying, Ready, Failed (permanent: publish a new version) or Releasing."""
     conditions: Conditions
+    """ChainResolved, StorageVerified and Ready (docs/conditions.md)."""
     observedGeneration: int | None = Field(default=None, ge=0)
-    chain: list[str] | None = Field(default=None, max_length=MAX_CHAIN_LENGTH, description="Root to self.")
+    """metadata.generation the status was computed for."""
+    chain: list[str] | None = Field(default=None, max_length=MAX_CHAIN_LENGTH)
+    """The replay chain, root to self: the versions an agent applies in order."""
     chainDepth: int | None = Field(default=None, ge=0, le=MAX_CHAIN_LENGTH)
-    totalBytes: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
-    size: str | None = Field(default=None, max_length=32, description="totalBytes for humans, e.g. 1.5Gi.")
+    """Number of deltas on top of the root (0 for a FullCheckpoint or PeerOnly)."""
+    totalBytes: Int64 | None = None
+    """Bytes of the verified checkpoint's shards."""
+    size: str | None = Field(default=None, max_length=32)
+    """totalBytes for humans, e.g. 1.5Gi."""
     tensorCount: int | None = Field(default=None, ge=0)
-    indexDigest: str | None = Field(
-        default=None,
-        pattern=r"^[0-9a-f]{64}$",
-        description="sha256 (hex) of the index object the operator verified; agents load only an index with this "
-        "digest and use a stored copy only if it was written from it.",
-    )
+    """Tensors named by the verified index."""
+    indexDigest: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """sha256 (hex) of the index object the operator verified; agents load only an index with this digest and use
+    a stored copy only if it was written from it."""
     readyTime: str | None = None
-    holders: int | None = Field(default=None, ge=0)
-    releaseBlockers: list[str] | None = Field(default=None, description="What keeps a deleted version alive.")
+    """When the version first became Ready (RFC 3339)."""
+    releaseBlockers: list[str] | None = None
+    """What keeps a deleted version alive: WeightVersion/<delta>, ModelLoad/<name>, WeightReplica/<name> or
+    attached: <namespace>/<pod> on <node>."""
 
 
 class WeightVersion(_Model):
+    """An immutable, published version of a model's weights (a checkpoint or a delta in object storage, or bytes
+    only peers hold), verified by the operator before replicas load it."""
+
     kind: ClassVar[str] = "WeightVersion"
     plural: ClassVar[str] = "weightversions"
     short_names: ClassVar[list[str]] = ["wv"]
@@ -202,24 +319,21 @@ class WeightVersion(_Model):
             fieldPath=".spec.baseVersion",
         )
     ]
-    printer_columns: ClassVar[list[dict]] = [
-        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-        {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
-        {"name": "Model", "type": "string", "jsonPath": ".spec.modelName"},
-        {"name": "Base", "type": "string", "jsonPath": ".spec.baseVersion"},
-        {"name": "Depth", "type": "integer", "jsonPath": ".status.chainDepth"},
-        {"name": "Size", "type": "string", "jsonPath": ".status.size"},
-        {
-            "name": "Reason",
-            "type": "string",
-            "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
-            "priority": 1,
-        },
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    printer_columns: ClassVar[list[PrinterColumn]] = [
+        PrinterColumn(name="Phase", type="string", jsonPath=".status.phase"),
+        condition_column("Ready", WeightVersionConditionType.READY),
+        PrinterColumn(name="Model", type="string", jsonPath=".spec.modelName"),
+        PrinterColumn(name="Base", type="string", jsonPath=".spec.baseVersion"),
+        PrinterColumn(name="Depth", type="integer", jsonPath=".status.chainDepth"),
+        PrinterColumn(name="Size", type="string", jsonPath=".status.size"),
+        condition_column("Reason", WeightVersionConditionType.READY, "reason", priority=1),
+        AGE_COLUMN,
     ]
 
     spec: WeightVersionSpec
+    """The published version; immutable."""
     status: WeightVersionStatus | None = None
+    """Written by the operator."""
 
 
 # ---------------------------------------------------------------- ModelLoad
@@ -228,36 +342,14 @@ class WeightVersion(_Model):
 class RetentionPolicy(_Model):
     """Which WeightVersions of the ModelLoad's model the operator deletes (docs/retention.md)."""
 
-    keepLast: int = Field(
-        ge=1,
-        le=4096,
-        description="Keep the newest N Ready WeightVersions of spec.modelName in this namespace (newest by "
-        "creation); delete older Ready ones unless a ModelLoad desires them, a replica holds them, or a kept or "
-        "held version replays from them. Several ModelLoads of one model: the largest keepLast wins.",
-    )
-    deleteStorage: bool = Field(
-        default=False,
-        description="Also delete a retired version's objects (its index and the shards it names) once it is "
-        "released, with its spec.storage.credentialsSecret (which then needs s3:DeleteObject). Several "
-        "ModelLoads of one model: only if every policy says so.",
-    )
-
-
-class RetentionReason(StrEnum):
-    """Reasons of the Events retention posts (there is no condition: every deletion is an Event)."""
-
-    VERSION_RETIRED = "VersionRetired"  # Normal, on the ModelLoad: it deleted the named WeightVersion
-    RETIREMENT_FAILED = "RetirementFailed"  # Warning, on the ModelLoad: the delete was refused (e.g. RBAC)
-    STORAGE_DELETED = "StorageDeleted"  # Normal, on the WeightVersion: its objects are gone as it is released
-    STORAGE_NOT_DELETED = "StorageNotDeleted"  # Warning, on the WeightVersion: objects left; the message says why
-
-
-class EnginesAttachedReason(StrEnum):
-    """Reasons of the ModelLoad's `EnginesAttached` condition (docs/conditions.md)."""
-
-    ATTACHED = "Attached"  # True: at least one consumer pod holds the desired version on a live replica
-    ON_OLDER_VERSION = "EnginesOnOlderVersion"  # False: pods are attached, but none holds the desired version yet
-    NO_ENGINES = "NoEngines"  # False: no consumer pod is attached to a live replica
+    keepLast: int = Field(ge=1, le=4096)
+    """Keep the newest N Ready WeightVersions of spec.modelName in this namespace (newest by creation); delete
+    older Ready ones unless a ModelLoad desires them, a replica holds them, or a kept or held version replays from
+    them. Several ModelLoads of one model: the largest keepLast wins."""
+    deleteStorage: bool = False
+    """Also delete a retired version's objects (its index and the shards it names) once it is released, with its
+    spec.storage.credentialsSecret (which then needs s3:DeleteObject). Several ModelLoads of one model: only if
+    every policy says so."""
 
 
 class SelectorOperator(StrEnum):
@@ -279,41 +371,37 @@ class LabelSelectorRequirement(_Model):
         ),
     ]
 
-    key: str = Field(
-        min_length=1,
-        max_length=317,
-        pattern=LABEL_KEY,
-        description="The label key the requirement applies to ([prefix/]name).",
-    )
-    operator: SelectorOperator = Field(
-        description="In: the label's value is one of values; NotIn: it is none of them (or the label is absent); "
-        "Exists / DoesNotExist: the pod has / lacks the label."
-    )
-    values: list[LabelValue] | None = Field(
-        default=None, max_length=64, description="Label values; only with In and NotIn, and then at least one."
-    )
+    key: str = Field(min_length=1, max_length=317, pattern=LABEL_KEY)
+    """The label key the requirement applies to ([prefix/]name)."""
+    operator: SelectorOperator
+    """In: the label's value is one of values; NotIn: it is none of them (or the label is absent);
+    Exists / DoesNotExist: the pod has / lacks the label."""
+    values: list[LabelValue] | None = Field(default=None, max_length=64)
+    """Label values; only with In and NotIn, and then at least one."""
+
+
+def _label_keys_rule(field: str) -> dict:
+    """A CEL rule on a map that every key is a valid label key ([prefix/]name)."""
+    return {
+        "x-kubernetes-validations": [
+            {
+                "rule": f"self.all(k, k.matches('{LABEL_KEY}') && (!k.contains('/') || k.indexOf('/') <= 253))",
+                "message": f"every {field} key must be a valid label key ([prefix/]name)",
+                "reason": "FieldValueInvalid",
+            }
+        ]
+    }
 
 
 class LabelSelector(_Model):
     """metav1.LabelSelector. Every requirement must hold (AND); an empty selector matches every pod."""
 
     matchLabels: dict[str, LabelValue] = Field(
-        default_factory=dict,
-        max_length=64,
-        description="Labels a pod must carry with exactly these values.",
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": f"self.all(k, k.matches('{LABEL_KEY}') && (!k.contains('/') || k.indexOf('/') <= 253))",
-                    "message": "every matchLabels key must be a valid label key ([prefix/]name)",
-                    "reason": "FieldValueInvalid",
-                }
-            ]
-        },
+        default_factory=dict, max_length=64, json_schema_extra=_label_keys_rule("matchLabels")
     )
-    matchExpressions: list[LabelSelectorRequirement] = Field(
-        default_factory=list, max_length=64, description="Set-based requirements, all of which must hold."
-    )
+    """Labels a pod must carry with exactly these values."""
+    matchExpressions: list[LabelSelectorRequirement] = Field(default_factory=list, max_length=64)
+    """Set-based requirements, all of which must hold."""
 
 
 class RolloutStrategy(StrEnum):
@@ -350,21 +438,16 @@ class RolloutSpec(_Model):
         ),
     ]
 
-    strategy: RolloutStrategy = Field(
-        default=RolloutStrategy.ROLLING,
-        description="Parallel: every replica moves to the new version at once. Rolling: at most maxUnavailable "
-        "replicas move at a time. Either way a moving replica keeps serving its old version (to peers and attached "
-        "pods) until the new one is resident (make-before-break), so a Parallel rollout loses no capacity; it "
-        "holds both versions' bytes on every node meanwhile.",
-    )
-    maxUnavailable: int | str | None = Field(
-        default=None,
-        description="Rolling only: how many replicas may be moving (retargeted, not yet serving the new version) "
-        "or unavailable (serving nothing) at once; an integer >= 1 or a percentage of spec.replicas (rounded down, "
-        "at least 1). Unset: 25%. A moving replica still serves its old version, so the replicas that serve "
-        "neither version never exceed it.",
-        json_schema_extra=lambda schema: _int_or_percent(schema),
-    )
+    strategy: RolloutStrategy = RolloutStrategy.ROLLING
+    """Parallel: every replica moves to the new version at once. Rolling: at most maxUnavailable replicas move at a
+    time. Either way a moving replica keeps serving its old version (to peers and attached pods) until the new one
+    is resident (make-before-break), so a Parallel rollout loses no capacity; it holds both versions' bytes on
+    every node meanwhile."""
+    maxUnavailable: int | str | None = Field(default=None, json_schema_extra=lambda schema: _int_or_percent(schema))
+    """Rolling only: how many replicas may be moving (retargeted, not yet serving the new version) or unavailable
+    (serving nothing) at once; an integer >= 1 or a percentage of spec.replicas (rounded down, at least 1). Unset:
+    25%. A moving replica still serves its old version, so the replicas that serve neither version never exceed
+    it."""
 
     @field_validator("maxUnavailable")
     @classmethod
@@ -380,133 +463,207 @@ DEFAULT_MAX_UNAVAILABLE = "25%"
 
 
 class ModelLoadSpec(_Model):
+    """Which version of a model to keep resident, on how many and which nodes, and how to move to a new one."""
+
     modelName: str = Field(min_length=1, max_length=253)
-    desiredVersion: ObjectName = Field(description="Name of the WeightVersion to make resident.")
+    """The model to load; spec.desiredVersion must be a WeightVersion of this modelName."""
+    desiredVersion: ObjectName
+    """Name of the WeightVersion (same namespace) to make resident; change it to roll out a new version."""
     nodeSelector: dict[str, LabelValue] = Field(
-        default_factory=dict,
-        max_length=64,
-        description="Node labels a node must carry to hold a replica (keys and values are validated as labels).",
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": f"self.all(k, k.matches('{LABEL_KEY}') && (!k.contains('/') || k.indexOf('/') <= 253))",
-                    "message": "every nodeSelector key must be a valid label key ([prefix/]name)",
-                    "reason": "FieldValueInvalid",
-                }
-            ]
-        },
+        default_factory=dict, max_length=64, json_schema_extra=_label_keys_rule("nodeSelector")
     )
+    """Node labels a node must carry to hold a replica of the warm pool (keys and values are validated as
+    labels)."""
     replicas: int = Field(default=1, ge=0, le=4096)
-    ranksPerReplica: int = Field(
-        default=1,
-        ge=1,
-        le=1024,
-        description="Processes (one per GPU) of one node that together hold a replica; each holds its share of the "
-        "tensors and copies it from the same rank of a peer (docs/ranks.md).",
-    )
+    """Size of the warm pool: how many nodes matching nodeSelector hold a replica (podSelector may add more)."""
+    ranksPerReplica: int = Field(default=1, ge=1, le=1024)
+    """Processes (one per GPU) of one node that together hold a replica; each holds its share of the tensors and
+    copies it from the same rank of a peer (docs/ranks.md)."""
     device: Device = Device.CUDA
-    sourceOrder: list[SourceKind] = Field(
-        default_factory=lambda: [SourceKind.PEER, SourceKind.OBJECT_STORAGE],
-        min_length=1,
-        max_length=2,
-        json_schema_extra={"x-kubernetes-list-type": "set", "default": ["Peer", "ObjectStorage"]},
-    )
-    # `{}` lets the apiserver fill the nested defaults.
-    transfer: TransferSpec = Field(default_factory=TransferSpec, json_schema_extra={"default": {}})
-    retention: RetentionPolicy | None = Field(
-        default=None, description="Delete old WeightVersions of this model; unset: the operator deletes none."
-    )
-    podSelector: LabelSelector | None = Field(
-        default=None,
-        description="Weights follow pods: every node where a Pod of this namespace matching the selector is bound "
-        "(spec.nodeName set, not terminating, not Succeeded or Failed) holds a replica too, in addition to the "
-        "`replicas` warm pool on nodeSelector nodes (docs/consumers.md). A node whose matching pods are gone "
-        "keeps its replica while any consumer is still attached. Unset: the warm pool alone.",
-    )
-    rollout: RolloutSpec = Field(
-        default_factory=RolloutSpec,
-        description="How replicas move to a new desiredVersion; unset: Rolling with maxUnavailable 25%.",
-        json_schema_extra={"default": {}},
-    )
+    """Where a replica holds the weights: cuda (GPU memory) or cpu (host memory)."""
+    sourceOrder: SourceOrder
+    """The sources a replica loads from, in order: Peer (another node's replica of the version), ObjectStorage
+    (the checkpoint in spec.storage of the WeightVersion)."""
+    transfer: Transfer
+    """Timeouts, retries and peer choice of every load."""
+    retention: RetentionPolicy | None = None
+    """Delete old WeightVersions of this model; unset: the operator deletes none."""
+    podSelector: LabelSelector | None = None
+    """Weights follow pods: every node where a Pod of this namespace matching the selector is bound (spec.nodeName
+    set, not terminating, not Succeeded or Failed) holds a replica too, in addition to the `replicas` warm pool on
+    nodeSelector nodes (docs/consumers.md). A node whose matching pods are gone keeps its replica while any
+    consumer is still attached. Unset: the warm pool alone."""
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra={"default": {}})
+    """How replicas move to a new desiredVersion; unset: Rolling with maxUnavailable 25%."""
+
+
+class ModelLoadConditionType(StrEnum):
+    """ModelLoad `status.conditions`, written by the operator."""
+
+    READY = "Ready"  # True: every replica serves desiredVersion (that very WeightVersion object) with a live Lease
+    PROGRESSING = "Progressing"  # True: replicas load (a first load, or a new version next to the served one)
+    DEGRADED = "Degraded"  # True: a replica failed, is stale, or fell back from peers to object storage
+    PEER_STALLED = "PeerStalled"  # True: a loading replica made no progress for transfer.stallSeconds
+    ENGINES_ATTACHED = "EnginesAttached"  # True: a consumer pod holds desiredVersion (informational)
+
+
+class ModelLoadReadyReason(StrEnum):
+    """Reasons of the ModelLoad's `Ready` condition."""
+
+    ALL_REPLICAS_READY = "AllReplicasReady"  # True: every replica serves desiredVersion with a live Lease
+    REPLICAS_NOT_READY = "ReplicasNotReady"  # False: some replicas do not serve it yet (loading, rolling out)
+    REPLICA_FAILED = "ReplicaFailed"  # False: a replica failed, or failed to load its loadingVersion
+    INSUFFICIENT_NODES = "InsufficientNodes"  # False: fewer nodes match nodeSelector than `replicas`
+    VERSION_NOT_FOUND = "VersionNotFound"  # False: the desired WeightVersion does not exist; nothing is placed
+    VERSION_NOT_READY = "VersionNotReady"  # False: the desired WeightVersion is not Ready; nothing is placed
+    MODEL_MISMATCH = "ModelMismatch"  # False: the desired WeightVersion is of another modelName; nothing is placed
+
+
+class ProgressingReason(StrEnum):
+    """Reasons of the ModelLoad's `Progressing` condition."""
+
+    LOADING = "Loading"  # True: replicas load (a first load, or a new version next to the served one)
+    ROLLING_OUT = "RollingOut"  # True: replicas still on an older version move within spec.rollout
+    COMPLETE = "Complete"  # False: nothing loads and every replica is ready
+    IDLE = "Idle"  # False: nothing loads, but not every replica is ready (e.g. a failure, too few nodes)
+
+
+class DegradedReason(StrEnum):
+    """Reasons of the ModelLoad's `Degraded` condition (True: the first problem found; the message lists all)."""
+
+    REPLICA_FAILED = "ReplicaFailed"  # True: a replica failed, or failed to load its loadingVersion
+    REPLICA_STALE = "ReplicaStale"  # True: a Serving replica is not Live (its Lease expired or is gone)
+    FELL_BACK_TO_OBJECT_STORAGE = "FellBackToObjectStorage"  # True: a peer failed and object storage served
+    AS_EXPECTED = "AsExpected"  # False: none of these
+
+
+class PeerStalledReason(StrEnum):
+    """Reasons of the ModelLoad's `PeerStalled` condition."""
+
+    NO_PROGRESS = "NoProgress"  # True: a loading replica made no progress for transfer.stallSeconds
+    PROGRESSING = "Progressing"  # False: no loading replica is stalled
+
+
+class EnginesAttachedReason(StrEnum):
+    """Reasons of the ModelLoad's `EnginesAttached` condition (docs/conditions.md)."""
+
+    ATTACHED = "Attached"  # True: at least one consumer pod holds the desired version on a live replica
+    ON_OLDER_VERSION = "EnginesOnOlderVersion"  # False: pods are attached, but none holds the desired version yet
+    NO_ENGINES = "NoEngines"  # False: no consumer pod is attached to a live replica
+
+
+class ModelLoadEventReason(StrEnum):
+    """Reasons of the Events the operator posts on a ModelLoad besides condition changes and retention's."""
+
+    REPLICA_CREATED = "ReplicaCreated"  # Normal: the operator created the named WeightReplica
+    REPLICA_DELETED = "ReplicaDeleted"  # Normal: the operator deleted the named WeightReplica
+    ROLLING_OUT = "RollingOut"  # Normal: replicas were moved to the desired version
+    LEASE_OF_OTHER_NODE_DELETED = "LeaseOfOtherNodeDeleted"  # Warning: a replica's Lease named another node
+    REPLICA_HELD_BY_CONSUMERS = "ReplicaHeldByConsumers"  # Normal: an unwanted replica stays while pods attach
+
+
+class RetentionReason(StrEnum):
+    """Reasons of the Events retention posts (there is no condition: every deletion is an Event)."""
+
+    VERSION_RETIRED = "VersionRetired"  # Normal, on the ModelLoad: it deleted the named WeightVersion
+    RETIREMENT_FAILED = "RetirementFailed"  # Warning, on the ModelLoad: the delete was refused (e.g. RBAC)
+    STORAGE_DELETED = "StorageDeleted"  # Normal, on the WeightVersion: its objects are gone as it is released
+    STORAGE_NOT_DELETED = "StorageNotDeleted"  # Warning, on the WeightVersion: objects left; the message says why
+
+
+class ModelLoadPhase(StrEnum):
+    """A summary of the conditions, for `kubectl get`."""
+
+    PENDING = "Pending"  # nothing loads and not every replica is ready (e.g. the version is missing or not Ready)
+    PROGRESSING = "Progressing"  # replicas load or roll out
+    READY = "Ready"  # Ready=True
+    DEGRADED = "Degraded"  # a replica failed or is stale
 
 
 class ModelLoadStatus(_Model):
-    phase: str | None = Field(default=None, max_length=64)
+    """The replicas' progress, aggregated by the operator (which alone writes it)."""
+
+    phase: ModelLoadPhase | None = None
+    """Pending, Progressing, Ready or Degraded: a summary of the conditions."""
     replicas: int | None = Field(default=None, ge=0)
+    """Replicas wanted: the warm pool and those kept on the nodes of followed or attached pods."""
     readyReplicas: int | None = Field(default=None, ge=0)
-    ready: str | None = Field(default=None, max_length=32, description="readyReplicas/replicas, for kubectl.")
+    """Replicas that serve desiredVersion (that very WeightVersion object) with a live Lease."""
+    ready: str | None = Field(default=None, max_length=32)
+    """readyReplicas/replicas, for kubectl."""
     loadedVersion: str | None = None
-    attachedPods: int | None = Field(
-        default=None,
-        ge=0,
-        description="Consumer pods attached to this ModelLoad's live replicas (any version they hold), over all nodes.",
-    )
-    warmNodeLabel: str | None = Field(
-        default=None,
-        max_length=317,
-        description="The node label key the operator sets, to the version served, on every node where a replica "
-        "of this ModelLoad is Serving: engine pods may prefer such nodes (preferred node affinity, "
-        "docs/consumers.md).",
-    )
+    """The last desiredVersion that every replica served (Ready=True)."""
+    attachedPods: int | None = Field(default=None, ge=0)
+    """Consumer pods attached to this ModelLoad's live replicas (any version they hold), over all nodes."""
+    warmNodeLabel: str | None = Field(default=None, max_length=317)
+    """The node label key the operator sets, to the version served, on every node where a replica of this
+    ModelLoad is Serving: engine pods may prefer such nodes (preferred node affinity, docs/consumers.md)."""
     conditions: Conditions
+    """Ready, Progressing, Degraded, PeerStalled and EnginesAttached (docs/conditions.md)."""
     observedGeneration: int | None = Field(default=None, ge=0)
+    """metadata.generation the status was computed for."""
 
 
 class ModelLoad(_Model):
+    """Keeps a version of a model resident (in GPU or host memory) on a set of nodes, one WeightReplica per node,
+    and moves them to a new desiredVersion by rolling out."""
+
     kind: ClassVar[str] = "ModelLoad"
     plural: ClassVar[str] = "modelloads"
     short_names: ClassVar[list[str]] = ["ml"]
     cel_rules: ClassVar[list[CelRule]] = []
-    printer_columns: ClassVar[list[dict]] = [
-        {"name": "Model", "type": "string", "jsonPath": ".spec.modelName"},
-        {"name": "Desired", "type": "string", "jsonPath": ".spec.desiredVersion"},
-        {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
-        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-        {"name": "Attached", "type": "integer", "jsonPath": ".status.attachedPods"},
-        {"name": "Loaded", "type": "string", "jsonPath": ".status.loadedVersion", "priority": 1},
-        {
-            "name": "Reason",
-            "type": "string",
-            "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
-            "priority": 1,
-        },
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    printer_columns: ClassVar[list[PrinterColumn]] = [
+        PrinterColumn(name="Model", type="string", jsonPath=".spec.modelName"),
+        PrinterColumn(name="Desired", type="string", jsonPath=".spec.desiredVersion"),
+        PrinterColumn(name="Ready", type="string", jsonPath=".status.ready"),
+        PrinterColumn(name="Phase", type="string", jsonPath=".status.phase"),
+        PrinterColumn(name="Attached", type="integer", jsonPath=".status.attachedPods"),
+        PrinterColumn(name="Loaded", type="string", jsonPath=".status.loadedVersion", priority=1),
+        condition_column("Reason", ModelLoadConditionType.READY, "reason", priority=1),
+        AGE_COLUMN,
     ]
 
     spec: ModelLoadSpec
+    """What to keep resident, and where."""
     status: ModelLoadStatus | None = None
+    """Written by the operator."""
 
 
 # ---------------------------------------------------------------- WeightReplica
 
 
 class WeightReplicaSpec(_Model):
+    """One node's copy of a ModelLoad's version. Written by the operator; the node's agent loads it."""
+
     cel_rules: ClassVar[list[CelRule]] = [
         CelRule(rule="self.nodeName == oldSelf.nodeName", message="spec.nodeName is immutable"),
     ]
 
     modelLoad: ObjectName
+    """The ModelLoad (same namespace) this replica belongs to."""
     modelName: str = Field(min_length=1, max_length=253)
+    """The ModelLoad's modelName."""
     version: ObjectName
+    """The WeightVersion to serve; the operator moves it during a rollout."""
     nodeName: ObjectName
-    ranks: int = Field(default=1, ge=1, le=1024, description="The ModelLoad's ranksPerReplica.")
+    """The node whose agent loads and serves this replica; immutable."""
+    ranks: int = Field(default=1, ge=1, le=1024)
+    """The ModelLoad's ranksPerReplica."""
     device: Device = Device.CUDA
-    sourceOrder: list[SourceKind] = Field(
-        default_factory=lambda: [SourceKind.PEER, SourceKind.OBJECT_STORAGE],
-        min_length=1,
-        max_length=2,
-        json_schema_extra={"x-kubernetes-list-type": "set", "default": ["Peer", "ObjectStorage"]},
-    )
-    # `{}` lets the apiserver fill the nested defaults.
-    transfer: TransferSpec = Field(default_factory=TransferSpec, json_schema_extra={"default": {}})
+    """The ModelLoad's device."""
+    sourceOrder: SourceOrder
+    """The ModelLoad's sourceOrder."""
+    transfer: Transfer
+    """The ModelLoad's transfer settings."""
 
 
 class ReplicaPhase(StrEnum):
-    PENDING = "Pending"
-    LOADING = "Loading"
-    LOADED = "Loaded"
-    SERVING = "Serving"
-    FAILED = "Failed"
+    """A WeightReplica's `status.phase`, written by the node agent alone."""
+
+    PENDING = "Pending"  # the agent has not taken it up yet (no phase written)
+    LOADING = "Loading"  # a first load: nothing is served yet
+    SERVING = "Serving"  # `status.version` is resident and served (to peers and attached pods)
+    FAILED = "Failed"  # serves nothing: `status.reason` says why
 
 
 class ReplicaConditionType(StrEnum):
@@ -532,134 +689,152 @@ class ReplicaReason(StrEnum):
 
 
 class AttemptOutcome(StrEnum):
-    LOADED = "Loaded"
-    FAILED = "Failed"
-    SKIPPED = "Skipped"
+    LOADED = "Loaded"  # this source delivered the version
+    FAILED = "Failed"  # it was tried and failed; `reason` and `message` say how
+    SKIPPED = "Skipped"  # it was not tried (unavailable, or its manifest did not match)
 
 
 class LoadAttempt(_Model):
+    """One source a load tried."""
+
     source: str = Field(max_length=512)
+    """A source kind (Peer, ObjectStorage, LocalFile) or one peer (peer/<replica>)."""
     outcome: AttemptOutcome
+    """Loaded, Failed or Skipped."""
     reason: str = Field(default="", max_length=128)
+    """Why, in CamelCase (e.g. SourceUnavailable, TransferTimeout)."""
     message: str = Field(default="", max_length=4096)
+    """The error, for people."""
     time: str | None = None
+    """When the attempt ended (RFC 3339)."""
 
 
 class RankState(StrEnum):
-    READY = "Ready"
-    DRAINING = "Draining"
+    READY = "Ready"  # the rank's share is resident and its worker service hands it to readers
 
 
 class RankEndpoint(_Model):
+    """Where peers read one rank's share of the served version."""
+
     rank: int = Field(ge=0)
+    """The rank, 0 to spec.ranks-1."""
     agentName: str = Field(max_length=253)
-    metadataEndpoint: str = Field(default="", max_length=512)
+    """NIXL agent name of the rank's process, unique per process."""
     grpcEndpoint: str = Field(max_length=512)
+    """host:port of the rank's worker service, where readers take read leases and the NIXL metadata."""
     tensorCount: int = Field(ge=0)
+    """Tensors of this rank's share."""
     manifestDigest: str = Field(max_length=128)
+    """Digest of the share's manifest (names, shapes, dtypes, sizes); a reader checks the one it gets against it."""
     state: RankState = RankState.READY
+    """Ready: readers may copy from this rank."""
 
 
 class Attachment(_Model):
     """A consumer pod that holds this replica's bytes through the node's attach socket (a lease per connection)."""
 
-    pod: ObjectName = Field(description="Name of the consumer Pod.")
-    podNamespace: ObjectName = Field(description="Namespace of the consumer Pod.")
-    podUid: str = Field(max_length=128, description="uid of the consumer Pod; its socket is pods/<uid>/ferry.sock.")
-    version: ObjectName = Field(description="WeightVersion the pod holds; during a refit a pod may hold two.")
-    rank: int | None = Field(default=None, ge=0, description="Rank share held; empty when the pod holds all shares.")
-    since: str | None = Field(default=None, description="When the lease was taken (RFC 3339).")
+    pod: ObjectName
+    """Name of the consumer Pod."""
+    podNamespace: ObjectName
+    """Namespace of the consumer Pod."""
+    podUid: str = Field(max_length=128)
+    """uid of the consumer Pod; its socket is pods/<uid>/ferry.sock."""
+    version: ObjectName
+    """WeightVersion the pod holds; during a refit a pod may hold two."""
+    rank: int | None = Field(default=None, ge=0)
+    """Rank share held; empty when the pod holds all shares."""
+    since: str | None = None
+    """When the lease was taken (RFC 3339)."""
 
 
 class WeightReplicaStatus(_Model):
-    phase: ReplicaPhase | None = Field(
-        default=None,
-        description="Written by the node agent alone. Whether the agent is alive is its Lease's to say (the `Live` "
-        "condition), not a phase's.",
-    )
-    version: str | None = Field(
-        default=None,
-        description="The version this replica serves (phase Serving), or loads or failed to load when it serves none.",
-    )
-    loadingVersion: str | None = Field(
-        default=None,
-        description="A version change in flight (make-before-break): the version the agent loads while it keeps "
-        "serving `version` to peers and attached pods; once resident it becomes `version` and this clears. While "
-        "set, bytesDone, bytesTotal, source, startedTime, lastProgressTime and attempts describe this load (ranks, "
-        "versionUid and activeLeases the served version); reason LoadFailed says its last attempt failed (retried "
-        "with backoff, the old version still served).",
-    )
-    versionUid: str | None = Field(
-        default=None,
-        max_length=128,
-        description="uid of the WeightVersion object the served bytes came from; peers copy only from replicas "
-        "of the same uid, so a deleted and republished name never serves old bytes.",
-    )
-    source: str | None = Field(default=None, description="peer/<replica> or s3.")
-    bytesDone: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
-    bytesTotal: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
-    progress: str | None = Field(
-        default=None,
-        max_length=64,
-        description="The load's progress for people, e.g. `42% 1.2Gi/s`: percent of bytesTotal (or the bytes so far "
-        "while the total is not known) and the average rate since startedTime. Written by the agent.",
-    )
+    """One writer per field: the node agent writes everything but `conditions`, which the operator writes."""
+
+    phase: ReplicaPhase | None = None
+    """Pending, Loading, Serving or Failed. Written by the node agent alone. Whether the agent is alive is its
+    Lease's to say (the `Live` condition), not a phase's."""
+    version: str | None = None
+    """The version this replica serves (phase Serving), or loads or failed to load when it serves none."""
+    loadingVersion: str | None = None
+    """A version change in flight (make-before-break): the version the agent loads while it keeps serving
+    `version` to peers and attached pods; once resident it becomes `version` and this clears. While set, bytesDone,
+    bytesTotal, source, startedTime, lastProgressTime and attempts describe this load (ranks, versionUid and
+    activeLeases the served version); reason LoadFailed says its last attempt failed (retried with backoff, the old
+    version still served)."""
+    versionUid: str | None = Field(default=None, max_length=128)
+    """uid of the WeightVersion object the served bytes came from; peers copy only from replicas of the same uid,
+    so a deleted and republished name never serves old bytes."""
+    source: str | None = None
+    """While loading: what the load waits on (peer/<replica>, or the s3:// objects it reads). Once Serving: where
+    the bytes came from: peer/<replica>, s3 or local (the node's checkpoint store)."""
+    bytesDone: Int64 | None = None
+    """Bytes loaded so far."""
+    bytesTotal: Int64 | None = None
+    """Bytes to load; empty while unknown."""
+    progress: str | None = Field(default=None, max_length=64)
+    """The load's progress for people, e.g. `42% 1.2Gi/s`: percent of bytesTotal (or the bytes so far while the
+    total is not known) and the average rate since startedTime. Written by the agent."""
     startedTime: str | None = None
+    """When the current load started (RFC 3339)."""
     completedTime: str | None = None
+    """When the last load completed (RFC 3339)."""
     lastProgressTime: str | None = None
+    """When the current load last moved bytes (RFC 3339); stall detection counts from it."""
     attempts: list[LoadAttempt] | None = Field(default=None, max_length=64)
+    """Every source the current (or last) load tried, in order."""
     ranks: Annotated[
         list[RankEndpoint] | None,
         Field(
             default=None, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["rank"]}
         ),
     ]
+    """One entry per rank of the served version: where peers read it."""
     activeLeases: int | None = Field(default=None, ge=0)
-    attachments: list[Attachment] | None = Field(
-        default=None,
-        max_length=MAX_ATTACHMENTS,
-        description="Consumer pods attached on this node, one entry per held version (at most 1024 listed; "
-        "attachedPods counts them all).",
-    )
-    attachedPods: int | None = Field(default=None, ge=0, description="Distinct consumer pods attached.")
-    residentBytes: int | None = Field(
-        default=None,
-        ge=0,
-        json_schema_extra={"format": "int64"},
-        description="Host memory the agent holds for this replica, over every version it still keeps.",
-    )
-    residentVersions: list[str] | None = Field(
-        default=None, max_length=64, description="WeightVersions whose bytes the agent holds for this replica."
-    )
-    reason: ReplicaReason | None = Field(default=None, description="Why the replica is Failed (CamelCase).")
+    """Read leases peers hold on the served version now (the loadAware selector prefers idle sources)."""
+    attachments: list[Attachment] | None = Field(default=None, max_length=MAX_ATTACHMENTS)
+    """Consumer pods attached on this node, one entry per held version (at most 1024 listed; attachedPods counts
+    them all)."""
+    attachedPods: int | None = Field(default=None, ge=0)
+    """Distinct consumer pods attached."""
+    residentBytes: Int64 | None = None
+    """Host memory the agent holds for this replica, over every version it still keeps."""
+    residentVersions: list[str] | None = Field(default=None, max_length=64)
+    """WeightVersions whose bytes the agent holds for this replica."""
+    reason: ReplicaReason | None = None
+    """Why the replica is Failed, or why loading loadingVersion failed (CamelCase); empty otherwise."""
     message: str | None = Field(default=None, max_length=4096)
-    conditions: Conditions = Field(
-        description="Written by the operator: `Live` says whether the agent renews the replica's Lease "
-        "(`ferry-wr-<replica>`). A Serving replica that is not Live is stale: no source, not ready.",
-    )
+    """What the agent is doing, or the error, for people."""
+    conditions: Conditions
+    """Written by the operator: `Live` says whether the agent renews the replica's Lease (`ferry-wr-<replica>`). A
+    Serving replica that is not Live is stale: no source, not ready."""
     observedGeneration: int | None = Field(default=None, ge=0)
+    """metadata.generation the agent last acted on."""
 
 
 class WeightReplica(_Model):
+    """One node's copy of a ModelLoad's version: the operator places it, the node's agent loads and serves it."""
+
     kind: ClassVar[str] = "WeightReplica"
     plural: ClassVar[str] = "weightreplicas"
     short_names: ClassVar[list[str]] = ["wr"]
     cel_rules: ClassVar[list[CelRule]] = []
-    printer_columns: ClassVar[list[dict]] = [
-        {"name": "Node", "type": "string", "jsonPath": ".spec.nodeName"},
-        {"name": "Version", "type": "string", "jsonPath": ".spec.version"},
-        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-        {"name": "Serves", "type": "string", "jsonPath": ".status.version"},
-        {"name": "Loading", "type": "string", "jsonPath": ".status.loadingVersion"},
-        {"name": "Source", "type": "string", "jsonPath": ".status.source"},
-        {"name": "Live", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Live")].status'},
-        {"name": "Attached", "type": "integer", "jsonPath": ".status.attachedPods"},
-        {"name": "Progress", "type": "string", "jsonPath": ".status.progress", "priority": 1},
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    printer_columns: ClassVar[list[PrinterColumn]] = [
+        PrinterColumn(name="Node", type="string", jsonPath=".spec.nodeName"),
+        PrinterColumn(name="Version", type="string", jsonPath=".spec.version"),
+        PrinterColumn(name="Phase", type="string", jsonPath=".status.phase"),
+        PrinterColumn(name="Serves", type="string", jsonPath=".status.version"),
+        PrinterColumn(name="Loading", type="string", jsonPath=".status.loadingVersion"),
+        PrinterColumn(name="Source", type="string", jsonPath=".status.source"),
+        condition_column("Live", ReplicaConditionType.LIVE),
+        PrinterColumn(name="Attached", type="integer", jsonPath=".status.attachedPods"),
+        PrinterColumn(name="Progress", type="string", jsonPath=".status.progress", priority=1),
+        AGE_COLUMN,
     ]
 
     spec: WeightReplicaSpec
+    """Written by the operator."""
     status: WeightReplicaStatus | None = None
+    """Written by the node agent, except `conditions` (the operator)."""
 
 
 RESOURCES: list[type[_Model]] = [WeightVersion, ModelLoad, WeightReplica]

@@ -10,7 +10,17 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ferry.api.models import API_VERSION, GROUP, VERSION, WeightFormat, WeightVersion, WeightVersionPhase
+from ferry.api.conditions import get_condition
+from ferry.api.models import (
+    API_VERSION,
+    GROUP,
+    VERSION,
+    ConditionStatus,
+    WeightFormat,
+    WeightVersion,
+    WeightVersionConditionType,
+    WeightVersionPhase,
+)
 from ferry.publish.errors import ImmutableConflict, PublishError
 
 
@@ -113,8 +123,8 @@ def wait_ready(api: Any, namespace: str, name: str, timeout: float, poll: float 
     while True:
         obj = read_weight_version(api, namespace, name) or {}
         status = obj.get("status") or {}
-        ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
-        if status.get("phase") == WeightVersionPhase.READY or (ready and ready.get("status") == "True"):
+        ready = get_condition(status.get("conditions"), WeightVersionConditionType.READY)
+        if status.get("phase") == WeightVersionPhase.READY or (ready and ready.get("status") == ConditionStatus.TRUE):
             return
         if ready:
             last = f"{status.get('phase')}: {ready.get('reason')}: {ready.get('message')}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ferry.chain import ChainReason
+from ferry.api.models import ChainReason, ConditionStatus, ModelLoadReadyReason, WeightVersionReadyReason
 from ferry_operator.modelloads import DEGRADED, ENGINES_ATTACHED, PEER_STALLED, READY, VERSION_NOT_READY
 from ferry_operator.versions import VERIFICATION_PENDING
 
@@ -21,28 +21,35 @@ ANNOUNCED = frozenset({READY, DEGRADED, PEER_STALLED})
 NEGATIVE = frozenset({DEGRADED, PEER_STALLED})
 # Ready=False reasons that are steps of normal progress: waiting on a verification, a base, a load, a release.
 WAITING_REASONS = frozenset(
-    {VERIFICATION_PENDING, str(ChainReason.BaseNotReady), "Releasing", "ReplicasNotReady", VERSION_NOT_READY}
+    {
+        VERIFICATION_PENDING,
+        ChainReason.BaseNotReady,
+        WeightVersionReadyReason.RELEASING,
+        ModelLoadReadyReason.REPLICAS_NOT_READY,
+        VERSION_NOT_READY,
+    }
 )
 
 
 def is_problem(type_: str, status: str, reason: str) -> bool:
     if type_ in NEGATIVE:
-        return status == "True"
-    return status == "False" and reason not in WAITING_REASONS
+        return status == ConditionStatus.TRUE
+    return status == ConditionStatus.FALSE and reason not in WAITING_REASONS
 
 
 def condition_event(type_: str, before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> bool | None:
     """None: the change from `before` (None: the condition is new) to `after` is no Event; else whether it is a
     Warning."""
     if type_ == ENGINES_ATTACHED:  # informational: a pod attaching or the last one leaving is news, never a problem
-        flipped = before is not None and before.get("status", "Unknown") not in ("Unknown", after.get("status"))
+        unknown = ConditionStatus.UNKNOWN
+        flipped = before is not None and before.get("status", unknown) not in (unknown, after.get("status"))
         return False if flipped else None
     if type_ not in ANNOUNCED:
         return None
-    status, reason = after.get("status", "Unknown"), after.get("reason", "")
+    status, reason = after.get("status", ConditionStatus.UNKNOWN), after.get("reason", "")
     warning = is_problem(type_, status, reason)
-    if before is None or before.get("status", "Unknown") == "Unknown":
-        return warning if warning or (type_ == READY and status == "True") else None
+    if before is None or before.get("status", ConditionStatus.UNKNOWN) == ConditionStatus.UNKNOWN:
+        return warning if warning or (type_ == READY and status == ConditionStatus.TRUE) else None
     was = (before.get("status"), before.get("reason", ""))
     if was == (status, reason):
         return None

@@ -21,6 +21,8 @@ import kopf
 from ferry.api.conditions import get_condition, now_rfc3339
 from ferry.api.liveness import DEFAULT_LEASE_SECONDS
 from ferry.api.models import GROUP, LABEL_PLACEMENT, LABEL_VERSION, replica_lease_name, warm_node_label
+from ferry.api.models import ModelLoadEventReason as MLEvent
+from ferry.api.models import WeightVersionEventReason as WVEvent
 from ferry.chain import VersionView, dependents, resolve_chain
 from ferry.s3 import credentials_from_secret_data
 from ferry.storage import StorageReason, StorageReport, verify_checkpoint
@@ -50,6 +52,7 @@ from ferry_operator.modelloads import (
 )
 from ferry_operator.s3clients import client_for
 from ferry_operator.versions import (
+    CHAIN_RESOLVED,
     READY,
     attachment_blockers,
     plan_version_status,
@@ -331,7 +334,7 @@ def _signature(body: kopf.Body) -> tuple:
     return (
         body["metadata"].get("uid"),
         bool(body["metadata"].get("deletionTimestamp")),
-        tuple((get_condition(conditions, t) or {}).get("reason") for t in (READY, "ChainResolved")),
+        tuple((get_condition(conditions, t) or {}).get("reason") for t in (READY, CHAIN_RESOLVED)),
         VersionView.from_body(body).ready,
     )
 
@@ -365,7 +368,7 @@ async def release_version(namespace: str, name: str, body: kopf.Body, patch: kop
     blockers = _blockers(namespace, name, version_index, desired_index, lease_index, attach_index)
     if not blockers:
         await retention_handlers.release_storage(namespace, name, body, version_index)
-        kopf.info(body, reason="Released", message="no dependents left; releasing")
+        kopf.info(body, reason=WVEvent.RELEASED, message="no dependents left; releasing")
         return
     chain = resolve_chain(name, _lookup(version_index, namespace), CONFIG.max_chain_length)
     storage = storage_from_status(body.get("status") or {}, body["metadata"].get("generation"))
@@ -438,10 +441,12 @@ async def _reconcile_modelload(
     )
     for wr in plan.create:
         if await asyncio.to_thread(kubeapi.create_replica, wr):  # False: an earlier reconcile created it
-            kopf.info(body, reason="ReplicaCreated", message=f"{wr['metadata']['name']} on {wr['spec']['nodeName']}")
+            kopf.info(
+                body, reason=MLEvent.REPLICA_CREATED, message=f"{wr['metadata']['name']} on {wr['spec']['nodeName']}"
+            )
     for replica in plan.delete:
         if await asyncio.to_thread(kubeapi.delete_replica, namespace, replica):
-            kopf.info(body, reason="ReplicaDeleted", message=replica)
+            kopf.info(body, reason=MLEvent.REPLICA_DELETED, message=replica)
     if plan.retarget:  # at once: a Parallel rollout of N replicas must not wait for N patches in a row
         await asyncio.gather(
             *(asyncio.to_thread(kubeapi.retarget_replica, namespace, r, desired, LABEL_VERSION) for r in plan.retarget)
@@ -449,7 +454,7 @@ async def _reconcile_modelload(
         # One Event per step; a stale index that retargets the same replicas again posts none.
         fresh = [r for r in plan.retarget if _first_time(body, f"RollingOut/{r}", ("RollingOut", desired))]
         if fresh:
-            kopf.info(body, reason="RollingOut", message=f"{', '.join(fresh)} move to {desired}")
+            kopf.info(body, reason=MLEvent.ROLLING_OUT, message=f"{', '.join(fresh)} move to {desired}")
     for replica, placement in plan.relabel.items():
         await asyncio.to_thread(kubeapi.label_replica, namespace, replica, LABEL_PLACEMENT, placement)
     pod_placement.announce_held(body, plan.held)

@@ -23,9 +23,18 @@ from ferry.api.models import (
     LABEL_VERSION,
     PLACEMENT_PODS,
     PLACEMENT_POOL,
+    AttemptOutcome,
+    DegradedReason,
     EnginesAttachedReason,
     LiveReason,
+    ModelLoadConditionType,
+    ModelLoadEventReason,
+    ModelLoadPhase,
+    ModelLoadReadyReason,
+    PeerStalledReason,
+    ProgressingReason,
     ReplicaConditionType,
+    ReplicaPhase,
     ReplicaReason,
     RolloutStrategy,
     label_value,
@@ -33,15 +42,18 @@ from ferry.api.models import (
 )
 from ferry.chain import VersionView
 
-READY, PROGRESSING, DEGRADED, PEER_STALLED = "Ready", "Progressing", "Degraded", "PeerStalled"
-# Whether consumer pods hold the desired version through the attach sockets (informational: no engines is no fault).
-ENGINES_ATTACHED = "EnginesAttached"
-# Event reason: a replica's Lease named another node (or none) and was deleted (`foreign_leases`).
-LEASE_OF_OTHER_NODE_DELETED = "LeaseOfOtherNodeDeleted"
-# Event reason: a replica that placement no longer wants stays while a consumer pod is attached to it.
-REPLICA_HELD = "ReplicaHeldByConsumers"
+# Short names of the condition types and reasons (ferry.api.models) that the operator's modules share.
+READY = ModelLoadConditionType.READY
+PROGRESSING = ModelLoadConditionType.PROGRESSING
+DEGRADED = ModelLoadConditionType.DEGRADED
+PEER_STALLED = ModelLoadConditionType.PEER_STALLED
+ENGINES_ATTACHED = ModelLoadConditionType.ENGINES_ATTACHED
+LEASE_OF_OTHER_NODE_DELETED = ModelLoadEventReason.LEASE_OF_OTHER_NODE_DELETED
+REPLICA_HELD = ModelLoadEventReason.REPLICA_HELD_BY_CONSUMERS
 # Ready=False reasons for a desired version that cannot be placed: nothing is created or rolled out meanwhile.
-VERSION_NOT_FOUND, VERSION_NOT_READY, MODEL_MISMATCH = "VersionNotFound", "VersionNotReady", "ModelMismatch"
+VERSION_NOT_FOUND = ModelLoadReadyReason.VERSION_NOT_FOUND
+VERSION_NOT_READY = ModelLoadReadyReason.VERSION_NOT_READY
+MODEL_MISMATCH = ModelLoadReadyReason.MODEL_MISMATCH
 
 
 @dataclass(frozen=True)
@@ -241,7 +253,7 @@ def max_unavailable(spec: Mapping[str, Any]) -> int | None:
 
 def available(replica: Mapping[str, Any], stale: Iterable[str] = ()) -> bool:
     """Serving some version (the old one, or the new) with a live Lease."""
-    return _phase(replica) == "Serving" and replica["metadata"]["name"] not in set(stale)
+    return _phase(replica) == ReplicaPhase.SERVING and replica["metadata"]["name"] not in set(stale)
 
 
 def moving(replica: Mapping[str, Any], desired: str) -> bool:
@@ -324,7 +336,7 @@ def plan_replicas(
 
 
 def _phase(replica: Mapping[str, Any]) -> str:
-    return (replica.get("status") or {}).get("phase") or "Pending"
+    return (replica.get("status") or {}).get("phase") or ReplicaPhase.PENDING
 
 
 def serves(replica: Mapping[str, Any], version: str, uid: str | None = None) -> bool:
@@ -333,7 +345,7 @@ def serves(replica: Mapping[str, Any], version: str, uid: str | None = None) -> 
     status = replica.get("status") or {}
     if uid is not None and status.get("versionUid") != uid:
         return False
-    return _phase(replica) == "Serving" and status.get("version") == version
+    return _phase(replica) == ReplicaPhase.SERVING and status.get("version") == version
 
 
 def warm_label_changes(
@@ -345,7 +357,7 @@ def warm_label_changes(
     want = {
         r["spec"]["nodeName"]: label_value((r.get("status") or {})["version"])
         for r in replicas
-        if not r["metadata"].get("deletionTimestamp") and _phase(r) == "Serving"
+        if not r["metadata"].get("deletionTimestamp") and _phase(r) == ReplicaPhase.SERVING
         and (r.get("status") or {}).get("version") and r["metadata"]["name"] not in stale
     }  # fmt: skip
     changes = {}
@@ -382,7 +394,7 @@ def stalled_replicas(
     found = []
     for r in replicas:
         status = r.get("status") or {}
-        if status.get("phase") in ("Pending", "Loaded") or not loading_now(r):
+        if status.get("phase") == ReplicaPhase.PENDING or not loading_now(r):
             continue
         since = status.get("lastProgressTime") or status.get("startedTime")
         last = parse_time(since)
@@ -410,7 +422,7 @@ def stall_deadline(replicas: Iterable[Mapping[str, Any]], stall_seconds: float, 
     for r in replicas:
         status = r.get("status") or {}
         last = parse_time(status.get("lastProgressTime") or status.get("startedTime"))
-        if status.get("phase") not in ("Pending", "Loaded") and loading_now(r) and last is not None:
+        if status.get("phase") != ReplicaPhase.PENDING and loading_now(r) and last is not None:
             due = last + dt.timedelta(seconds=stall_seconds)
             if due > now:
                 times.append(due)
@@ -420,7 +432,7 @@ def stall_deadline(replicas: Iterable[Mapping[str, Any]], stall_seconds: float, 
 def loading_now(replica: Mapping[str, Any]) -> bool:
     """Loading a version: a first load, or a new version next to the served one (`status.loadingVersion`)."""
     status = replica.get("status") or {}
-    return _phase(replica) in ("Pending", "Loading", "Loaded") or (
+    return _phase(replica) in (ReplicaPhase.PENDING, ReplicaPhase.LOADING) or (
         bool(status.get("loadingVersion")) and not load_failed(replica)
     )
 
@@ -428,7 +440,7 @@ def loading_now(replica: Mapping[str, Any]) -> bool:
 def load_failed(replica: Mapping[str, Any]) -> bool:
     """Failed, or failed to load its `loadingVersion` while still serving the old one (make-before-break)."""
     status = replica.get("status") or {}
-    return _phase(replica) == "Failed" or bool(
+    return _phase(replica) == ReplicaPhase.FAILED or bool(
         status.get("loadingVersion")
         and status.get("reason") in (ReplicaReason.LOAD_FAILED, ReplicaReason.MEMORY_BUDGET_EXCEEDED)
     )
@@ -440,7 +452,8 @@ def fell_back(replica: Mapping[str, Any]) -> bool:
     if status.get("source") != "s3":
         return False
     return any(
-        a.get("source", "").startswith("peer/") and a.get("outcome") == "Failed" for a in status.get("attempts") or []
+        a.get("source", "").startswith("peer/") and a.get("outcome") == AttemptOutcome.FAILED
+        for a in status.get("attempts") or []
     )
 
 
@@ -519,7 +532,7 @@ def stale_replicas(
     return sorted(
         r["metadata"]["name"]
         for r in replicas
-        if _phase(r) in ("Serving", "Loaded") and not liveness(r, leases, now).live
+        if _phase(r) == ReplicaPhase.SERVING and not liveness(r, leases, now).live
     )
 
 
@@ -648,57 +661,75 @@ def aggregate_status(
 
     all_ready = len(ready) >= wanted and not behind
     if all_ready:
-        put(READY, True, "AllReplicasReady", f"{len(ready)}/{wanted} replicas serve {desired}")
+        put(READY, True, ModelLoadReadyReason.ALL_REPLICAS_READY, f"{len(ready)}/{wanted} replicas serve {desired}")
     elif problem:
         put(READY, False, problem.reason, problem.message)
     elif pool > nodes_available:
-        put(READY, False, "InsufficientNodes",
+        put(READY, False, ModelLoadReadyReason.INSUFFICIENT_NODES,
             f"{pool} replicas requested but only {nodes_available} nodes match spec.nodeSelector")  # fmt: skip
     elif failed:
         r = failed[0]
-        put(READY, False, "ReplicaFailed", f"{r['metadata']['name']}: {(r.get('status') or {}).get('message', '')}")
+        put(
+            READY,
+            False,
+            ModelLoadReadyReason.REPLICA_FAILED,
+            f"{r['metadata']['name']}: {(r.get('status') or {}).get('message', '')}",
+        )
     else:
         older = f"; {', '.join(outdated)} serve an older WeightVersion named {desired}" if outdated else ""
-        put(READY, False, "ReplicasNotReady", f"{len(ready)}/{wanted} replicas serve {desired}{older}")
+        put(
+            READY,
+            False,
+            ModelLoadReadyReason.REPLICAS_NOT_READY,
+            f"{len(ready)}/{wanted} replicas serve {desired}{older}",
+        )
 
     if behind or loading:
-        reason = "RollingOut" if behind else "Loading"
+        reason = ProgressingReason.ROLLING_OUT if behind else ProgressingReason.LOADING
         names = ", ".join(sorted(r["metadata"]["name"] for r in (behind or loading))[:5])
         put(PROGRESSING, True, reason, f"{len(loading)} loading, {len(behind)} still on an older version ({names})")
     else:
-        put(PROGRESSING, False, "Complete" if all_ready else "Idle", "no replica is loading")
+        idle = ProgressingReason.COMPLETE if all_ready else ProgressingReason.IDLE
+        put(PROGRESSING, False, idle, "no replica is loading")
 
     problems = []
     if failed:
-        problems.append(("ReplicaFailed", f"failed: {', '.join(sorted(r['metadata']['name'] for r in failed))}"))
+        problems.append(
+            (DegradedReason.REPLICA_FAILED, f"failed: {', '.join(sorted(r['metadata']['name'] for r in failed))}")
+        )
     if stale:
-        problems.append(("ReplicaStale", f"lease expired: {', '.join(sorted(stale))}"))
+        problems.append((DegradedReason.REPLICA_STALE, f"lease expired: {', '.join(sorted(stale))}"))
     if fallbacks:
-        problems.append(("FellBackToObjectStorage", f"peers failed, loaded from S3: {', '.join(sorted(fallbacks))}"))
+        problems.append(
+            (
+                DegradedReason.FELL_BACK_TO_OBJECT_STORAGE,
+                f"peers failed, loaded from S3: {', '.join(sorted(fallbacks))}",
+            )
+        )
     if problems:
         put(DEGRADED, True, problems[0][0], "; ".join(m for _, m in problems))
     else:
-        put(DEGRADED, False, "AsExpected", "no failed, stale or fallen-back replicas")
+        put(DEGRADED, False, DegradedReason.AS_EXPECTED, "no failed, stale or fallen-back replicas")
 
     if stalled:
-        put(PEER_STALLED, True, "NoProgress", "; ".join(s.message() for s in stalled))
+        put(PEER_STALLED, True, PeerStalledReason.NO_PROGRESS, "; ".join(s.message() for s in stalled))
     else:
-        put(PEER_STALLED, False, "Progressing", "no replica is stalled")
+        put(PEER_STALLED, False, PeerStalledReason.PROGRESSING, "no replica is stalled")
 
     attached = attached_pods(replicas, desired, stale)
     engines, engines_reason, engines_message = attached.condition(desired)
     put(ENGINES_ATTACHED, engines, str(engines_reason), engines_message)
 
     if all_ready:
-        phase = "Ready"
+        phase = ModelLoadPhase.READY
     elif failed or stale:
-        phase = "Degraded"
+        phase = ModelLoadPhase.DEGRADED
     elif loading or behind:
-        phase = "Progressing"
+        phase = ModelLoadPhase.PROGRESSING
     else:
-        phase = "Pending"
+        phase = ModelLoadPhase.PENDING
     return {
-        "phase": phase,
+        "phase": str(phase),
         "replicas": wanted,
         "readyReplicas": len(ready),
         "ready": f"{len(ready)}/{wanted}",

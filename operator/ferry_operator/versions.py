@@ -10,17 +10,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferry.api.conditions import get_condition, human_bytes, set_condition
-from ferry.api.models import WeightVersionPhase
-from ferry.chain import ChainReason, ChainResult
-from ferry.storage import StorageReason, StorageReport
+from ferry.api.models import (
+    ChainReason,
+    ConditionStatus,
+    StorageReason,
+    WeightVersionConditionType,
+    WeightVersionPhase,
+    WeightVersionReadyReason,
+)
+from ferry.chain import ChainResult
+from ferry.storage import StorageReport
 
-CHAIN_RESOLVED = "ChainResolved"
-STORAGE_VERIFIED = "StorageVerified"
-READY = "Ready"
+CHAIN_RESOLVED = WeightVersionConditionType.CHAIN_RESOLVED
+STORAGE_VERIFIED = WeightVersionConditionType.STORAGE_VERIFIED
+READY = WeightVersionConditionType.READY
 
-READY_REASON = "Verified"
-RELEASE_BLOCKED = "ReleaseBlocked"
-VERIFICATION_PENDING = "VerificationPending"
+READY_REASON = WeightVersionReadyReason.VERIFIED
+RELEASE_BLOCKED = WeightVersionReadyReason.RELEASE_BLOCKED
+VERIFICATION_PENDING = StorageReason.VerificationPending
 
 # Spec is immutable, so these can only be fixed by publishing a new version.
 PERMANENT_REASONS = frozenset(
@@ -49,10 +56,10 @@ class VersionStatusPlan:
 def storage_from_status(status: Mapping[str, Any], generation: int | None) -> StorageReport | None:
     """The verification outcome recorded for this generation, if any (None: never checked)."""
     cond = get_condition(status.get("conditions"), STORAGE_VERIFIED)
-    if cond is None or cond.get("status") == "Unknown" or cond.get("observedGeneration") != generation:
+    if cond is None or cond.get("status") == ConditionStatus.UNKNOWN or cond.get("observedGeneration") != generation:
         return None
     reason = StorageReason(cond.get("reason", StorageReason.Verified))
-    ok = cond.get("status") == "True"
+    ok = cond.get("status") == ConditionStatus.TRUE
     return StorageReport(
         ok=ok,
         reason=reason,
@@ -84,10 +91,10 @@ def plan_version_status(
         conditions, CHAIN_RESOLVED, chain.ok, str(chain.reason), chain.message, generation=generation, now=now
     )
 
-    kept_good = storage is not None and storage.transient and previous.get(STORAGE_VERIFIED) == "True"
+    kept_good = storage is not None and storage.transient and previous.get(STORAGE_VERIFIED) == ConditionStatus.TRUE
     if storage is None:
         conditions = set_condition(
-            conditions, STORAGE_VERIFIED, "Unknown", VERIFICATION_PENDING,
+            conditions, STORAGE_VERIFIED, ConditionStatus.UNKNOWN, VERIFICATION_PENDING,
             "checking the checkpoint objects in object storage", generation=generation, now=now,
         )  # fmt: skip
     elif not kept_good:
@@ -109,7 +116,7 @@ def plan_version_status(
         ready_reason, ready_message = str(storage.reason), storage.message
     ready = chain.ok and storage_ok and not deleting
     if deleting:
-        ready_reason = RELEASE_BLOCKED if blockers else "Releasing"
+        ready_reason = RELEASE_BLOCKED if blockers else WeightVersionReadyReason.RELEASING
         ready_message = (
             f"release is blocked by {', '.join(blockers)}" if blockers else "released; waiting for the finalizer"
         )
@@ -142,7 +149,7 @@ def plan_version_status(
     if ready:
         status["readyTime"] = current.get("readyTime") or now
 
-    return VersionStatusPlan(status=status, became_ready=ready and previous.get(READY) != "True")
+    return VersionStatusPlan(status=status, became_ready=ready and previous.get(READY) != ConditionStatus.TRUE)
 
 
 def release_blockers(

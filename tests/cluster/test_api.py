@@ -239,3 +239,39 @@ def test_node_selector_keys_and_values_are_labels(cluster, namespace, selector, 
     assert (result.returncode == 0) == accepted, result.stderr
     if not accepted:
         assert "nodeSelector" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("field", "says"),
+    [
+        ("weightversion.spec.storage", "Where the checkpoint is stored"),
+        ("weightversion.spec.storage.credentialsSecret", "AWS_ACCESS_KEY_ID"),
+        ("modelload.spec.transfer.selector", "rendezvousHash"),
+        ("modelload.status.phase", "a summary of the conditions"),
+        ("weightreplica.status.ranks.grpcEndpoint", "worker service"),
+    ],
+)
+def test_kubectl_explain_tells_what_to_write(cluster, field, says):
+    """Every field's docstring in ferry/api/models.py reaches `kubectl explain` through the CRD."""
+    out = cluster.kubectl("explain", field).stdout
+    assert says in " ".join(out.split()), out
+
+
+def test_phases_are_the_api_vocabulary(cluster, namespace):
+    """status.phase takes only the values of the phase enums: not Loaded, which nothing ever wrote."""
+    apply(cluster, namespace, {
+        "apiVersion": models.API_VERSION, "kind": "WeightReplica", "metadata": {"name": "wr-phase"},
+        "spec": {"modelLoad": "ml", "modelName": "m", "version": "v1", "nodeName": "node-a"},
+    })  # fmt: skip
+
+    def set_phase(kind: str, name: str, phase: str):
+        patch = json.dumps({"status": {"phase": phase}})
+        return cluster.kubectl("patch", kind, name, "-n", namespace, "--subresource=status", "--type=merge",
+                               "-p", patch, check=False)  # fmt: skip
+
+    assert set_phase("wr", "wr-phase", models.ReplicaPhase.SERVING).returncode == 0
+    refused = set_phase("wr", "wr-phase", "Loaded")
+    assert refused.returncode != 0 and "Unsupported value" in refused.stderr, refused.stderr
+    cluster.kubectl("apply", "-n", namespace, "-f", str(SAMPLES))
+    assert set_phase("ml", "llama-tiny", models.ModelLoadPhase.DEGRADED).returncode == 0
+    assert set_phase("ml", "llama-tiny", "Serving").returncode != 0

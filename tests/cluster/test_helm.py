@@ -2,7 +2,8 @@
 
 - `helm lint` passes; the values schema is closed (unknown keys fail) and typed.
 - Every rendered object is accepted by the apiserver (`kubectl apply --dry-run=server`).
-- `helm install` deploys the objects; `helm uninstall` removes them but keeps the CRDs and the custom resources.
+- `helm install` deploys the objects and the CRDs, `helm upgrade` upgrades the CRDs, and `helm uninstall` removes
+  the objects but keeps the CRDs (`helm.sh/resource-policy: keep`) and the custom resources.
 - The agent's ServiceAccount is least-privilege, proven with `kubectl auth can-i` and with real requests that
   authenticate as that ServiceAccount (a TokenRequest token; RBAC authorization is on).
 
@@ -21,7 +22,7 @@ import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from ferry.api import models
+from ferry.api import crdgen, models
 from ferry_dev.localcluster import LocalCluster, binary, write_kubeconfig
 from tests.support.helm import CHART, KUBE_VERSION, helm, render, sets
 
@@ -40,7 +41,9 @@ def release(cluster: LocalCluster, env: dict[str, str], namespace: str, *values:
     name = f"ferry-{namespace}"
     kube = ["--kubeconfig", str(cluster.kubeconfig), "-n", namespace]
     try:
-        helm(env, "install", name, str(CHART), *kube, *values)
+        # The test cluster applies crds/ at start, and a release before this one may have left them (keep): adopt
+        # them, as an upgrade from a chart that shipped crds/ does.
+        helm(env, "install", name, str(CHART), *kube, "--take-ownership", *values)
         yield name
     finally:
         helm(env, "uninstall", name, *kube, check=False)
@@ -155,10 +158,26 @@ def test_chart_refuses_kubernetes_older_than_1_30(helm_env):
     assert "incompatible with Kubernetes v1.29.9" in proc.stderr, proc.stderr
 
 
+def test_crds_render_behind_crds_enabled_and_keep(helm_env):
+    """The chart renders each generated CRD once (templates/crds.yaml), kept on uninstall unless crds.keep=false;
+    crds.enabled=false renders none."""
+    crds = by_kind(render(helm_env))["CustomResourceDefinition"]
+    for crd in crds:
+        assert crd["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
+        assert crd["metadata"].pop("labels")["app.kubernetes.io/managed-by"] == "Helm"
+    assert sorted(crds, key=lambda c: c["metadata"]["name"]) == sorted(
+        (crdgen.crd(m) for m in models.RESOURCES), key=lambda c: c["metadata"]["name"]
+    )
+    unkept = by_kind(render(helm_env, *sets(crds__keep="false")))["CustomResourceDefinition"]
+    assert len(unkept) == 3 and not any("annotations" in c["metadata"] for c in unkept)
+    assert "CustomResourceDefinition" not in by_kind(render(helm_env, *sets(crds__enabled="false")))
+
+
 def test_rendered_objects(helm_env):
     docs = by_kind(render(helm_env))
     assert {k: len(v) for k, v in docs.items()} == {
-        "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2, "Role": 2, "RoleBinding": 2, "Service": 1,
+        "CustomResourceDefinition": 3, "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2, "Role": 2,
+        "RoleBinding": 2, "Service": 1,
         "Deployment": 1, "DaemonSet": 1, "ValidatingAdmissionPolicy": 2, "ValidatingAdmissionPolicyBinding": 2,
         "NetworkPolicy": 2,
     }  # fmt: skip
@@ -459,7 +478,7 @@ def test_admission_policy_names_the_agent_and_the_api_constants(helm_env):
 )  # fmt: skip
 def test_rendered_objects_pass_server_dry_run(cluster, namespace, helm_env, values):
     values = [*values, "--set", f"tenantNamespaces={{{namespace}}}"]
-    docs = render(helm_env, "--include-crds", *values, namespace=namespace, release=f"dry-{namespace}")
+    docs = render(helm_env, *values, namespace=namespace, release=f"dry-{namespace}")
     assert {d["kind"] for d in docs} >= {"CustomResourceDefinition", "ClusterRole", "Deployment"}
     manifest = yaml.safe_dump_all(docs)
     proc = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=manifest, check=False)
@@ -479,7 +498,22 @@ def test_install_then_uninstall_keeps_crds_and_resources(cluster, namespace, hel
         assert [(r["name"], r["status"]) for r in listed] == [(name, "deployed")]
         notes = helm(helm_env, "get", "notes", name, *kube).stdout
         assert f"kubectl -n {namespace} get deployment {name}-operator" in notes, notes
-        assert "never upgrades or deletes them" in notes.replace("\n", " "), notes
+        assert "`helm upgrade` upgrades them" in notes and "`helm uninstall` leaves them" in notes, notes
+
+        # The release owns the CRDs, so `helm upgrade` applies the chart's schema over an older one in the cluster.
+        for crd in CRD_NAMES:
+            meta = json.loads(cluster.kubectl("get", "crd", crd, "-o", "json").stdout)["metadata"]
+            assert meta["labels"]["app.kubernetes.io/managed-by"] == "Helm", crd
+            assert meta["annotations"]["meta.helm.sh/release-name"] == name, crd
+            assert meta["annotations"]["helm.sh/resource-policy"] == "keep", crd
+        explain = "/spec/versions/0/schema/openAPIV3Schema/properties/spec/properties/storage/description"
+        cluster.kubectl("patch", "crd", "weightversions.ferry.dev", "--type=json",
+                        "-p", json.dumps([{"op": "replace", "path": explain, "value": "older"}]))  # fmt: skip
+        helm(helm_env, "upgrade", name, str(CHART), *kube, "--reuse-values")
+        live = json.loads(cluster.kubectl("get", "crd", "weightversions.ferry.dev", "-o", "json").stdout)
+        spec = live["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        generated = crdgen.openapi_schema(models.WeightVersion)["properties"]["spec"]
+        assert spec["properties"]["storage"]["description"] == generated["properties"]["storage"]["description"]
 
         for kind, obj in [
             ("deployment", f"{name}-operator"), ("daemonset", f"{name}-agent"),

@@ -118,7 +118,9 @@ def release(pod_stack, tmp_path_factory):
     for node in stack.nodes.nodes:
         kubectl(stack, "label", "node", node.name, f"ferry.dev/pool={TENANT}")
     values = values_file(stack, tmp_path_factory.mktemp("values"))
-    helm(stack, "install", RELEASE, str(CHART), "-n", NS, "-f", str(values))
+    # The local cluster applies crds/ at start: the release adopts those CRDs (as an upgrade from a chart that
+    # shipped crds/ does) and then owns them.
+    helm(stack, "install", RELEASE, str(CHART), "-n", NS, "-f", str(values), "--take-ownership")
     return values
 
 

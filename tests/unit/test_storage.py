@@ -124,6 +124,7 @@ def test_reasons_are_a_fixed_camelcase_list() -> None:
     assert set(StorageReason) == {
         "Verified",
         "NotApplicable",
+        "VerificationPending",
         "ObjectMissing",
         "IndexInvalid",
         "SizeMismatch",

@@ -13,7 +13,15 @@ from typing import Any
 
 from ferry.api.conditions import is_true
 from ferry.api.liveness import DEFAULT_LEASE_SECONDS, lease_is_live
-from ferry.api.models import GROUP, LABEL_MODEL, LABEL_NODE, LABEL_VERSION
+from ferry.api.models import (
+    GROUP,
+    LABEL_MODEL,
+    LABEL_NODE,
+    LABEL_VERSION,
+    RankState,
+    ReplicaPhase,
+    WeightVersionConditionType,
+)
 from ferry.api.models import replica_lease_name as lease_name
 from ferry_agent.strategies.candidate import SourceCandidate
 
@@ -43,21 +51,20 @@ def source_candidates(
             continue
         if (wr.get("spec") or {}).get("ranks", 1) != world_size:
             continue
-        if status.get("phase") != "Serving" or status.get("version") != version:
+        if status.get("phase") != ReplicaPhase.SERVING or status.get("version") != version:
             continue
         if version_uid is not None and status.get("versionUid") != version_uid:
             continue
         if not lease_is_live(leases.get(lease_name(name)), now, node=(wr.get("spec") or {}).get("nodeName")):
             continue
         for entry in status.get("ranks") or []:
-            if entry.get("rank") == rank and entry.get("state", "Ready") == "Ready":
+            if entry.get("rank") == rank and entry.get("state", RankState.READY) == RankState.READY:
                 found.append(
                     SourceCandidate(
                         replica=name,
                         rank=rank,
                         agent_name=entry["agentName"],
                         grpc_endpoint=entry["grpcEndpoint"],
-                        metadata=entry.get("metadataEndpoint", ""),
                         tensor_count=entry.get("tensorCount", 0),
                         manifest_digest=entry.get("manifestDigest", ""),
                         active_leases=status.get("activeLeases"),
@@ -76,7 +83,7 @@ def peer_version_problem(body: Mapping[str, Any] | None, *, name: str, model: st
         return f"WeightVersion {name} is being deleted"
     if (body.get("spec") or {}).get("modelName") != model:
         return f"WeightVersion {name} is for model {(body.get('spec') or {}).get('modelName')!r}, not {model!r}"
-    if not is_true((body.get("status") or {}).get("conditions"), "Ready"):
+    if not is_true((body.get("status") or {}).get("conditions"), WeightVersionConditionType.READY):
         return f"WeightVersion {name} is not Ready"
     return None
 
@@ -109,7 +116,7 @@ def first_loader(replicas: Iterable[Mapping[str, Any]], *, version: str, self_re
         if wr["metadata"].get("deletionTimestamp") or (wr.get("spec") or {}).get("version") != version:
             continue
         # A replica moving from an older version serves that one (make-before-break) while it loads this one.
-        moving = status.get("phase") == "Serving" and status.get("version") != version
-        if status.get("phase") in (None, "Pending", "Loading") or moving:
+        moving = status.get("phase") == ReplicaPhase.SERVING and status.get("version") != version
+        if status.get("phase") in (None, ReplicaPhase.PENDING, ReplicaPhase.LOADING) or moving:
             loading.add(wr["metadata"]["name"])
     return min(loading)
