@@ -3,8 +3,8 @@ module (main.py does).
 
 The pods: one list-then-watch per namespace that has a ModelLoad with a podSelector, in a thread of its own (the
 blocking client), so only the tenant namespaces Ferry serves are read (RBAC grants pods list/watch there alone,
-docs/security.md). A pod change that moves the set of nodes a ModelLoad follows nudges that ModelLoad, whose
-reconcile reads the pods from memory (`pod_nodes`), never from the API.
+docs/security.md). A pod change that moves the set of nodes a ModelLoad follows wakes that ModelLoad (in process),
+whose reconcile reads the pods from memory (`pod_nodes`), never from the API.
 
 Warm nodes: every node where a ModelLoad's replica is Serving carries `warm_node_label(namespace, modelload)` set to
 the version, so engine pods may prefer it (docs/consumers.md); the reconcile sets and removes it (`sync_warm_labels`),
@@ -15,7 +15,6 @@ longer exist (deleted while the operator was down).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -25,15 +24,15 @@ import kopf
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from ferry.api.models import GROUP, WARM_LABEL_PREFIX, warm_node_label
+from ferry.api.models import WARM_LABEL_PREFIX, warm_node_label
 from ferry.kube import kube_client
 from ferry_operator import kubeapi
 from ferry_operator.kubeapi import ML
 from ferry_operator.modelloads import REPLICA_HELD, PodFacts, followed_nodes, selector_matches, warm_label_changes
+from ferry_operator.wakeups import WAKEUPS
 
 log = logging.getLogger("ferry.operator.pods")
 
-PODS_ANNOTATION = f"{GROUP}/followed-nodes"
 WATCH_SECONDS = 300
 REQUEST_TIMEOUT_S = (5.0, 30.0)  # (connect, read): a frozen apiserver must not hang the thread
 RETRY_CAP_S = 30.0
@@ -108,15 +107,15 @@ def _facts(api: client.ApiClient, pod: client.V1Pod) -> PodFacts:
     return PodFacts.from_body(api.sanitize_for_serialization(pod))
 
 
-# namespace -> its pods; (namespace, ModelLoad) -> its podSelector, and the nodes it was last nudged for.
+# namespace -> its pods; (namespace, ModelLoad) -> its podSelector, and the nodes it was last woken for.
 _namespaces: dict[str, NamespacePods] = {}
 _selectors: dict[tuple[str, str], Mapping[str, Any]] = {}
-_nudged: dict[tuple[str, str], frozenset[str]] = {}
+_woken: dict[tuple[str, str], frozenset[str]] = {}
 _lock = threading.Lock()
 
 
 def _changed(namespace: str, before: PodFacts | None, after: PodFacts | None) -> None:
-    """In a watch thread: nudge each ModelLoad whose followed nodes this pod change (or a fresh list: both None)
+    """In a watch thread: wake each ModelLoad whose followed nodes this pod change (or a fresh list: both None)
     moves."""
     relisted = before is None and after is None
     with _lock:
@@ -127,15 +126,10 @@ def _changed(namespace: str, before: PodFacts | None, after: PodFacts | None) ->
         if not (relisted or involved):
             continue
         nodes = frozenset(followed_nodes(selector, pods.pods() if pods else []))
-        if _nudged.get(key) == nodes:
+        if _woken.get(key) == nodes:
             continue
-        _nudged[key] = nodes
-        digest = hashlib.sha256("\n".join(sorted(nodes)).encode()).hexdigest()[:16]
-        try:
-            kubeapi.nudge(ML[2], namespace, key[1], PODS_ANNOTATION, digest)
-        except Exception as exc:  # the resync reconciles it anyway
-            _nudged.pop(key, None)
-            log.warning("could not nudge ModelLoad %s/%s: %r", namespace, key[1], exc)
+        _woken[key] = nodes
+        WAKEUPS.wake_threadsafe(ML[2], namespace, key[1])
 
 
 def pod_nodes(namespace: str, name: str, selector: Mapping[str, Any] | None) -> set[str] | None:
@@ -158,7 +152,7 @@ def pod_nodes(namespace: str, name: str, selector: Mapping[str, Any] | None) -> 
 def _forget(key: tuple[str, str]) -> None:
     """Stop following pods for a ModelLoad (and watching its namespace, when it was the last one); under _lock."""
     _selectors.pop(key, None)
-    _nudged.pop(key, None)
+    _woken.pop(key, None)
     if not any(ns == key[0] for ns, _ in _selectors) and (pods := _namespaces.pop(key[0], None)):
         pods.stop()
 
