@@ -159,17 +159,15 @@ def _forget(key: tuple[str, str]) -> None:
 
 # ---------------------------------------------------------------- held replicas, warm labels
 
-_held: set[tuple[str, str]] = set()  # (ModelLoad uid, replica) announced as held
 
-
-def announce_held(body: kopf.Body, held: Iterable[str]) -> None:
-    """One Event per replica that placement no longer wants but an attached consumer keeps."""
-    uid = body["metadata"]["uid"]
-    now = {(uid, name) for name in held}
-    for key in now - _held:
-        kopf.info(body, reason=REPLICA_HELD, message=f"{key[1]} stays while a consumer pod is attached to it")
-    _held.difference_update({k for k in _held if k[0] == uid} - now)
-    _held.update(now)
+def announce_held(body: Mapping[str, Any], held: Iterable[str], announced: set[str]) -> None:
+    """One Event per replica that placement no longer wants but an attached consumer keeps; `announced` (in the
+    ModelLoad's memo) holds the replicas announced so far."""
+    now = set(held)
+    for name in sorted(now - announced):
+        kopf.info(body, reason=REPLICA_HELD, message=f"{name} stays while a consumer pod is attached to it")
+    announced.intersection_update(now)
+    announced.update(now)
 
 
 async def sync_warm_labels(namespace: str, name: str, replicas: Iterable[Mapping[str, Any]],

@@ -106,7 +106,7 @@ async def _reconcile(namespace: str, name: str, body: Mapping[str, Any], memo: k
             kopf.info(body, reason="RollingOut", message=f"{', '.join(fresh)} move to {desired}")
     for replica, placement in plan.relabel.items():
         await asyncio.to_thread(kubeapi.label_replica, namespace, replica, LABEL_PLACEMENT, placement)
-    pod_placement.announce_held(body, plan.held)
+    pod_placement.announce_held(body, plan.held, memo.setdefault("held", set()))
 
     # A Lease that names another node (or none) would keep the replica's own agent from writing its Lease for good:
     # delete it, and the agent creates its own at its next renewal. Until then the replica is not Live.
