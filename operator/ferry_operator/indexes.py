@@ -87,6 +87,8 @@ class Indexes:
     nodes: kopf.Index[str, dict]  # node name -> `node_view`
     replicas: kopf.Index[tuple, dict]  # see `replica_index`
     replica_leases: kopf.Index[tuple[str, str], dict]  # (namespace, Lease name) -> the Lease
+    retention_loads: kopf.Index[str, Any]  # namespace -> retention's `LoadFacts` (retention_handlers)
+    retention_holds: kopf.Index[str, Any]  # namespace -> versions a replica holds (retention_handlers)
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Indexes:
@@ -99,6 +101,8 @@ class Indexes:
             nodes=kwargs["node_index"],
             replicas=kwargs["replica_index"],
             replica_leases=kwargs["replica_lease_index"],
+            retention_loads=kwargs["retention_load_index"],
+            retention_holds=kwargs["retention_hold_index"],
         )
 
     def version_lookup(self, namespace: str) -> Callable[[str], VersionView | None]:

@@ -184,26 +184,23 @@ async def sync_warm_labels(namespace: str, name: str, replicas: Iterable[Mapping
 
 
 @kopf.on.event(*ML)
-async def forget_deleted_modelload(event: dict, namespace: str, name: str, node_index: kopf.Index,
-                                   **_: Any) -> None:  # fmt: skip
+async def forget_deleted_modelload(event: dict, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """A deleted ModelLoad follows no pods, and no node is warm for it any more."""
     if event.get("type") != "DELETED":
         return
     with _lock:
         _forget((namespace, name))
-    nodes = [n for store in node_index.values() for n in store]
-    await sync_warm_labels(namespace, name, [], nodes, [])
+    await sync_warm_labels(namespace, name, [], memo.indexes.all_nodes(), [])
 
 
 @kopf.on.event("", "v1", "nodes")
-async def drop_orphaned_warm_labels(name: str, labels: kopf.Labels, desired_index: kopf.Index,
-                                    **_: Any) -> None:  # fmt: skip
+async def drop_orphaned_warm_labels(name: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     """A warm-node label of no ModelLoad that exists (one deleted while the operator was down) is removed. kopf
-    runs handlers only once its indexes are filled, so every existing ModelLoad is in `desired_index`."""
+    runs handlers only once its indexes are filled, so every existing ModelLoad is in the desired index."""
     warm = [key for key in labels if key.startswith(WARM_LABEL_PREFIX)]
     if not warm:
         return
-    live = {warm_node_label(ns, ml) for (ns, _), store in desired_index.items() for ml in store}
+    live = {warm_node_label(ns, ml) for ns, ml in memo.indexes.all_modelloads()}
     for key in warm:
         if key not in live:
             log.info("node %s: removing %s, the label of no ModelLoad", name, key)
