@@ -23,7 +23,7 @@ def variables_read() -> set[str]:
     found = set()
     for path in PACKAGE.rglob("*.py"):
         found.update(re.findall(r"environ\.get\(\s*\"(FERRY_[A-Z_]+)\"", path.read_text()))
-        found.update(re.findall(r"_float\(\"(FERRY_[A-Z_]+)\"", path.read_text()))
+        found.update(re.findall(r"(?:_float|_setting)\(\"(FERRY_[A-Z_]+)\"", path.read_text()))
     return found
 
 
@@ -33,7 +33,7 @@ def test_help_lists_every_setting_with_its_default():
         env={**os.environ, "COLUMNS": "400"},
     ).stdout  # fmt: skip
     names = variables_read()
-    assert "FERRY_VERIFY_CONCURRENCY" in names and "FERRY_LEADER_ELECTION" in names  # the scan finds them
+    assert {"FERRY_VERIFY_CONCURRENCY", "FERRY_LEADER_ELECTION", "FERRY_LEADER_ELECTION_LEASE"} <= names  # scanned
     for name in names:
         assert name in out, name
     assert "[FERRY_VERIFY_CONCURRENCY; default: 16]" in out
