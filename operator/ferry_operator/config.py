@@ -1,4 +1,8 @@
-"""Operator settings, read once from the environment (Helm sets them on the Deployment)."""
+"""Operator settings, read once from the environment (Helm sets them on the Deployment).
+
+`SETTINGS` documents every variable the operator reads, with its default; `python -m ferry_operator --help` lists
+them, and takes each as a flag too.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,42 @@ from dataclasses import dataclass
 from ferry.api.models import MAX_CHAIN_LENGTH
 
 
-def _float(name: str, default: float) -> float:
+@dataclass(frozen=True)
+class Setting:
+    env: str
+    default: str  # as the variable would spell it; "" = unset
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.env.removeprefix("FERRY_").lower().replace("_", "-")
+
+
+SETTINGS = (
+    Setting("FERRY_VERIFY_CONCURRENCY", "16", "storage verifications at once (threads, and S3 connections)"),
+    Setting("FERRY_VERIFY_BACKOFF_SECONDS", "2", "first retry delay after a failed storage verification"),
+    Setting("FERRY_VERIFY_BACKOFF_MAX_SECONDS", "300", "cap of the doubling verification retry delay"),
+    Setting("FERRY_RELEASE_RETRY_SECONDS", "2", "how often a blocked release (deletion) of a version is retried"),
+    Setting("FERRY_WATCH_TIMEOUT_SECONDS", "300", "server-side timeout of each watch request"),
+    Setting("FERRY_METRICS_ADDRESS", "0.0.0.0", "address of the Prometheus /metrics endpoint"),
+    Setting("FERRY_METRICS_PORT", "8080", "port of the /metrics endpoint; 0 = any free port, -1 = off"),
+    Setting("FERRY_S3_ENDPOINT", "", "S3 endpoint for WeightVersions that name none (else AWS_ENDPOINT_URL)"),
+    Setting("FERRY_LEADER_ELECTION", "", "true: run as one of several replicas, one active (Lease election)"),
+    Setting("FERRY_LEADER_ELECTION_NAMESPACE", "default", "namespace of the leader-election Lease"),
+    Setting("FERRY_LEADER_ELECTION_LEASE", "ferry-operator", "name of the leader-election Lease"),
+    Setting("FERRY_LEADER_ELECTION_IDENTITY", "", "this replica's identity in the Lease (default: the hostname)"),
+    Setting("FERRY_LEADER_ELECTION_LEASE_SECONDS", "10", "how long a leader's Lease holds without renewal"),
+    Setting("FERRY_LEADER_ELECTION_RENEW_DEADLINE_SECONDS", "7", "a leader that cannot renew this long steps down"),
+    Setting("FERRY_LEADER_ELECTION_RETRY_SECONDS", "2", "how often the Lease is renewed, or tried by a standby"),
+    Setting("FERRY_STANDBY_HEALTHZ", "", "URL a standby serves the liveness probe on (kopf's --liveness)"),
+)
+DEFAULTS = {s.env: s.default for s in SETTINGS}
+
+
+def _float(name: str) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
-        return default
+        raw = DEFAULTS[name]
     value = float(raw)
     if not value > 0:
         raise ValueError(f"{name} must be a positive number, got {raw!r}")
@@ -33,14 +69,14 @@ class OperatorConfig:
     @classmethod
     def from_env(cls) -> OperatorConfig:
         return cls(
-            verify_concurrency=int(_float("FERRY_VERIFY_CONCURRENCY", 16)),
-            verify_backoff_initial=_float("FERRY_VERIFY_BACKOFF_SECONDS", 2.0),
-            verify_backoff_max=_float("FERRY_VERIFY_BACKOFF_MAX_SECONDS", 300.0),
-            release_retry_seconds=_float("FERRY_RELEASE_RETRY_SECONDS", 2.0),
-            watch_server_timeout=int(_float("FERRY_WATCH_TIMEOUT_SECONDS", 300)),
+            verify_concurrency=int(_float("FERRY_VERIFY_CONCURRENCY")),
+            verify_backoff_initial=_float("FERRY_VERIFY_BACKOFF_SECONDS"),
+            verify_backoff_max=_float("FERRY_VERIFY_BACKOFF_MAX_SECONDS"),
+            release_retry_seconds=_float("FERRY_RELEASE_RETRY_SECONDS"),
+            watch_server_timeout=int(_float("FERRY_WATCH_TIMEOUT_SECONDS")),
             max_chain_length=MAX_CHAIN_LENGTH,
-            metrics_address=os.environ.get("FERRY_METRICS_ADDRESS", "0.0.0.0"),
-            metrics_port=int(os.environ.get("FERRY_METRICS_PORT", "8080")),
+            metrics_address=os.environ.get("FERRY_METRICS_ADDRESS", DEFAULTS["FERRY_METRICS_ADDRESS"]),
+            metrics_port=int(os.environ.get("FERRY_METRICS_PORT", DEFAULTS["FERRY_METRICS_PORT"])),
             # Default endpoint for WeightVersions that name none (e.g. an in-cluster S3 gateway).
             s3_endpoint=os.environ.get("FERRY_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL") or None,
         )

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import kopf
+
 from ferry.api.models import ChainReason, ConditionStatus, ModelLoadReadyReason, WeightVersionReadyReason
 from ferry_operator.modelloads import DEGRADED, ENGINES_ATTACHED, PEER_STALLED, READY, VERSION_NOT_READY
 from ferry_operator.versions import VERIFICATION_PENDING
@@ -56,3 +58,23 @@ def condition_event(type_: str, before: Mapping[str, Any] | None, after: Mapping
     if was[0] != status or warning or is_problem(type_, *was):
         return warning
     return None  # one step of progress to the next (e.g. VersionNotReady → ReplicasNotReady): no news
+
+
+def emit_transitions(body: Mapping[str, Any], before: list, after: list, announced: dict[str, tuple]) -> None:
+    """Post the Events of the condition changes from `before` to `after` (`condition_event` says which).
+    `announced` is the object's memo of what was last posted per condition."""
+    old = {c["type"]: c for c in before}
+    for c in after:
+        warning = condition_event(c["type"], old.get(c["type"]), c)
+        if warning is not None and first_time(announced, c["type"], (c["status"], c["reason"])):
+            message = f"{c['type']}={c['status']}: {c['message']}"
+            (kopf.warn if warning else kopf.info)(body, reason=c["reason"], message=message)
+
+
+def first_time(announced: dict[str, tuple], key: str, value: tuple) -> bool:
+    """Record `value` as the last one announced for `key`; False when it already was. Two reconciles of one
+    object can both see the same change in a stale body: one Event per change is enough."""
+    if announced.get(key) == value:
+        return False
+    announced[key] = value
+    return True

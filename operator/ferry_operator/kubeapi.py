@@ -36,12 +36,20 @@ def read_secret_data(namespace: str, name: str) -> dict[str, str]:
     return dict(secret.data or {})
 
 
-def nudge(plural: str, namespace: str, name: str, annotation: str, value: str) -> None:
-    """Touch an annotation so kopf reconciles the object now: the operator has no resync, so this is how a change
-    of one object reaches the objects derived from it."""
-    body = {"metadata": {"annotations": {annotation: value}}}
+def get_object(plural: str, namespace: str, name: str) -> dict | None:
+    """The object as it is now (None: gone): what a reconcile woken in process starts from."""
     try:
-        _objects().patch_namespaced_custom_object(GROUP, VERSION, namespace, plural, name, body)
+        return _objects().get_namespaced_custom_object(GROUP, VERSION, namespace, plural, name)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return None
+
+
+def patch_status(plural: str, namespace: str, name: str, status: dict) -> None:
+    """Merge `status` into the object's status subresource (a gone object is no error)."""
+    try:
+        _objects().patch_namespaced_custom_object_status(GROUP, VERSION, namespace, plural, name, {"status": status})
     except ApiException as exc:
         if exc.status != 404:
             raise

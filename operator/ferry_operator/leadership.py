@@ -35,6 +35,7 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client import Gauge
 
 from ferry.kube import kube_client
+from ferry_operator.config import DEFAULTS
 
 log = logging.getLogger("ferry.operator.leadership")
 
@@ -71,14 +72,19 @@ class ElectionConfig:
         # A restarted container keeps its Pod name: the suffix tells its Lease records from its predecessor's.
         base = os.environ.get("FERRY_LEADER_ELECTION_IDENTITY") or socket.gethostname()
         return cls(
-            namespace=os.environ.get("FERRY_LEADER_ELECTION_NAMESPACE") or "default",
-            name=os.environ.get("FERRY_LEADER_ELECTION_LEASE") or "ferry-operator",
+            namespace=_setting("FERRY_LEADER_ELECTION_NAMESPACE"),
+            name=_setting("FERRY_LEADER_ELECTION_LEASE"),
             identity=f"{base}_{uuid.uuid4().hex[:8]}",
-            lease_duration=int(os.environ.get("FERRY_LEADER_ELECTION_LEASE_SECONDS") or 10),
-            renew_deadline=float(os.environ.get("FERRY_LEADER_ELECTION_RENEW_DEADLINE_SECONDS") or 7),
-            retry_period=float(os.environ.get("FERRY_LEADER_ELECTION_RETRY_SECONDS") or 2),
-            standby_healthz=os.environ.get("FERRY_STANDBY_HEALTHZ") or "",
+            lease_duration=int(_setting("FERRY_LEADER_ELECTION_LEASE_SECONDS")),
+            renew_deadline=float(_setting("FERRY_LEADER_ELECTION_RENEW_DEADLINE_SECONDS")),
+            retry_period=float(_setting("FERRY_LEADER_ELECTION_RETRY_SECONDS")),
+            standby_healthz=_setting("FERRY_STANDBY_HEALTHZ"),
         )
+
+
+def _setting(name: str) -> str:
+    """The variable, or its documented default (`config.SETTINGS`) when unset or empty."""
+    return os.environ.get(name) or DEFAULTS[name]
 
 
 def _micro(now: dt.datetime) -> str:

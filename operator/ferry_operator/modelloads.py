@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -738,3 +738,32 @@ def aggregate_status(
         "conditions": conds,
         "observedGeneration": generation,
     }
+
+
+# ---------------------------------------------------------------- what a reconcile gathers from the indexes
+
+
+def holders(serving: Iterable[Mapping[str, Any]], desired: str, uid: str | None) -> set[str]:
+    """Nodes whose replica (of any ModelLoad) serves that very desired version: free, local sources."""
+    return {r["spec"]["nodeName"] for r in serving if serves(r, desired, uid)}
+
+
+def replica_leases(
+    replicas: Iterable[Mapping[str, Any]], lookup: Callable[[str], Iterable[Mapping[str, Any]]]
+) -> dict[str, Mapping[str, Any]]:
+    """The replicas' Leases by name; `lookup` gives the Leases of one name (none, or one)."""
+    return {
+        lease_name: lease
+        for r in replicas
+        for lease_name in [replica_lease_name(r["metadata"]["name"])]
+        for lease in lookup(lease_name)
+    }
+
+
+def matching_nodes(nodes: Iterable[Mapping[str, Any]], spec: Mapping[str, Any]) -> int:
+    """How many nodes the ModelLoad's `spec.nodeSelector` admits."""
+    return sum(1 for n in nodes if node_matches(n, spec.get("nodeSelector") or {}))
+
+
+def stall_seconds(spec: Mapping[str, Any]) -> float:
+    return float((spec.get("transfer") or {}).get("stallSeconds", 60))

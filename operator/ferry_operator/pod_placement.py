@@ -3,8 +3,8 @@ module (main.py does).
 
 The pods: one list-then-watch per namespace that has a ModelLoad with a podSelector, in a thread of its own (the
 blocking client), so only the tenant namespaces Ferry serves are read (RBAC grants pods list/watch there alone,
-docs/security.md). A pod change that moves the set of nodes a ModelLoad follows nudges that ModelLoad, whose
-reconcile reads the pods from memory (`pod_nodes`), never from the API.
+docs/security.md). A pod change that moves the set of nodes a ModelLoad follows wakes that ModelLoad (in process),
+whose reconcile reads the pods from memory (`pod_nodes`), never from the API.
 
 Warm nodes: every node where a ModelLoad's replica is Serving carries `warm_node_label(namespace, modelload)` set to
 the version, so engine pods may prefer it (docs/consumers.md); the reconcile sets and removes it (`sync_warm_labels`),
@@ -15,7 +15,6 @@ longer exist (deleted while the operator was down).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -25,15 +24,15 @@ import kopf
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from ferry.api.models import GROUP, WARM_LABEL_PREFIX, warm_node_label
+from ferry.api.models import WARM_LABEL_PREFIX, warm_node_label
 from ferry.kube import kube_client
 from ferry_operator import kubeapi
 from ferry_operator.kubeapi import ML
 from ferry_operator.modelloads import REPLICA_HELD, PodFacts, followed_nodes, selector_matches, warm_label_changes
+from ferry_operator.wakeups import WAKEUPS
 
 log = logging.getLogger("ferry.operator.pods")
 
-PODS_ANNOTATION = f"{GROUP}/followed-nodes"
 WATCH_SECONDS = 300
 REQUEST_TIMEOUT_S = (5.0, 30.0)  # (connect, read): a frozen apiserver must not hang the thread
 RETRY_CAP_S = 30.0
@@ -108,15 +107,15 @@ def _facts(api: client.ApiClient, pod: client.V1Pod) -> PodFacts:
     return PodFacts.from_body(api.sanitize_for_serialization(pod))
 
 
-# namespace -> its pods; (namespace, ModelLoad) -> its podSelector, and the nodes it was last nudged for.
+# namespace -> its pods; (namespace, ModelLoad) -> its podSelector, and the nodes it was last woken for.
 _namespaces: dict[str, NamespacePods] = {}
 _selectors: dict[tuple[str, str], Mapping[str, Any]] = {}
-_nudged: dict[tuple[str, str], frozenset[str]] = {}
+_woken: dict[tuple[str, str], frozenset[str]] = {}
 _lock = threading.Lock()
 
 
 def _changed(namespace: str, before: PodFacts | None, after: PodFacts | None) -> None:
-    """In a watch thread: nudge each ModelLoad whose followed nodes this pod change (or a fresh list: both None)
+    """In a watch thread: wake each ModelLoad whose followed nodes this pod change (or a fresh list: both None)
     moves."""
     relisted = before is None and after is None
     with _lock:
@@ -127,15 +126,10 @@ def _changed(namespace: str, before: PodFacts | None, after: PodFacts | None) ->
         if not (relisted or involved):
             continue
         nodes = frozenset(followed_nodes(selector, pods.pods() if pods else []))
-        if _nudged.get(key) == nodes:
+        if _woken.get(key) == nodes:
             continue
-        _nudged[key] = nodes
-        digest = hashlib.sha256("\n".join(sorted(nodes)).encode()).hexdigest()[:16]
-        try:
-            kubeapi.nudge(ML[2], namespace, key[1], PODS_ANNOTATION, digest)
-        except Exception as exc:  # the resync reconciles it anyway
-            _nudged.pop(key, None)
-            log.warning("could not nudge ModelLoad %s/%s: %r", namespace, key[1], exc)
+        _woken[key] = nodes
+        WAKEUPS.wake_threadsafe(ML[2], namespace, key[1])
 
 
 def pod_nodes(namespace: str, name: str, selector: Mapping[str, Any] | None) -> set[str] | None:
@@ -158,24 +152,22 @@ def pod_nodes(namespace: str, name: str, selector: Mapping[str, Any] | None) -> 
 def _forget(key: tuple[str, str]) -> None:
     """Stop following pods for a ModelLoad (and watching its namespace, when it was the last one); under _lock."""
     _selectors.pop(key, None)
-    _nudged.pop(key, None)
+    _woken.pop(key, None)
     if not any(ns == key[0] for ns, _ in _selectors) and (pods := _namespaces.pop(key[0], None)):
         pods.stop()
 
 
 # ---------------------------------------------------------------- held replicas, warm labels
 
-_held: set[tuple[str, str]] = set()  # (ModelLoad uid, replica) announced as held
 
-
-def announce_held(body: kopf.Body, held: Iterable[str]) -> None:
-    """One Event per replica that placement no longer wants but an attached consumer keeps."""
-    uid = body["metadata"]["uid"]
-    now = {(uid, name) for name in held}
-    for key in now - _held:
-        kopf.info(body, reason=REPLICA_HELD, message=f"{key[1]} stays while a consumer pod is attached to it")
-    _held.difference_update({k for k in _held if k[0] == uid} - now)
-    _held.update(now)
+def announce_held(body: Mapping[str, Any], held: Iterable[str], announced: set[str]) -> None:
+    """One Event per replica that placement no longer wants but an attached consumer keeps; `announced` (in the
+    ModelLoad's memo) holds the replicas announced so far."""
+    now = set(held)
+    for name in sorted(now - announced):
+        kopf.info(body, reason=REPLICA_HELD, message=f"{name} stays while a consumer pod is attached to it")
+    announced.intersection_update(now)
+    announced.update(now)
 
 
 async def sync_warm_labels(namespace: str, name: str, replicas: Iterable[Mapping[str, Any]],
@@ -192,26 +184,23 @@ async def sync_warm_labels(namespace: str, name: str, replicas: Iterable[Mapping
 
 
 @kopf.on.event(*ML)
-async def forget_deleted_modelload(event: dict, namespace: str, name: str, node_index: kopf.Index,
-                                   **_: Any) -> None:  # fmt: skip
+async def forget_deleted_modelload(event: dict, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """A deleted ModelLoad follows no pods, and no node is warm for it any more."""
     if event.get("type") != "DELETED":
         return
     with _lock:
         _forget((namespace, name))
-    nodes = [n for store in node_index.values() for n in store]
-    await sync_warm_labels(namespace, name, [], nodes, [])
+    await sync_warm_labels(namespace, name, [], memo.indexes.all_nodes(), [])
 
 
 @kopf.on.event("", "v1", "nodes")
-async def drop_orphaned_warm_labels(name: str, labels: kopf.Labels, desired_index: kopf.Index,
-                                    **_: Any) -> None:  # fmt: skip
+async def drop_orphaned_warm_labels(name: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     """A warm-node label of no ModelLoad that exists (one deleted while the operator was down) is removed. kopf
-    runs handlers only once its indexes are filled, so every existing ModelLoad is in `desired_index`."""
+    runs handlers only once its indexes are filled, so every existing ModelLoad is in the desired index."""
     warm = [key for key in labels if key.startswith(WARM_LABEL_PREFIX)]
     if not warm:
         return
-    live = {warm_node_label(ns, ml) for (ns, _), store in desired_index.items() for ml in store}
+    live = {warm_node_label(ns, ml) for ns, ml in memo.indexes.all_modelloads()}
     for key in warm:
         if key not in live:
             log.info("node %s: removing %s, the label of no ModelLoad", name, key)

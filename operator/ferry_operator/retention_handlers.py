@@ -21,6 +21,7 @@ from ferry.s3 import credentials_from_secret_data, parse_s3_uri
 from ferry.storage import DeletionReport, delete_checkpoint
 from ferry_operator import kubeapi
 from ferry_operator.config import CONFIG
+from ferry_operator.indexes import Indexes
 from ferry_operator.indexkeys import in_folder, in_namespace
 from ferry_operator.kubeapi import ML, WR, WV
 from ferry_operator.retention import (
@@ -57,9 +58,10 @@ def retention_hold_index(namespace: str, body: kopf.Body, **_: Any) -> dict:
     return {namespace: held_versions(body)}
 
 
-async def _apply_policy(namespace: str, versions: kopf.Index, loads: kopf.Index, holds: kopf.Index) -> None:
+async def _apply_policy(namespace: str, indexes: Indexes) -> None:
     """Coalesced per namespace: a burst of events (10,000 versions published at once) costs a few runs, since a
     run reads the indexes as they are when it starts and a request made before then is served by it."""
+    versions, loads, holds = indexes.versions, indexes.retention_loads, indexes.retention_holds
     load_facts = list(loads.get(namespace, []))
     if not any(load.keep_last is not None for load in load_facts) or namespace in _queued:
         return  # no policy here (nothing to walk), or a run that has not started yet will see this change
@@ -99,29 +101,23 @@ async def _apply_policy(namespace: str, versions: kopf.Index, loads: kopf.Index,
 
 
 @kopf.on.event(*WV)
-async def retention_on_version(event: dict, namespace: str, body: kopf.Body, version_index: kopf.Index,
-                               retention_load_index: kopf.Index, retention_hold_index: kopf.Index,
-                               **_: Any) -> None:  # fmt: skip
+async def retention_on_version(event: dict, namespace: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     if event.get("type") == "DELETED":
         uid = body["metadata"].get("uid")
         _retired.discard(uid)
         _refused.pop(uid, None)
         _storage_tries.pop(uid, None)
-    await _apply_policy(namespace, version_index, retention_load_index, retention_hold_index)
+    await _apply_policy(namespace, memo.indexes)
 
 
 @kopf.on.event(*ML)
-async def retention_on_modelload(namespace: str, version_index: kopf.Index,
-                                 retention_load_index: kopf.Index, retention_hold_index: kopf.Index,
-                                 **_: Any) -> None:  # fmt: skip
-    await _apply_policy(namespace, version_index, retention_load_index, retention_hold_index)
+async def retention_on_modelload(namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    await _apply_policy(namespace, memo.indexes)
 
 
 @kopf.on.event(*WR)
-async def retention_on_replica(namespace: str, version_index: kopf.Index,
-                               retention_load_index: kopf.Index, retention_hold_index: kopf.Index,
-                               **_: Any) -> None:  # fmt: skip
-    await _apply_policy(namespace, version_index, retention_load_index, retention_hold_index)
+async def retention_on_replica(namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    await _apply_policy(namespace, memo.indexes)
 
 
 def _delete_objects(namespace: str, storage: dict, index_digest: str | None) -> DeletionReport:

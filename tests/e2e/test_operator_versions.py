@@ -16,6 +16,7 @@ from tests.support.objects import (
     apply,
     condition,
     get,
+    ml_body,
     publish_delta,
     publish_full,
     put_files,
@@ -37,14 +38,28 @@ def publish_chain(s3, ns: str, names: list[str]) -> None:
         weights = new
 
 
+def ferry_annotations(obj: dict) -> dict[str, str]:
+    return {k: v for k, v in (obj["metadata"].get("annotations") or {}).items() if k.startswith("ferry.dev/")}
+
+
 def test_full_then_two_deltas_go_ready_in_order(cluster, s3, namespace, operator):
     publish_chain(s3, namespace, ["v1", "v2", "v3"])
     # Applied newest first: the deltas must wait for their bases, then follow promptly.
     apply(cluster, namespace, wv_body(namespace, "v3", base="v2"), wv_body(namespace, "v2", base="v1"))
+    apply(cluster, namespace, ml_body(namespace, "v3"))  # no node in its pool: it can only wait for v3
     wait_reason(cluster, namespace, "v3", "ChainResolved", "False", "BaseNotFound")
     wait_reason(cluster, namespace, "v2", "ChainResolved", "False", "BaseNotFound")
     apply(cluster, namespace, wv_body(namespace, "v1"))
     cluster.kubectl("wait", "--for=condition=Ready", "wv/v3", "-n", namespace, "--timeout=60s")
+    # v3 Ready wakes the ModelLoad desiring it: it now lacks only nodes.
+    wait_for(
+        lambda: condition(get(cluster, namespace, "ml", "serve"), "Ready").get("reason") == "InsufficientNodes",
+        30,
+        "the ModelLoad woken by v3",
+    )
+    # The deltas and the ModelLoad were woken in process: nothing wrote onto the user's objects to get there.
+    for kind, name in (("wv", "v1"), ("wv", "v2"), ("wv", "v3"), ("ml", "serve")):
+        assert ferry_annotations(get(cluster, namespace, kind, name)) == {}, (kind, name)
     objs = {n: get(cluster, namespace, "wv", n) for n in ("v1", "v2", "v3")}
     ready_times = [condition(objs[n], "Ready")["lastTransitionTime"] for n in ("v1", "v2", "v3")]
     assert ready_times == sorted(ready_times)
@@ -141,6 +156,7 @@ def test_object_appearing_later_flips_storage_verified(cluster, s3, namespace, o
     assert get(cluster, namespace, "wv", "v1")["status"]["phase"] == "Pending"
     publish_chain(s3, namespace, ["v1"])
     wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified", timeout=30)
+    assert ferry_annotations(get(cluster, namespace, "wv", "v1")) == {}  # the backoff's retry touched nothing
 
 
 def _secret(cluster, namespace, name, access, secret):

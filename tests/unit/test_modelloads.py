@@ -13,10 +13,13 @@ from ferry_operator.modelloads import (
     aggregate_status,
     choose_nodes,
     foreign_leases,
+    holders,
     live_conditions,
+    matching_nodes,
     plan_replicas,
     renewed_after_expiry,
     replica_body,
+    replica_leases,
     replica_name,
     stale_replicas,
     stall_deadline,
@@ -282,3 +285,12 @@ def test_an_unplaceable_version_creates_and_moves_nothing(version, reason):
 
 def test_a_ready_version_of_the_model_is_placeable():
     assert version_problem(ml()["spec"], view()) is None
+
+
+def test_what_a_reconcile_gathers_holders_leases_and_matching_nodes():
+    serving = [wr("a", versionUid="u-new"), wr("b", versionUid="u-old"), wr("c", phase="Loading")]
+    assert holders(serving, "v2", "u-new") == {"a"}  # b serves an older object of the name, c nothing yet
+    found = {replica_lease_name(RA): [lease("a")], replica_lease_name(RB): []}
+    assert replica_leases([wr("a"), wr("b")], lambda name: found.get(name, [])) == {replica_lease_name(RA): lease("a")}
+    nodes = [node("a"), node("b", gpu=False), node("c", unschedulable=True)]
+    assert matching_nodes(nodes, ml()["spec"]) == 1
