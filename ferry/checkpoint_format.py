@@ -1,6 +1,6 @@
 """The canonical on-S3 checkpoint format, shared by the publisher, the operator's verifier and the agent.
 
-It is ModelExpress's canonical format (reference/modelexpress.md §5.3, §5.5, §5.6), so checkpoints
+It is ModelExpress's canonical format (docs/checkpoint-format.md), so checkpoints
 interoperate:
 
 - a full checkpoint is a Hugging Face style sharded safetensors checkpoint:

@@ -1,5 +1,5 @@
 """A multi-rank S3 cold start: real gloo ranks (forked processes) replay a full + delta chain from the real S3
-through one shared checkpoint store, each loading its share of the tensors (reference/modelexpress.md §5.9)."""
+through one shared checkpoint store, each loading its share of the tensors (docs/ranks.md)."""
 
 from __future__ import annotations
 

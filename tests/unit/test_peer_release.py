@@ -1,7 +1,7 @@
-"""Peer-release rules (reference §3.6, ModelExpress seed 000 / nvbug 6519532) pinned against Ferry's API.
+"""Peer-release rules (ModelExpress's peer-release rules, numbered as below) pinned against Ferry's API.
 
 Every rule is checked with fakes that record call order. Mapping to the seed's rules:
-  1-2. Ferry always takes a read lease (DESIGN.md: PrepareTensorRead/ReleaseTensorRead): first, once per
+  1-2. Ferry always takes a read lease (PrepareTensorRead/ReleaseTensorRead, docs/architecture.md): first, once per
        attempt, bounded by the RPC timeout and the candidate's budget, naming the target as reader.
   3.   A successful load removes the remote agent exactly once, during the load (never at exit).
   4.   The removed name is the one claimed before the add (and the one read from).

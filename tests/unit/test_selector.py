@@ -1,4 +1,4 @@
-"""Source selectors order candidates (reference §3.3); unknown names are configuration errors."""
+"""Source selectors order candidates; unknown names are configuration errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The load strategy chain keeps ModelExpress `execute_load_strategies` semantics (reference §2)."""
+"""The load strategy chain keeps ModelExpress `execute_load_strategies` semantics."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tensor read leases and the Worker gRPC service (reference §3.4), on a real in-process gRPC server."""
+"""Tensor read leases and the Worker gRPC service, on a real in-process gRPC server."""
 
 from __future__ import annotations
 
