@@ -155,8 +155,8 @@ class NodeAgent:
 
     def run(self) -> None:
         log.info("agent %s serving node %s", self.agent_name, self.node)
-        watch = threading.Thread(target=self.replicas.watch, args=(self._wake, self._stopping), daemon=True)
-        watch.start()
+        args = (self._wake, self._stopping)
+        threading.Thread(target=self.replicas.watch, args=args, name="ferry-watch", daemon=True).start()
         if self._attachments is not None:
             self._attachments.start()
         backoff = Backoff()
