@@ -40,13 +40,13 @@ except ImportError:  # run as a script: bench/ is on sys.path, the repository ro
 
 from ferry.api.models import API_VERSION, worker_audience
 from ferry_agent.kube.registry import LABEL_NODE
-from ferry_agent.source_main import READY_MARKER
 from ferry_agent.store.resident import ResidentWeights, TensorSpec
 from ferry_agent.strategies.candidate import SourceCandidate
 from ferry_agent.strategies.chain import LoadContext
 from ferry_agent.strategies.peer import PeerStrategy, TransferSettings
 from ferry_agent.transport.worker_service import SourceIdentity, get_tensor_manifest
 from ferry_dev.localcluster import local_stack
+from ferry_dev.source_main import READY_MARKER
 
 MIB = 1 << 20
 
@@ -85,7 +85,7 @@ def authenticated(cluster: Any, workdir: Path) -> Auth:
 def start_source(
     name: str, tensors: int, tensor_bytes: int, auth: Auth | None
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    cmd = [sys.executable, "-m", "ferry_agent.source_main", "--agent-name", name, "--tensors", str(tensors),
+    cmd = [sys.executable, "-m", "ferry_dev.source_main", "--agent-name", name, "--tensors", str(tensors),
            "--tensor-bytes", str(tensor_bytes)]  # fmt: skip
     env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
     if auth is not None:

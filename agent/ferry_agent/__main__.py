@@ -48,19 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         except OSError as exc:  # engines cannot attach here; peers and replicas are served all the same
             logging.getLogger("ferry.agent").error("attach disabled: %s: %s", config.socket_dir, exc)
             attach = None
-    agent = NodeAgent(
-        api, config.node, seeds=config.seeds, lease_seconds=config.lease_seconds,
-        poll_seconds=config.poll_seconds, retry_seconds=config.retry_seconds,
-        bind_address=config.bind_address,
-        store=store,
-        s3_endpoint=config.s3_endpoint,
-        rank_timeout_s=config.rank_timeout_seconds,
-        worker_auth=auth,
-        worker_tokens=worker_tokens,
-        attach=attach,
-        host=host,
-        log_format=config.log_format,
-    )  # fmt: skip
+    agent = NodeAgent(api, config, store=store, worker_auth=auth, worker_tokens=worker_tokens, attach=attach, host=host)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
     metrics.READY.set()

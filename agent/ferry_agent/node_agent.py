@@ -1,13 +1,14 @@
-"""The node agent process: loads the WeightReplicas assigned to its node and serves them to peers.
+"""The node agent's reconcile: loads the WeightReplicas assigned to its node, serves them, and retires them.
 
-For each WeightReplica with `spec.nodeName` == this node it runs the desired-version cold start
-(`replica_load.load_rank`: the source order, Peer then ObjectStorage by default, then a local seed checkpoint
-when one is configured for that version), publishes every loaded rank as a P2P source in `status.ranks[]`,
-and keeps a coordination Lease alive (recreating it if it is deleted). A one-rank replica loads in this process;
-a replica of N ranks runs one `ranks.worker` process per rank (`ranks.supervisor.RankProcesses`), which agree through a
-gloo group. An unreachable or failing apiserver costs nothing held: loaded replicas keep serving, status patches
-are kept and written when it answers again (`kube.apiretry.StatusOutbox`), and every loop retries with capped
-backoff. The agent writes only the WeightReplica `/status` and its Leases.
+For each WeightReplica with `spec.nodeName` == this node (`kube.replicas`: the watch, the list, the status writes) it
+runs the desired-version cold start (`replica_load.load_rank`: the source order, Peer then ObjectStorage by default,
+then a local seed checkpoint when one is configured for that version), publishes every loaded rank as a P2P source in
+`status.ranks[]`, and holds the replica's Lease while it serves (`kube.lease`). A one-rank replica loads in this
+process; a replica of N ranks runs one `ranks.worker` process per rank (`ranks.supervisor.RankProcesses`), which agree
+through a gloo group. A new version loads next to the served one, which is retired only once the new one serves. An
+unreachable or failing apiserver costs nothing held: loaded replicas keep serving, status patches are kept and
+written when it answers again (`kube.apiretry.StatusOutbox`), and every loop retries with capped backoff. The agent
+writes only the WeightReplica `/status` and its Leases.
 """
 
 from __future__ import annotations
@@ -18,34 +19,27 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from kubernetes import client, watch
-from kubernetes.client.exceptions import ApiException
+from kubernetes import client
 
 from ferry.api.conditions import now_rfc3339
-from ferry.api.models import GROUP, VERSION, AttemptOutcome, ReplicaPhase, ReplicaReason
+from ferry.api.models import AttemptOutcome, ReplicaPhase, ReplicaReason
 from ferry.errors import LoadFailed
 from ferry_agent import metrics
 from ferry_agent.attach.memstore import HostStore, MemoryBudgetExceeded, SealedVersion, adopt_rank
 from ferry_agent.attach.service import AttachService
 from ferry_agent.attach.status import AttachmentPublisher
-from ferry_agent.kube.apiretry import REQUEST_TIMEOUT_S, Backoff, StatusOutbox, describe, is_transient
-from ferry_agent.kube.registry import (
-    DEFAULT_LEASE_SECONDS,
-    LABEL_NODE,
-    lease_body,
-    lease_name,
-)
-from ferry_agent.kube.sources import PLURAL, ApiSources
-from ferry_agent.logs import LogFormat
+from ferry_agent.config import AgentConfig
+from ferry_agent.kube.apiretry import Backoff, describe, is_transient
+from ferry_agent.kube.lease import ReplicaLeases
+from ferry_agent.kube.replicas import NodeReplicas
+from ferry_agent.kube.sources import ApiSources
 from ferry_agent.ranks.agreement import SingleRank
 from ferry_agent.ranks.supervisor import RankLaunch, RankProcesses
 from ferry_agent.replica_load import load_rank, rank_context, read_guard, serve_rank
 from ferry_agent.store.checkpoints import CheckpointStore, model_key
 from ferry_agent.store.resident import ResidentWeights
-from ferry_agent.strategies.local_file import SeedKey
 from ferry_agent.strategies.peer import TransferSettings
 from ferry_agent.strategies.progress import Progress
 from ferry_agent.transport.nixl import NixlPeer
@@ -104,67 +98,54 @@ class Served:
     shares: list[SealedVersion] = field(default_factory=list)  # held until the replica stops being served
 
 
-@dataclass
-class Renewal:
-    """A Lease this agent renews: `stop` ends the renewals; `lock` keeps a renewal and the deletion apart."""
-
-    stop: threading.Event
-    lock: threading.Lock
-
-
 class NodeAgent:
+    """Reconciles the WeightReplicas of `config.node` (`kube.replicas`): loads each one's `spec.version`, serves it
+    to peers and to the node's pods, holds its Lease while it serves (`kube.lease`), and retires what it no longer
+    should serve."""
+
     def __init__(
         self,
         api: client.ApiClient,
-        node: str,
+        config: AgentConfig,
         *,
-        seeds: Mapping[SeedKey, Path] | None = None,
-        lease_seconds: int = DEFAULT_LEASE_SECONDS,
-        poll_seconds: float = 1.0,
-        retry_seconds: float = 5.0,
-        bind_address: str = "127.0.0.1",
         store: CheckpointStore | None = None,
-        s3_endpoint: str | None = None,
         peer_factory: Callable[[str], NixlPeer] = NixlPeer,
-        rank_timeout_s: float = 3600.0,
         worker_auth: WorkerAuth | None = None,
         worker_tokens: ReaderTokens | None = None,
         attach: AttachService | None = None,
         host: HostStore | None = None,
-        log_format: LogFormat = LogFormat.PLAIN,
     ) -> None:
-        """`worker_auth` checks the readers of what this agent serves and `worker_tokens` are its own credentials
-        as a reader (`python -m ferry_agent` always sets both; None leaves the worker services open). `attach`
-        offers what is served to the pods of this node (None: not at all). `host` holds the CPU replicas'
-        bytes (sealed memfd chunks: a one-rank replica's own, a multi-rank one's adopted from its rank processes),
-        with the host-memory budget (default: unlimited)."""
-        self.node = node
-        self.agent_name = f"{node}-{uuid.uuid4().hex[:8]}"
+        """`store` is the node's checkpoint store (None: no ObjectStorage strategy). `worker_auth` checks the readers
+        of what this agent serves and `worker_tokens` are its own credentials as a reader (`python -m ferry_agent`
+        always sets both; None leaves the worker services open). `attach` offers what is served to the pods of this
+        node (None: not at all). `host` holds the CPU replicas' bytes (sealed memfd chunks: a one-rank replica's own,
+        a multi-rank one's adopted from its rank processes), with the host-memory budget (default: unlimited)."""
+        self.node = config.node
+        self.agent_name = f"{self.node}-{uuid.uuid4().hex[:8]}"
         self._api = api
-        self._objects = client.CustomObjectsApi(api)
-        self._leases = client.CoordinationV1Api(api)
-        self._seeds = dict(seeds or {})
-        self._lease_seconds = lease_seconds
-        self._poll_seconds = poll_seconds
+        self.replicas = NodeReplicas(client.CustomObjectsApi(api), self.node)
+        self.leases = ReplicaLeases(
+            client.CoordinationV1Api(api), holder=self.agent_name, node=self.node, lease_seconds=config.lease_seconds
+        )
+        self._seeds = dict(config.seeds)
+        self._poll_seconds = config.poll_seconds
         self._peer = peer_factory(self.agent_name)
         self._served: dict[tuple[str, str], Served] = {}
         # (ns, name) -> (version that failed, attempts, monotonic time of the next try)
         self._failed: dict[tuple[str, str], tuple[str, int, float]] = {}
-        self._retry_seconds = retry_seconds
-        self._bind_address = bind_address
+        self._retry_seconds = config.retry_seconds
+        self._bind_address = config.bind_address
         self._store = store
-        self._s3_endpoint = s3_endpoint
+        self._s3_endpoint = config.s3_endpoint
         # Bound on each collective of a multi-rank replica. Followers wait in one while their leader downloads and
         # replays the whole chain, so it is long; a rank that dies is noticed at once by its exit, not by this.
-        self._rank_timeout_s = rank_timeout_s
+        self._rank_timeout_s = config.rank_timeout_seconds
         self._worker_auth = worker_auth
         self._worker_tokens = worker_tokens
         self._attach = attach
         self._host = host or HostStore()
-        self._log_format = log_format  # the rank processes log as the agent does
+        self._log_format = config.log_format  # the rank processes log as the agent does
         self._host.on_change = lambda: self._wake.set()  # memory a lease held is freed: republish residentBytes
-        self._renewing: dict[tuple[str, str], Renewal] = {}  # replicas whose Lease this agent renews
-        self._status = StatusOutbox(self._write_status)
         # status.attachments of each replica, written through the same outbox.
         self._attachments = AttachmentPublisher(attach.server, self._patch_status) if attach is not None else None
         self._stopping = threading.Event()
@@ -174,7 +155,8 @@ class NodeAgent:
 
     def run(self) -> None:
         log.info("agent %s serving node %s", self.agent_name, self.node)
-        threading.Thread(target=self._watch, name="ferry-watch", daemon=True).start()
+        args = (self._wake, self._stopping)
+        threading.Thread(target=self.replicas.watch, args=args, name="ferry-watch", daemon=True).start()
         if self._attachments is not None:
             self._attachments.start()
         backoff = Backoff()
@@ -191,7 +173,7 @@ class NodeAgent:
                     log.warning("reconcile failed (%s); retrying in %.1fs", describe(exc), wait)
                 else:
                     log.exception("reconcile failed; retrying in %.1fs", wait)
-            unwritten = self._status.next_try_in()
+            unwritten = self.replicas.outbox.next_try_in()
             if unwritten is not None:
                 wait = min(wait, max(0.1, unwritten))
             self._wake.wait(wait)
@@ -203,39 +185,12 @@ class NodeAgent:
         if self._attachments is not None:
             self._attachments.stop()
 
-    def _watch(self) -> None:
-        """Wake the loop on any change to this node's WeightReplicas. Each (re)started watch lists first, so the
-        loop also wakes when the apiserver is back after an outage."""
-        backoff = Backoff()
-        while not self._stopping.is_set():
-            try:
-                for _event in watch.Watch().stream(
-                    self._objects.list_cluster_custom_object, GROUP, VERSION, PLURAL,
-                    label_selector=f"{LABEL_NODE}={self.node}", timeout_seconds=300,
-                    _request_timeout=(REQUEST_TIMEOUT_S[0], 330),
-                ):  # fmt: skip
-                    backoff.reset()
-                    self._wake.set()
-                    if self._stopping.is_set():
-                        return
-            except Exception as exc:  # a dropped watch (410 Gone included) only delays us to the next resync
-                delay = backoff.next()
-                log.debug("watch ended (%s); again in %.1fs", describe(exc), delay)
-                self._stopping.wait(delay)
-
     def reconcile_once(self) -> None:
-        self._status.flush()
-        listed = self._objects.list_cluster_custom_object(
-            GROUP, VERSION, PLURAL, label_selector=f"{LABEL_NODE}={self.node}"
-        )
-        assigned = {
-            (wr["metadata"]["namespace"], wr["metadata"]["name"]): wr
-            for wr in listed["items"]
-            if wr["spec"]["nodeName"] == self.node and not wr["metadata"].get("deletionTimestamp")
-        }
+        self.replicas.outbox.flush()
+        assigned = self.replicas.assigned()
         if self._attachments is not None:  # what the objects say against the leases: a restart's leftovers go
             self._attachments.publish(
-                observed={key: wr.get("status") for key, wr in assigned.items() if not self._status.pending(key)}
+                observed={key: wr.get("status") for key, wr in assigned.items() if not self.replicas.pending(key)}
             )
         for key in list(self._served):
             wr = assigned.get(key)
@@ -266,11 +221,7 @@ class NodeAgent:
 
     def _patch_status(self, key: tuple[str, str], status: dict[str, Any]) -> None:
         """Never raises: what the apiserver does not take now is written by a later pass (in order)."""
-        self._status.patch(key, status)
-
-    def _write_status(self, key: tuple[str, str], status: dict[str, Any]) -> None:
-        namespace, name = key
-        self._objects.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": status})
+        self.replicas.patch_status(key, status)
 
     def _assert_serving(self, key: tuple[str, str], served: Served, wr: Mapping[str, Any]) -> None:
         """The agent owns the phase: a served replica whose object says otherwise (a write lost to an outage, an
@@ -279,7 +230,7 @@ class NodeAgent:
         # A failed next version that is no longer wanted (spec is back on the served one) is cleared the same way.
         moot = bool(status.get("loadingVersion")) and wr["spec"]["version"] == served.version
         said = (status.get("phase"), status.get("version")) == (ReplicaPhase.SERVING, served.version)
-        if self._status.pending(key) or (said and not moot):
+        if self.replicas.pending(key) or (said and not moot):
             return
         log.info("%s/%s: status says %s %s, but %s is served; publishing it again", *key, status.get("phase"),
                  status.get("version"), served.version)  # fmt: skip
@@ -364,7 +315,7 @@ class NodeAgent:
         self._failed.pop(key, None)
         # Lease first, so nobody sees Serving without a live Lease. Neither write failing unloads anything: the
         # renewals retry the Lease and the outbox the status, until the apiserver takes them.
-        self._hold_lease(key)
+        self.leases.hold(key)
         self._patch_status(key, status)
         log.info("%s/%s serving %s (%d bytes from %s in %.2fs%s)", namespace, name, version, loaded.bytes_moved,
                  loaded.source, seconds, on_ranks)  # fmt: skip
@@ -477,7 +428,7 @@ class NodeAgent:
 
     def _fail(self, key, version, generation, reason: ReplicaReason, message, attempts=None) -> None:
         log.error("%s/%s failed to load %s: %s", *key, version, message)
-        self._release_lease(key)
+        self.leases.release(key)
         self._note_failure(key, version)
         self._patch_status(
             key,
@@ -504,96 +455,6 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ liveness
 
-    def _hold_lease(self, key: tuple[str, str]) -> None:
-        """Take the replica's Lease (this agent holds it from now on) and keep renewing it until `_release_lease`."""
-        renewal = self._renewing.get(key)
-        if renewal is None:  # else kept across a version change: already renewed
-            renewal = self._renewing[key] = Renewal(threading.Event(), threading.Lock())
-            threading.Thread(target=self._renew_lease, args=(key, renewal), daemon=True).start()
-        try:
-            with renewal.lock:
-                self._write_lease(key, acquire=True)
-        except Exception as exc:
-            log.warning("taking the Lease of %s/%s failed (%s); the renewals retry", *key, describe(exc))
-
-    def _write_lease(self, key: tuple[str, str], *, acquire: bool) -> None:
-        namespace, name = key
-        now = now_rfc3339(micro=True)
-        body = lease_body(name, self.agent_name, now, self._lease_seconds, node=self.node)
-        # Acquiring takes over a Lease left by an earlier agent (or kept across a version change) as it is: a
-        # replace would need its resourceVersion.
-        spec = body["spec"] if acquire else {"renewTime": now, "holderIdentity": self.agent_name}
-        try:
-            patch = {"metadata": {"labels": body["metadata"]["labels"]}, "spec": spec} if acquire else {"spec": spec}
-            self._leases.patch_namespaced_lease(lease_name(name), namespace, patch)
-            return
-        except ApiException as exc:
-            # Refused by the admission policy (403, or 422 for an Invalid reason): the Lease may be an older agent's,
-            # without the node label, which no agent may update but one may delete. Anything else is raised, and a
-            # Lease of another node is left to the operator (it deletes it; the next renewal then creates ours).
-            if exc.status in (403, 422):
-                if not self._delete_unlabelled_lease(namespace, name):
-                    raise
-                log.warning("the Lease of %s/%s had no %s label (an older agent's); replaced it", namespace, name,
-                            LABEL_NODE)  # fmt: skip
-            elif exc.status != 404:
-                raise
-            elif not acquire:
-                log.warning("the Lease of %s/%s was gone; recreated it", namespace, name)
-        # None yet, deleted (by hand, by the operator, by the lines above) while this agent still serves the replica.
-        self._leases.create_namespaced_lease(namespace, body)
-
-    def _delete_unlabelled_lease(self, namespace: str, name: str) -> bool:
-        """Delete the replica's Lease if it has no node label (that version of it only); True when it is gone."""
-        try:
-            lease = self._leases.read_namespaced_lease(lease_name(name), namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return True
-            raise
-        if LABEL_NODE in (lease.metadata.labels or {}):
-            return False
-        options = client.V1DeleteOptions(
-            preconditions=client.V1Preconditions(resource_version=lease.metadata.resource_version)
-        )
-        try:
-            self._leases.delete_namespaced_lease(lease_name(name), namespace, body=options)
-        except ApiException as exc:
-            if exc.status != 404:  # 409: changed since it was read; the next renewal looks again
-                raise
-        return True
-
-    def _release_lease(self, key: tuple[str, str]) -> None:
-        renewal = self._renewing.pop(key, None)
-        if renewal is None:
-            return
-        renewal.stop.set()
-        namespace, name = key
-        with renewal.lock:  # after any renewal in flight, which could otherwise recreate it
-            try:
-                self._leases.delete_namespaced_lease(lease_name(name), namespace)
-            except Exception as exc:
-                if not (isinstance(exc, ApiException) and exc.status == 404):
-                    log.warning("deleting the Lease of %s/%s failed (%s); it expires", namespace, name, describe(exc))
-
-    def _renew_lease(self, key: tuple[str, str], renewal: Renewal) -> None:
-        """Every third of the lease duration; after a failure sooner (backoff capped at that third), so a Lease
-        that expired while the apiserver was away is live again as soon as it answers."""
-        period = self._lease_seconds / 3
-        backoff = Backoff(initial=min(0.5, period), cap=period)
-        delay = period
-        while not renewal.stop.wait(delay):
-            try:
-                with renewal.lock:
-                    if renewal.stop.is_set():
-                        return
-                    self._write_lease(key, acquire=False)
-                backoff.reset()
-                delay = period
-            except Exception as exc:
-                delay = backoff.next()
-                log.warning("lease renewal for %s/%s failed (%s); again in %.1fs", *key, describe(exc), delay)
-
     def _publish_lease_count(self, key: tuple[str, str], served: Served) -> None:
         """Only on change: the Lease is the heartbeat, the status is not rewritten to say "still here"."""
         count = served.handle.active_leases()
@@ -611,7 +472,7 @@ class NodeAgent:
         replica moved on stays counted until its last lease goes."""
         status = wr.get("status") or {}
         memory = self._memory(key)
-        if self._status.pending(key) or memory == (
+        if self.replicas.pending(key) or memory == (
             status.get("residentBytes") or 0,
             status.get("residentVersions") or [],
         ):
@@ -626,7 +487,7 @@ class NodeAgent:
         if self._attach is not None:  # no new consumer; the attached ones keep their sealed copy
             self._attach.withdraw(key)
         _stop(served, drain_seconds)
-        self._release_lease(key)
+        self.leases.release(key)
         log.info("%s/%s released %s", *key, served.version)
 
     def _retire(self, key: tuple[str, str], old: Served, drain_seconds: float = 10.0) -> None:

@@ -694,6 +694,29 @@ class AttemptOutcome(StrEnum):
     SKIPPED = "Skipped"  # it was not tried (unavailable, or its manifest did not match)
 
 
+class AttemptReason(StrEnum):
+    """Why an attempt (`status.attempts[].reason`) ended as it did: a strategy of the chain (Peer, ObjectStorage,
+    LocalFile) or one peer (peer/<replica>). `message` says the rest."""
+
+    LOADED = "Loaded"  # the source delivered the version
+    UNAVAILABLE = "Unavailable"  # the strategy cannot serve this load (no peer, no store, no seed): not tried
+    FAILED = "Failed"  # the source failed without changing the target; the next one is tried
+    FAILED_MUTATED = "FailedMutated"  # the strategy failed after writing into the target, which was reset for the next
+    RECOVERY_FAILED = "RecoveryFailed"  # the target could not be reset after a failure: the chain stops
+    UNEXPECTED_ERROR = "UnexpectedError"  # the strategy raised an error it does not declare (a bug); the next is tried
+    MANIFEST_MISMATCH = "ManifestMismatch"  # the peer's tensor manifest is not the advertised (or expected) one
+    SOURCE_UNAVAILABLE = "SourceUnavailable"  # the peer's worker service did not answer (gRPC UNAVAILABLE)
+    SOURCE_RPC_TIMEOUT = "SourceRpcTimeout"  # a worker RPC to the peer ran past its deadline
+    SOURCE_IDENTITY_MISMATCH = "SourceIdentityMismatch"  # the peer's worker service is another agent than listed
+    UNAUTHENTICATED = "Unauthenticated"  # the peer did not accept this agent's worker token
+    PERMISSION_DENIED = "PermissionDenied"  # the peer refused this node: it is not assigned the version
+    SOURCE_RPC_FAILED = "SourceRpcFailed"  # any other gRPC error of the peer
+    WORKER_TOKEN_UNAVAILABLE = "WorkerTokenUnavailable"  # this agent could not mint a worker token for the peer's node
+    TRANSFER_TIMEOUT = "TransferTimeout"  # the NIXL READ from the peer ran past spec.transfer.timeoutSeconds
+    TRANSFER_FAILED = "TransferFailed"  # the NIXL READ from the peer failed
+    TIMEOUT = "Timeout"  # the transfer budget (spec.transfer.timeoutSeconds) ran out before the READ from the peer
+
+
 class LoadAttempt(_Model):
     """One source a load tried."""
 

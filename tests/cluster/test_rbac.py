@@ -340,8 +340,8 @@ def review(setup: Setup, who: str, token: str, audience: str) -> client.V1TokenR
 
 def test_an_unlabelled_lease_is_deleted_and_written_again_by_its_agent(setup, kube):
     """The upgrade path: a Lease written before the node label existed can be updated by no agent, but deleted by
-    one, which then creates it labelled with its node (what NodeAgent._write_lease does on the policy's refusal).
-    Once labelled, another node's agent can neither delete nor update it."""
+    one, which then creates it labelled with its node (what `kube.lease.ReplicaLeases.write` does on the policy's
+    refusal). Once labelled, another node's agent can neither delete nor update it."""
     admin = client.CoordinationV1Api(kube)
     leases_a, leases_b, unbound = (setup.leases(w) for w in ("agent-a", "agent-b", "agent-unbound"))
     ns, name = setup.tenant, lease_name("old-a")

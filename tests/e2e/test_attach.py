@@ -8,12 +8,9 @@ tokens of the original. Killing it with SIGKILL drops its lease; malformed clien
 from __future__ import annotations
 
 import json
-import os
-import select
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,45 +20,10 @@ from safetensors.torch import save_file
 from ferry.client import request
 from tests.e2e.attach_consumer import build_model, greedy, model_tensors, tensors_sha256
 from tests.support.agents import agent_metrics, node, seed_arg, start_agent
-from tests.support.objects import apply, get, ml_body, ml_status, wait_for, wv_body
+from tests.support.consumers import consumer, engine_pod, line_of
+from tests.support.objects import apply, ml_body, ml_status, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e
-
-ROOT = Path(__file__).resolve().parents[2]
-CONSUMER = Path(__file__).with_name("attach_consumer.py")
-
-
-def engine_pod(cluster, namespace: str, node_name: str, name: str = "engine") -> str:
-    """A Pod object bound to `node_name`; its uid."""
-    body = {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
-        "spec": {"nodeName": node_name, "automountServiceAccountToken": False,
-                 "containers": [{"name": "engine", "image": "engine:test"}]},
-    }  # fmt: skip
-    # The namespace's default ServiceAccount may not exist yet (the controller makes it): admission waits for it.
-    wait_for(
-        lambda: cluster.kubectl("apply", "-f", "-", input=json.dumps(body), check=False).returncode == 0,
-        30, f"pod {name} created",
-    )  # fmt: skip
-    return get(cluster, namespace, "pod", name)["metadata"]["uid"]
-
-
-def consumer(pod_dir: Path, mode: str) -> subprocess.Popen:
-    env = {**os.environ, "FERRY_SOCKET_DIR": str(pod_dir), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, str(CONSUMER), "serve", mode], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
-def line_of(proc: subprocess.Popen, describe, timeout: float = 120) -> dict:
-    """The consumer's next JSON line (or why there is none)."""
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        raise AssertionError(f"consumer said nothing: {proc.stderr.read()}{describe()}")
-    return json.loads(line)
 
 
 def attached(pod_dir: Path) -> list[int]:

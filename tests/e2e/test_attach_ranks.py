@@ -13,8 +13,8 @@ from ferry.client import attach, request
 from ferry_agent.ranks.sharding import rank_specs
 from ferry_agent.store.resident import spec_of
 from tests.e2e.attach_consumer import build_model, model_tensors, tensors_sha256
-from tests.e2e.test_attach import engine_pod
 from tests.support.agents import node, replica_status, seed_arg, start_agent
+from tests.support.consumers import engine_pod
 from tests.support.objects import apply, ml_body, wait_for, wv_body
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

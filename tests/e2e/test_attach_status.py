@@ -16,8 +16,8 @@ import pytest
 from safetensors.torch import save_file
 
 from tests.e2e.attach_consumer import build_model, model_tensors
-from tests.e2e.test_attach import consumer, engine_pod, line_of
 from tests.support.agents import node, seed_arg, start_agent
+from tests.support.consumers import consumer, engine_pod, line_of
 from tests.support.objects import apply, condition, get, ml_body, ml_status, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e

@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 
 from ferry.client import request
 from tests.e2e.attach_consumer import build_model, model_tensors, tensors_sha256
-from tests.e2e.test_attach import consumer, engine_pod, line_of
 from tests.support.agents import node, replica_status, seed_arg, start_agent
+from tests.support.consumers import consumer, engine_pod, line_of
 from tests.support.objects import apply, ml_body, ml_status, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e

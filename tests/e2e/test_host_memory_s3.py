@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ferry.client import attach
-from tests.e2e.test_attach import engine_pod
 from tests.support.agents import node, replica_status, start_agent
+from tests.support.consumers import engine_pod
 from tests.support.objects import apply, ml_body, publish_delta, publish_full, tensors, wait_for, wait_reason, wv_body
 
 pytestmark = pytest.mark.e2e

@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from ferry_dev.localcluster import ManagedProcess, free_port
-from tests.e2e.conftest import OperatorHandle, metrics_url
 from tests.support.agents import seeded_agents
 from tests.support.objects import apply, get, ml_body, ml_status, publish_full, tensors, wait_for, wv_body
+from tests.support.operators import OperatorHandle, metrics_url
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""Real peer-to-peer loads: source agents are subprocesses (`python -m ferry_agent.source_main`), the target
+"""Real peer-to-peer loads: source agents are subprocesses (`python -m ferry_dev.source_main`), the target
 is this process, bytes move by NIXL READ over UCX (cma + tcp on loopback) and are checked by sha256.
 
 NIXL/UCX must not touch a real network, so this module only runs in a loopback-only network namespace:
@@ -27,7 +27,6 @@ import grpc
 import pytest
 
 from ferry.api.models import AttemptOutcome
-from ferry_agent.source_main import READY_MARKER, REPLY_MARKER
 from ferry_agent.strategies.candidate import SourceCandidate
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed, run_strategy_chain
 from ferry_agent.strategies.peer import PeerLoadResult, PeerStrategy, TransferSettings
@@ -39,6 +38,7 @@ from ferry_agent.transport.worker_service import (
     prepare_tensor_read,
     serve_resident,
 )
+from ferry_dev.source_main import READY_MARKER, REPLY_MARKER
 
 pytestmark = pytest.mark.e2e
 
@@ -82,7 +82,7 @@ class Source:
     def __init__(self, name: str, logdir: Path, *, lease_ttl: float | None = None) -> None:
         self.name = name
         self.log_path = logdir / f"{name}.log"
-        cmd = [sys.executable, "-m", "ferry_agent.source_main", "--agent-name", name, "--tensors", str(TENSORS),
+        cmd = [sys.executable, "-m", "ferry_dev.source_main", "--agent-name", name, "--tensors", str(TENSORS),
                "--tensor-bytes", str(TENSOR_BYTES), "--seed", str(SEED)]  # fmt: skip
         if lease_ttl is not None:
             cmd += ["--lease-ttl", str(lease_ttl)]

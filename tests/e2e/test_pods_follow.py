@@ -29,8 +29,8 @@ from safetensors.torch import save_file
 from ferry.api.models import LABEL_PLACEMENT, PLACEMENT_PODS, PLACEMENT_POOL, warm_node_label
 from ferry_operator.modelloads import REPLICA_HELD, replica_name
 from tests.e2e.attach_consumer import build_model, model_tensors, tensors_sha256
-from tests.e2e.test_attach import consumer, line_of
 from tests.support.agents import node, seed_arg, start_agent, wait_phase
+from tests.support.consumers import consumer, line_of
 from tests.support.objects import apply, get, ml_body, ml_status, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e

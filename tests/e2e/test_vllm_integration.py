@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from tests.e2e.attach_consumer import build_model, greedy, model_tensors, tensors_sha256
-from tests.e2e.test_attach import engine_pod, line_of
 from tests.support.agents import node, seed_arg, start_agent
+from tests.support.consumers import engine_pod, line_of
 from tests.support.objects import apply, ml_body, ml_status, wait_for, wv_body
 
 pytestmark = pytest.mark.e2e

@@ -13,17 +13,10 @@ from kubernetes.client.exceptions import ApiException
 
 from ferry_agent.kube import apiretry
 from ferry_agent.kube.apiretry import Backoff, StatusOutbox, call_with_retry, is_transient
-from ferry_agent.node_agent import NodeAgent, Served
+from ferry_agent.node_agent import Served
+from tests.support.kube_fakes import FakeLeases, FakeObjects, api_error, fake_agent, refused
 
 pytestmark = pytest.mark.unit
-
-
-def refused() -> urllib3.exceptions.MaxRetryError:
-    return urllib3.exceptions.MaxRetryError(None, "/apis", ConnectionRefusedError(111, "Connection refused"))
-
-
-def api_error(status: int) -> ApiException:
-    return ApiException(status=status, reason="test")
 
 
 @pytest.mark.parametrize(
@@ -189,66 +182,21 @@ def test_bound_requests_sets_a_default_timeout():
 # ---------------------------------------------------------------- the node agent over an unreachable apiserver
 
 
-class FakeObjects:
-    def __init__(self) -> None:
-        self.down = True
-        self.lists = 0
-        self.patches: list[dict] = []
-
-    def list_cluster_custom_object(self, *args, **kwargs):
-        self.lists += 1
-        if self.down:
-            raise refused()
-        return {"items": []}
-
-    def patch_namespaced_custom_object_status(self, group, version, namespace, plural, name, body):
-        if self.down:
-            raise refused()
-        self.patches.append(body["status"])
-
-
-class FakeLeases:
-    def __init__(self) -> None:
-        self.leases: dict[str, dict] = {}
-        self.down = False
-
-    def patch_namespaced_lease(self, name, namespace, body):
-        if self.down:
-            raise refused()
-        if name not in self.leases:
-            raise api_error(404)
-        self.leases[name]["spec"].update(body["spec"])
-
-    def create_namespaced_lease(self, namespace, body):
-        if self.down:
-            raise refused()
-        self.leases[body["metadata"]["name"]] = body
-
-    def delete_namespaced_lease(self, name, namespace):
-        del self.leases[name]
-
-
-def agent(**kwargs) -> NodeAgent:
-    a = NodeAgent(SimpleNamespace(), "n1", peer_factory=lambda name: SimpleNamespace(shutdown=lambda: None), **kwargs)
-    a._objects, a._leases = FakeObjects(), FakeLeases()
-    return a
-
-
 def test_agent_loop_outlives_an_unreachable_apiserver():
-    a = agent(poll_seconds=0.01)
-    a._watch = lambda: None  # no watch thread
+    objects = FakeObjects()
+    a = fake_agent(objects, FakeLeases(), poll_seconds=0.01)
     runner = threading.Thread(target=a.run)
     runner.start()
     try:
         deadline = time.monotonic() + 10
-        while a._objects.lists < 3 and time.monotonic() < deadline:
+        while objects.lists < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert runner.is_alive() and a._objects.lists >= 3  # failed passes, retried with backoff
-        a._objects.down = False
-        lists = a._objects.lists
-        while a._objects.lists == lists and time.monotonic() < deadline:
+        assert runner.is_alive() and objects.lists >= 3  # failed passes, retried with backoff
+        objects.down = False
+        lists = objects.lists
+        while objects.lists == lists and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert a._objects.lists > lists
+        assert objects.lists > lists
     finally:
         a.stop()
         runner.join(10)
@@ -256,52 +204,54 @@ def test_agent_loop_outlives_an_unreachable_apiserver():
 
 
 def test_agent_status_written_once_the_apiserver_is_back():
-    a = agent()
+    objects = FakeObjects()
+    a = fake_agent(objects, FakeLeases())
     a._patch_status(("ns", "wr"), {"phase": "Serving", "version": "v1"})  # does not raise
-    assert a._status.pending(("ns", "wr"))
-    a._objects.down = False
-    a._status._retry.clear()  # skip the backoff
+    assert a.replicas.pending(("ns", "wr"))
+    objects.down = False
+    a.replicas.outbox._retry.clear()  # skip the backoff
     a.reconcile_once()
-    assert a._objects.patches == [{"phase": "Serving", "version": "v1"}]
+    assert objects.patches == [{"phase": "Serving", "version": "v1"}]
 
 
 def test_agent_recreates_a_deleted_lease_and_renews_through_an_outage():
-    a = agent(lease_seconds=1)
+    fake = FakeLeases()
+    a = fake_agent(FakeObjects(), fake, lease_seconds=1)
     key = ("ns", "wr")
-    a._hold_lease(key)
+    a.leases.hold(key)
     name = "ferry-wr-wr"
-    assert a._leases.leases[name]["spec"]["holderIdentity"] == a.agent_name
+    assert fake.leases[name]["spec"]["holderIdentity"] == a.agent_name
     try:
-        del a._leases.leases[name]  # deleted by hand
+        del fake.leases[name]  # deleted by hand
         deadline = time.monotonic() + 10
-        while name not in a._leases.leases and time.monotonic() < deadline:
+        while name not in fake.leases and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert a._leases.leases[name]["spec"]["holderIdentity"] == a.agent_name
-        a._leases.down = True
+        assert fake.leases[name]["spec"]["holderIdentity"] == a.agent_name
+        fake.down = True
         time.sleep(1.0)  # renewals fail meanwhile; the renewing thread lives on
-        renewed = a._leases.leases[name]["spec"]["renewTime"]
-        a._leases.down = False
-        while a._leases.leases[name]["spec"]["renewTime"] == renewed and time.monotonic() < deadline:
+        renewed = fake.leases[name]["spec"]["renewTime"]
+        fake.down = False
+        while fake.leases[name]["spec"]["renewTime"] == renewed and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert a._leases.leases[name]["spec"]["renewTime"] > renewed
+        assert fake.leases[name]["spec"]["renewTime"] > renewed
     finally:
-        a._release_lease(key)
-    assert name not in a._leases.leases and key not in a._renewing
+        a.leases.release(key)
+    assert name not in fake.leases and not a.leases.held(key)
 
 
 def test_agent_publishes_its_phase_again_when_the_object_says_otherwise():
     """The phase is the agent's: an object that says anything else about a served replica (a write lost to an
     outage, an older operator's Stale) gets the Serving status back, and nothing is reloaded."""
-    a = agent()
-    a._objects.down = False
+    objects = FakeObjects(down=False)
+    a = fake_agent(objects, FakeLeases())
     handle = SimpleNamespace(active_leases=lambda: 2, failure=lambda: None)
     a._served[("ns", "wr")] = Served("v1", handle, {"phase": "Serving", "version": "v1", "source": "s3"})
     listed = {"metadata": {"namespace": "ns", "name": "wr"}, "spec": {"nodeName": "n1", "version": "v1"},
               "status": {"phase": "Stale", "version": "v1"}}  # fmt: skip
-    a._objects.list_cluster_custom_object = lambda *args, **kwargs: {"items": [listed]}
+    objects.items = [listed]
     a.reconcile_once()
-    assert a._objects.patches == [{"phase": "Serving", "version": "v1", "source": "s3", "activeLeases": 2}]
-    listed["status"] = a._objects.patches[0]
+    assert objects.patches == [{"phase": "Serving", "version": "v1", "source": "s3", "activeLeases": 2}]
+    listed["status"] = objects.patches[0]
     a.reconcile_once()
-    assert len(a._objects.patches) == 1, "written once"
+    assert len(objects.patches) == 1, "written once"
     assert ("ns", "wr") in a._served

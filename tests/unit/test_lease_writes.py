@@ -1,5 +1,6 @@
-"""The agent's Lease writes against a fake CoordinationV1Api that answers as the chart's admission policy does:
-an agent may update only a Lease labelled with its node, and delete one with no node label at all."""
+"""The agent's Lease writes (`kube.lease.ReplicaLeases`) against a fake CoordinationV1Api that answers as the chart's
+admission policy does: an agent may update only a Lease labelled with its node, and delete one with no node label at
+all."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api.models import LABEL_NODE
+from ferry_agent.kube.lease import ReplicaLeases
 from ferry_agent.kube.registry import lease_name
-from ferry_agent.node_agent import NodeAgent
 
 pytestmark = pytest.mark.unit
 
@@ -77,10 +78,9 @@ class PolicyLeases:
         self.put(body["metadata"]["name"], body["metadata"]["labels"], body["spec"]["holderIdentity"])
 
 
-def agent_with(leases: PolicyLeases) -> NodeAgent:
-    agent = NodeAgent(client.ApiClient(), NODE, peer_factory=lambda name: None)  # type: ignore[arg-type,return-value]
-    agent._leases = leases  # type: ignore[assignment]
-    return agent
+def agent_with(leases: PolicyLeases) -> ReplicaLeases:
+    """The Leases of the agent `node-a-0` on node a."""
+    return ReplicaLeases(leases, holder=f"{NODE}-0", node=NODE, lease_seconds=15)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("acquire", [True, False], ids=["acquire", "renewal"])
@@ -89,14 +89,12 @@ def test_an_unlabelled_lease_is_deleted_and_written_again_labelled(acquire: bool
     leases = PolicyLeases(NODE)
     leases.put(lease_name(REPLICA), {"ferry.dev/replica": REPLICA}, "old-agent")
     agent = agent_with(leases)
-    agent._write_lease((NS, REPLICA), acquire=acquire)
+    agent.write((NS, REPLICA), acquire=acquire)
     lease = leases.leases[lease_name(REPLICA)]
-    assert lease["metadata"]["labels"][LABEL_NODE] == NODE and lease["spec"]["holderIdentity"] == agent.agent_name
+    assert lease["metadata"]["labels"][LABEL_NODE] == NODE and lease["spec"]["holderIdentity"] == agent.holder
     assert leases.calls == ["patch", "read", "delete", "create"]
-    agent._write_lease((NS, REPLICA), acquire=False)  # and from then on renewed in place
-    assert (
-        leases.calls[-1] == "patch" and leases.leases[lease_name(REPLICA)]["spec"]["holderIdentity"] == agent.agent_name
-    )
+    agent.write((NS, REPLICA), acquire=False)  # and from then on renewed in place
+    assert leases.calls[-1] == "patch" and leases.leases[lease_name(REPLICA)]["spec"]["holderIdentity"] == agent.holder
 
 
 def test_another_nodes_lease_is_neither_deleted_nor_overwritten() -> None:
@@ -105,12 +103,12 @@ def test_another_nodes_lease_is_neither_deleted_nor_overwritten() -> None:
     leases.put(lease_name(REPLICA), {"ferry.dev/replica": REPLICA, LABEL_NODE: "node-b"}, "squatter")
     agent = agent_with(leases)
     with pytest.raises(ApiException) as refused:
-        agent._write_lease((NS, REPLICA), acquire=True)
+        agent.write((NS, REPLICA), acquire=True)
     assert refused.value.status == 403
     assert leases.calls == ["patch", "read"]
     assert leases.leases[lease_name(REPLICA)]["spec"]["holderIdentity"] == "squatter"
     del leases.leases[lease_name(REPLICA)]  # what the operator does
-    agent._write_lease((NS, REPLICA), acquire=False)
+    agent.write((NS, REPLICA), acquire=False)
     assert leases.leases[lease_name(REPLICA)]["metadata"]["labels"][LABEL_NODE] == NODE
 
 
@@ -126,5 +124,5 @@ def test_an_unlabelled_lease_changed_since_it_was_read_is_not_deleted() -> None:
 
     leases.read_namespaced_lease = read_then_renewed  # type: ignore[method-assign]
     with pytest.raises(ApiException) as conflict:
-        agent_with(leases)._write_lease((NS, REPLICA), acquire=True)
+        agent_with(leases).write((NS, REPLICA), acquire=True)
     assert conflict.value.status == 409 and lease_name(REPLICA) in leases.leases

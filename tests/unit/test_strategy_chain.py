@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import gc
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ferry.api.models import AttemptOutcome
+from ferry.api.models import AttemptOutcome, AttemptReason
 from ferry.errors import LoadFailed
 from ferry_agent.strategies.chain import (
     Attempt,
@@ -221,3 +222,9 @@ def test_attempt_status_is_truncated_to_crd_bounds() -> None:
     assert len(status["message"]) == 4096
     assert status["outcome"] == "Failed"
     assert status["time"].endswith("Z")
+
+
+def test_every_attempt_reason_is_documented() -> None:
+    """docs/conditions.md lists every reason an attempt can have, as a user reads it from `status.attempts[]`."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "conditions.md").read_text()
+    assert [r for r in AttemptReason if f"| `{r}` |" not in doc] == []

@@ -35,7 +35,7 @@ from ferry_agent.transport.worker_service import (
     prepare_tensor_read,
     release_tensor_read,
 )
-from tests.unit.test_worker_service import IDENTITY, FakeClock, code_of, manifest_proto
+from tests.support.workers import IDENTITY, FakeClock, code_of, manifest_proto
 
 pytestmark = pytest.mark.unit
 

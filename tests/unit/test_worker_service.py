@@ -10,11 +10,9 @@ from concurrent import futures
 
 import grpc
 import pytest
-import torch
 
-from ferry_agent.store.resident import ResidentWeights
 from ferry_agent.transport.nixl import ManifestMismatchError
-from ferry_agent.transport.proto import worker_pb2, worker_pb2_grpc
+from ferry_agent.transport.proto import worker_pb2_grpc
 from ferry_agent.transport.worker_service import (
     SourceDraining,
     SourceIdentity,
@@ -22,24 +20,14 @@ from ferry_agent.transport.worker_service import (
     TensorReadLeases,
     WorkerServer,
     WorkerService,
-    build_manifest,
     get_tensor_manifest,
     lease_ttl_seconds,
     prepare_tensor_read,
     release_tensor_read,
 )
+from tests.support.workers import IDENTITY, FakeClock, code_of, manifest_proto, weights
 
 pytestmark = pytest.mark.unit
-
-IDENTITY = SourceIdentity("src-agent", "inst-1")
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.mark.parametrize(("timeout", "ttl"), [(300, 630), (900, 1830), (10, 270), (120, 270), (120.2, 271), (0, 270)])
@@ -123,14 +111,6 @@ def test_ttl_must_be_positive() -> None:
 # ------------------------------------------------------------------------------------------ gRPC
 
 
-def weights() -> ResidentWeights:
-    return ResidentWeights({"w": torch.arange(16, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)})
-
-
-def manifest_proto(identity: SourceIdentity = IDENTITY) -> worker_pb2.TensorManifest:
-    return build_manifest(weights(), identity=identity, rank=2, nixl_metadata=b"nixl-blob")
-
-
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
@@ -142,12 +122,6 @@ def server(clock: FakeClock) -> Iterator[WorkerServer]:
     srv.start()
     yield srv
     srv.stop(0)
-
-
-def code_of(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value.code()
 
 
 def test_binds_loopback_on_a_picked_port(server: WorkerServer) -> None:

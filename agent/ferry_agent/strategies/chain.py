@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ferry.api.conditions import now_rfc3339
-from ferry.api.models import AttemptOutcome
+from ferry.api.models import AttemptOutcome, AttemptReason
 
 if TYPE_CHECKING:
     from ferry_agent.store.resident import ResidentWeights
@@ -55,7 +55,7 @@ class Attempt:
 
     source: str
     outcome: AttemptOutcome
-    reason: str
+    reason: AttemptReason
     message: str = ""
     time: str = field(default_factory=now_rfc3339)
 
@@ -64,7 +64,7 @@ class Attempt:
         return {
             "source": self.source,
             "outcome": str(self.outcome),
-            "reason": self.reason[:_MAX_REASON],
+            "reason": str(self.reason)[:_MAX_REASON],
             "message": self.message[:_MAX_MESSAGE],
             "time": self.time,
         }
@@ -86,7 +86,7 @@ class LoadContext:
     version_uid: str | None = None
     attempts: list[Attempt] = field(default_factory=list)
 
-    def record(self, source: str, outcome: AttemptOutcome, reason: str, message: str = "") -> Attempt:
+    def record(self, source: str, outcome: AttemptOutcome, reason: AttemptReason, message: str = "") -> Attempt:
         attempt = Attempt(source=source, outcome=outcome, reason=reason, message=message)
         self.attempts.append(attempt)
         return attempt
@@ -158,19 +158,19 @@ def run_strategy_chain(
         if strategy.is_available(ctx):
             eligible.append(strategy)
         else:
-            ctx.record(strategy.name, AttemptOutcome.SKIPPED, "Unavailable")
+            ctx.record(strategy.name, AttemptOutcome.SKIPPED, AttemptReason.UNAVAILABLE)
             failures.append(f"{strategy.name}: unavailable")
 
     for strategy in eligible:
         try:
             result = strategy.load(ctx)
         except StrategyRecoveryError as exc:
-            ctx.record(strategy.name, AttemptOutcome.FAILED, "RecoveryFailed", _describe(exc))
+            ctx.record(strategy.name, AttemptOutcome.FAILED, AttemptReason.RECOVERY_FAILED, _describe(exc))
             log.error("strategy %s cannot recover, stopping the chain: %s", strategy.name, exc)
             _rollback(strategy, ctx)
             raise
         except StrategyFailed as exc:
-            reason = "FailedMutated" if exc.mutated else "Failed"
+            reason = AttemptReason.FAILED_MUTATED if exc.mutated else AttemptReason.FAILED
             ctx.record(strategy.name, AttemptOutcome.FAILED, reason, _describe(exc))
             failures.append(f"{strategy.name}: {_describe(exc)}")
             log.info("strategy %s failed (mutated=%s): %s", strategy.name, exc.mutated, exc)  # an expected miss
@@ -186,12 +186,12 @@ def run_strategy_chain(
             continue
         except Exception as exc:
             # Unexpected: the strategy did not claim a mutation, so (as in ModelExpress) no reinit.
-            ctx.record(strategy.name, AttemptOutcome.FAILED, "UnexpectedError", _describe(exc))
+            ctx.record(strategy.name, AttemptOutcome.FAILED, AttemptReason.UNEXPECTED_ERROR, _describe(exc))
             failures.append(f"{strategy.name}: {_describe(exc)}")
             log.warning("strategy %s raised unexpectedly: %s", strategy.name, exc, exc_info=True)
             _rollback(strategy, ctx)
             continue
-        ctx.record(strategy.name, AttemptOutcome.LOADED, "Loaded")
+        ctx.record(strategy.name, AttemptOutcome.LOADED, AttemptReason.LOADED)
         publish(result, ctx)
         return result
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import grpc
 import torch
 
-from ferry.api.models import AttemptOutcome, SelectorKind, SourceKind
+from ferry.api.models import AttemptOutcome, AttemptReason, SelectorKind, SourceKind
 from ferry_agent.store.resident import ResidentWeights, TensorSpec
 from ferry_agent.strategies.candidate import SourceCandidate
 from ferry_agent.strategies.chain import LoadContext, SourceTransferError, StrategyFailed
@@ -176,25 +176,27 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _reason(exc: BaseException) -> str:
+def _reason(exc: BaseException) -> AttemptReason:
     if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
         code = exc.code()
         return {
-            grpc.StatusCode.UNAVAILABLE: "SourceUnavailable",
-            grpc.StatusCode.DEADLINE_EXCEEDED: "SourceRpcTimeout",
-            grpc.StatusCode.FAILED_PRECONDITION: "SourceIdentityMismatch",
-            grpc.StatusCode.UNAUTHENTICATED: "Unauthenticated",
-            grpc.StatusCode.PERMISSION_DENIED: "PermissionDenied",
-        }.get(code, "SourceRpcFailed")
+            grpc.StatusCode.UNAVAILABLE: AttemptReason.SOURCE_UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED: AttemptReason.SOURCE_RPC_TIMEOUT,
+            grpc.StatusCode.FAILED_PRECONDITION: AttemptReason.SOURCE_IDENTITY_MISMATCH,
+            grpc.StatusCode.UNAUTHENTICATED: AttemptReason.UNAUTHENTICATED,
+            grpc.StatusCode.PERMISSION_DENIED: AttemptReason.PERMISSION_DENIED,
+        }.get(code, AttemptReason.SOURCE_RPC_FAILED)
     if isinstance(exc, ManifestMismatchError):
-        return "ManifestMismatch"
+        return AttemptReason.MANIFEST_MISMATCH
     if isinstance(exc, TokenUnavailable):
-        return "WorkerTokenUnavailable"
+        return AttemptReason.WORKER_TOKEN_UNAVAILABLE
     if isinstance(exc, SourceTransferError):
-        return "TransferTimeout" if isinstance(exc.__cause__, TimeoutError) else "TransferFailed"
+        return (
+            AttemptReason.TRANSFER_TIMEOUT if isinstance(exc.__cause__, TimeoutError) else AttemptReason.TRANSFER_FAILED
+        )
     if isinstance(exc, TimeoutError):
-        return "Timeout"
-    return "Failed"
+        return AttemptReason.TIMEOUT
+    return AttemptReason.FAILED
 
 
 class PeerStrategy:
@@ -245,7 +247,12 @@ class PeerStrategy:
             if cand.rank != ctx.rank or cand.agent_name == self._peer.name:
                 continue
             if ctx.expected_manifest_digest and cand.manifest_digest not in ("", ctx.expected_manifest_digest):
-                ctx.record(cand.label, AttemptOutcome.SKIPPED, "ManifestMismatch", "advertised manifest digest differs")
+                ctx.record(
+                    cand.label,
+                    AttemptOutcome.SKIPPED,
+                    AttemptReason.MANIFEST_MISMATCH,
+                    "advertised manifest digest differs",
+                )
                 continue
             usable.append(cand)
         if not usable:
@@ -267,7 +274,7 @@ class PeerStrategy:
             assert self._target is not None
             result = PeerLoadResult(source=cand, resident=self._target, bytes_moved=moved, seconds=seconds)
             self._target = None  # ownership moves to the caller with the result
-            ctx.record(cand.label, AttemptOutcome.LOADED, "Loaded", f"{moved} bytes in {seconds:.3f}s")
+            ctx.record(cand.label, AttemptOutcome.LOADED, AttemptReason.LOADED, f"{moved} bytes in {seconds:.3f}s")
             return result
         raise StrategyFailed(
             f"no peer source succeeded for rank {ctx.rank}: " + "; ".join(failures), mutated=self._landed

@@ -7,7 +7,7 @@ source and raises `TimeoutError` when readers do not finish in time.
 
 With a `ReadGuard` (`worker_auth`; what the node agent and its ranks always use) every call is authenticated
 first and a manifest or lease is granted only to an agent whose node is assigned the served version; without
-one (`guard=None`) the service is open, which only the standalone test/bench source (`source_main`) uses.
+one (`guard=None`) the service is open, which only the standalone test/bench source (`ferry_dev.source_main`) uses.
 """
 
 from __future__ import annotations

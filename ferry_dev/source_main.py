@@ -1,7 +1,7 @@
 """A standalone P2P source for tests and benchmarks: seeds deterministic weights, registers them with NIXL
 and serves the Worker service on 127.0.0.1.
 
-    python -m ferry_agent.source_main --agent-name src-a [--tensors 8 --tensor-bytes 524288 --seed 0]
+    python -m ferry_dev.source_main --agent-name src-a [--tensors 8 --tensor-bytes 524288 --seed 0]
 
 Unauthenticated by default: anyone who reaches the port may read. That is only for tests and benchmarks of the
 transfer path; the node agent never serves that way. With `--serve NAMESPACE/MODEL/VERSION --node NODE` it checks
