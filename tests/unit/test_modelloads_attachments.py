@@ -7,12 +7,13 @@ import datetime as dt
 
 import pytest
 
-from ferry.api.models import EnginesAttachedReason, replica_lease_name
+from ferry.api.models import EnginesAttachedReason, WeightReplica, replica_lease_name
 from ferry.chain import ChainReason, ChainResult
 from ferry.storage import StorageReason, StorageReport
 from ferry_operator.modelloads import ENGINES_ATTACHED, aggregate_status, attached_pods, replica_name
 from ferry_operator.retention import held_versions
 from ferry_operator.versions import attachment_blockers, plan_version_status, release_blockers
+from tests.support.typed import weight_version
 
 pytestmark = pytest.mark.unit
 
@@ -30,6 +31,12 @@ def wr(node: str, version: str = "v2", *attachments: dict, phase: str = "Serving
         status |= {"attachments": list(attachments), "attachedPods": len({a["podUid"] for a in attachments})}
     return {"metadata": {"name": replica_name("serve", node)}, "spec": {"nodeName": node, "version": version},
             "status": status}  # fmt: skip
+
+
+def typed(replica: dict) -> WeightReplica:
+    """`wr` as the attach index parses it."""
+    spec = {"modelLoad": "serve", "modelName": "m", **replica["spec"]}
+    return WeightReplica.from_body(replica | {"spec": spec})
 
 
 def ml(version: str = "v2", replicas: int = 2) -> dict:
@@ -106,22 +113,22 @@ def test_the_condition_keeps_its_transition_time_while_the_counts_change():
 
 def test_attached_pods_block_the_release_of_the_version_they_hold():
     replica = wr("node-a", "v2", pod("llama-0", "v1"), pod("llama-0", "v2"), pod("llama-1", "v1", rank=1))
-    assert attachment_blockers(replica) == {
+    assert attachment_blockers(typed(replica)) == {
         "v1": ("attached: ns/llama-0 on node-a", "attached: ns/llama-1 on node-a"),
         "v2": ("attached: ns/llama-0 on node-a",),
     }
     # Serving a version blocks nothing by itself.
-    assert attachment_blockers(wr("node-a", "v1")) == {}
+    assert attachment_blockers(typed(wr("node-a", "v1"))) == {}
 
     blockers = release_blockers([], [], ["wr-b"], ["attached: ns/llama-1 on node-a", "attached: ns/llama-0 on node-b"])
     assert blockers == ["WeightReplica/wr-b", "attached: ns/llama-0 on node-b", "attached: ns/llama-1 on node-a"]
     chain = ChainResult(ok=True, reason=ChainReason.Resolved, message="chain of 1", chain=("v1",))
     storage = StorageReport(ok=True, reason=StorageReason.Verified, message="ok", total_bytes=1, tensor_count=1)
-    deleted = {"metadata": {"name": "v1", "generation": 1, "deletionTimestamp": NOW_TEXT}, "spec": {}, "status": {}}
+    deleted = weight_version("v1", deleting=True)
     plan = plan_version_status(deleted, chain, storage, release_blockers=blockers[1:], now=NOW_TEXT)
-    ready = next(c for c in plan.status["conditions"] if c["type"] == "Ready")
-    assert plan.status["releaseBlockers"] == blockers[1:] and ready["reason"] == "ReleaseBlocked"
-    assert "attached: ns/llama-0 on node-b" in ready["message"]
+    ready = next(c for c in plan.status.conditions if c.type == "Ready")
+    assert plan.status.releaseBlockers == blockers[1:] and ready.reason == "ReleaseBlocked"
+    assert "attached: ns/llama-0 on node-b" in ready.message
 
 
 def test_retention_counts_attached_versions_as_held():
