@@ -98,6 +98,11 @@ def find_condition(conditions: Iterable[Condition] | None, type_: str) -> Condit
     return next((c for c in conditions or () if c.type == type_), None)
 
 
+def condition_dicts(conditions: Iterable[Condition]) -> list[dict[str, Any]]:
+    """Typed conditions as the object carries them (what operator/ferry_operator/events.py compares)."""
+    return [c.model_dump(mode="json", exclude_none=True) for c in conditions]
+
+
 def _status_text(status: bool | str) -> str:
     return str(status) if isinstance(status, str) else str(ConditionStatus.TRUE if status else ConditionStatus.FALSE)
 

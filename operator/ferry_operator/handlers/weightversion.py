@@ -14,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from ferry.api.conditions import find_condition, now_rfc3339
+from ferry.api.conditions import condition_dicts, find_condition, now_rfc3339
 from ferry.api.models import InvalidObject, WeightVersion, WeightVersionStatus
 from ferry.api.models import WeightVersionEventReason as WVEvent
 from ferry.chain import VersionView, dependents, resolve_chain
@@ -73,13 +73,8 @@ async def _write_status(
 ) -> None:
     patch = plan.patch(current)
     await asyncio.to_thread(kubeapi.patch_status, WV[2], namespace, name, patch)
-    before = _condition_dicts(current)
+    before = condition_dicts(current.conditions) if current else []
     emit_transitions(body, before, patch["conditions"], memo.setdefault("announced", {}))
-
-
-def _condition_dicts(status: WeightVersionStatus | None) -> list[dict[str, Any]]:
-    """The conditions as the object carries them (events.py compares those)."""
-    return [c.model_dump(mode="json", exclude_none=True) for c in status.conditions] if status else []
 
 
 async def reconcile(
