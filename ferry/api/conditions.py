@@ -84,7 +84,8 @@ def with_condition(
 
 
 def _typed(type_: str, status: str, reason: str, message: str, generation: int | None, when: str) -> Condition:
-    return Condition(
+    # Not validated here, as set_condition's dicts are not: the apiserver judges what is written.
+    return Condition.model_construct(
         type=str(type_),
         status=status,
         reason=str(reason),

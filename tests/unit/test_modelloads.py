@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from ferry.api.models import ModelLoad, replica_lease_name
+from ferry.api.models import ModelLoad, merge_patch, replica_lease_name
 from ferry.chain import VersionView
 from ferry_operator.modelloads import (
     aggregate_status,
@@ -124,6 +124,16 @@ def test_all_serving_is_ready():
     assert c["Progressing"].status == "False" and c["Degraded"].status == "False"
     assert c["PeerStalled"].status == "False"
     assert all(x.observedGeneration == 4 for x in c.values())
+
+
+def test_a_resync_of_an_unchanged_load_writes_nothing():
+    replicas = [wr("a"), wr("b"), wr("c", phase="Loading")]
+    first = aggregate_status(ml(), replicas, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0))
+    written = merge_patch(None, first)
+    again = aggregate_status(
+        ml(status=written), replicas, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(-60)
+    )
+    assert again == ml(status=written).status and merge_patch(first, again) == written
 
 
 def test_expired_lease_is_stale_and_degraded():
