@@ -16,6 +16,8 @@ from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ferry.errors import InvalidInput
+
 GROUP = "ferry.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -73,7 +75,7 @@ AGE_COLUMN = PrinterColumn(name="Age", type="date", jsonPath=".metadata.creation
 log = logging.getLogger("ferry.api")
 
 
-class InvalidObject(ValueError):
+class InvalidObject(InvalidInput):
     """An object's spec does not validate against these models (e.g. stored under an older, looser schema)."""
 
 
