@@ -14,8 +14,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ferry.api.conditions import is_true
-from ferry.api.models import MAX_CHAIN_LENGTH, ChainReason, WeightFormat, WeightVersionConditionType
+from ferry.api.conditions import find_condition
+from ferry.api.models import (
+    MAX_CHAIN_LENGTH,
+    ChainReason,
+    ConditionStatus,
+    WeightFormat,
+    WeightVersion,
+    WeightVersionConditionType,
+)
 
 
 @dataclass(frozen=True)
@@ -24,7 +31,7 @@ class VersionView:
 
     name: str
     model_name: str
-    format: str  # FullCheckpoint | XorDelta | PeerOnly; a str so an unknown value is reported, not a crash
+    format: str  # FullCheckpoint | XorDelta | PeerOnly; a str so that any value is reported, not a crash
     base_version: str | None
     layout_signature: str | None
     ready: bool
@@ -37,27 +44,32 @@ class VersionView:
     storage_uri: str = ""
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> VersionView:
-        """From a Kubernetes object dict (or a kopf Body); `ready` = the status `Ready` condition is True."""
-        metadata = body.get("metadata") or {}
-        spec = body.get("spec") or {}
-        status = body.get("status") or {}
-        storage = spec.get("storage") or {}
+    def of(cls, version: WeightVersion) -> VersionView:
+        """From the typed object; `ready` = the status `Ready` condition is True."""
+        meta, spec, status = version.metadata, version.spec, version.status
+        ready = find_condition(status.conditions if status else None, WeightVersionConditionType.READY)
+        storage_uri = spec.storage.uri if spec.storage else ""
         return cls(
-            name=metadata.get("name", ""),
-            model_name=spec.get("modelName", ""),
-            format=spec.get("format", ""),
-            base_version=spec.get("baseVersion") or None,
-            layout_signature=spec.get("layoutSignature") or None,
-            ready=is_true(status.get("conditions"), WeightVersionConditionType.READY),
-            deleting=bool(metadata.get("deletionTimestamp")),
-            has_storage=bool(storage.get("uri")),
-            uid=metadata.get("uid", ""),
-            namespace=metadata.get("namespace", ""),
-            created=metadata.get("creationTimestamp") or "",
-            ready_time=status.get("readyTime") or "",
-            storage_uri=storage.get("uri") or "",
+            name=meta.name,
+            model_name=spec.modelName,
+            format=spec.format,
+            base_version=spec.baseVersion or None,
+            layout_signature=spec.layoutSignature or None,
+            ready=ready is not None and ready.status == ConditionStatus.TRUE,
+            deleting=bool(meta.deletionTimestamp),
+            has_storage=bool(storage_uri),
+            uid=meta.uid,
+            namespace=meta.namespace,
+            created=meta.creationTimestamp or "",
+            ready_time=(status.readyTime if status else None) or "",
+            storage_uri=storage_uri,
         )
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> VersionView:
+        """From a Kubernetes object dict (or a kopf Body); raises `InvalidObject` on a spec that does not
+        validate."""
+        return cls.of(WeightVersion.from_body(body))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import datetime as dt
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ferry.api.models import ConditionStatus
+from ferry.api.models import Condition, ConditionStatus
 
 
 def now_rfc3339(*, micro: bool = False) -> str:
@@ -29,9 +29,7 @@ def set_condition(
 ) -> list[dict[str, Any]]:
     """Return a new condition list with `type_` set; other conditions are kept in order. Enum members (the types
     and reasons of ferry.api.models) are stored as plain strings."""
-    status_text = (
-        str(status) if isinstance(status, str) else str(ConditionStatus.TRUE if status else ConditionStatus.FALSE)
-    )
+    status_text = _status_text(status)
     result: list[dict[str, Any]] = []
     found = False
     for existing in conditions or ():
@@ -53,6 +51,61 @@ def set_condition(
     if not found:
         result.append(_condition(type_, status_text, reason, message, generation, now or now_rfc3339()))
     return result
+
+
+def with_condition(
+    conditions: Iterable[Condition],
+    type_: str,
+    status: bool | str,
+    reason: str,
+    message: str = "",
+    *,
+    generation: int | None = None,
+    now: str | None = None,
+) -> list[Condition]:
+    """`set_condition` on typed conditions: a new list with `type_` set, lastTransitionTime moved only when the
+    status flips."""
+    status_text = _status_text(status)
+    when = now or now_rfc3339()
+    result: list[Condition] = []
+    found = False
+    for existing in conditions:
+        if existing.type != type_:
+            result.append(existing)
+            continue
+        found = True
+        kept = existing.status == status_text
+        result.append(
+            _typed(type_, status_text, reason, message, generation, existing.lastTransitionTime if kept else when)
+        )
+    if not found:
+        result.append(_typed(type_, status_text, reason, message, generation, when))
+    return result
+
+
+def _typed(type_: str, status: str, reason: str, message: str, generation: int | None, when: str) -> Condition:
+    # Not validated here, as set_condition's dicts are not: the apiserver judges what is written.
+    return Condition.model_construct(
+        type=str(type_),
+        status=status,
+        reason=str(reason),
+        message=message,
+        observedGeneration=generation,
+        lastTransitionTime=when,
+    )
+
+
+def find_condition(conditions: Iterable[Condition] | None, type_: str) -> Condition | None:
+    return next((c for c in conditions or () if c.type == type_), None)
+
+
+def condition_dicts(conditions: Iterable[Condition]) -> list[dict[str, Any]]:
+    """Typed conditions as the object carries them (what operator/ferry_operator/events.py compares)."""
+    return [c.model_dump(mode="json", exclude_none=True) for c in conditions]
+
+
+def _status_text(status: bool | str) -> str:
+    return str(status) if isinstance(status, str) else str(ConditionStatus.TRUE if status else ConditionStatus.FALSE)
 
 
 def _condition(type_: str, status: str, reason: str, message: str, generation: int | None, when: str) -> dict:

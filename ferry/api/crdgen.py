@@ -73,6 +73,7 @@ def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
     defs = raw.get("$defs", {})
     schema = _structural(raw, defs, _cel_rules_by_def_name())
     props = schema["properties"]
+    props.pop("metadata", None)  # the models' typed ObjectMeta is not schema: the apiserver owns metadata
     props["apiVersion"] = {"type": "string", "description": _API_VERSION_DOC}
     props["kind"] = {"type": "string", "description": _KIND_DOC}
     # ObjectMeta: the apiserver rejects a CRD whose schema says more of it than its type (even a description).

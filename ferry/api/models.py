@@ -8,11 +8,15 @@ enums of its vocabulary: condition types, their reasons and the phases, each mem
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ferry.errors import InvalidInput
 
 GROUP = "ferry.dev"
 VERSION = "v1alpha1"
@@ -67,6 +71,111 @@ def condition_column(name: str, condition: str, field: str = "status", *, priori
 
 
 AGE_COLUMN = PrinterColumn(name="Age", type="date", jsonPath=".metadata.creationTimestamp")
+
+log = logging.getLogger("ferry.api")
+
+
+class InvalidObject(InvalidInput):
+    """An object's spec does not validate against these models (e.g. stored under an older, looser schema)."""
+
+
+class ObjectMeta(BaseModel):
+    """The part of metav1.ObjectMeta that Ferry reads. Not part of the CRD schema (the apiserver owns it), and
+    every other field (managedFields, finalizers, ownerReferences, ...) is ignored."""
+
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
+
+    name: str = ""
+    """The object's name."""
+    namespace: str = ""
+    """The object's namespace."""
+    uid: str = ""
+    """The object's uid: a deleted and re-created name is another object."""
+    generation: int | None = None
+    """Incremented on every spec change."""
+    creationTimestamp: str | None = None
+    """When the object was created (RFC 3339)."""
+    deletionTimestamp: str | None = None
+    """Set once the object is deleted; its finalizers still hold it."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """The object's labels."""
+    annotations: dict[str, str] = Field(default_factory=dict)
+    """The object's annotations."""
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _prune(data: dict[str, Any], error: ValidationError) -> list[str]:
+    """Drop from `data` what `error` names: a top-level field, or one entry of a top-level list field. Returns
+    the paths dropped."""
+    fields: set[str] = set()
+    entries: dict[str, set[int]] = {}
+    for err in error.errors():
+        loc = err["loc"]
+        if not loc or not isinstance(loc[0], str) or loc[0] not in data:
+            continue
+        if len(loc) > 1 and isinstance(loc[1], int) and isinstance(data[loc[0]], list):
+            entries.setdefault(loc[0], set()).add(loc[1])
+        else:
+            fields.add(loc[0])
+    for key, indexes in entries.items():
+        if key not in fields:
+            data[key] = [item for i, item in enumerate(data[key]) if i not in indexes]
+    for key in fields:
+        del data[key]
+    return sorted(fields) + [f"{key}[{i}]" for key, indexes in entries.items() if key not in fields for i in indexes]
+
+
+def lenient(model: type[M], data: Mapping[str, Any] | None, what: str) -> M | None:
+    """`data` as a `model`, leaving out (with a log line) whatever does not validate: a status the operator wrote
+    under an older schema must never make a reconcile fail. None: nothing usable (or no data)."""
+    if not data:
+        return None
+    try:
+        return model.model_validate(dict(data))
+    except ValidationError as error:
+        pruned = {k: list(v) if isinstance(v, list) else v for k, v in dict(data).items()}
+        dropped = _prune(pruned, error)
+        log.warning("%s: ignoring what does not validate (%s): %s", what, ", ".join(dropped) or "-", error)
+    try:
+        return model.model_validate(pruned)
+    except ValidationError as error:
+        log.warning("%s: ignored altogether: %s", what, error)
+        return None
+
+
+def merge_patch(current: BaseModel | None, desired: BaseModel) -> dict[str, Any]:
+    """The JSON merge patch that turns `current` (say a status as read) into `desired`: every field `desired`
+    sets, and null for each field `current` has and `desired` leaves unset (which removes it)."""
+    patch = desired.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if current is not None:
+        for key in current.model_dump(by_alias=True, exclude_none=True):
+            patch.setdefault(key, None)
+    return patch
+
+
+class _Resource(_Model):
+    """A Ferry kind: metadata, spec and status, parsed once from the object dict (or kopf Body) the apiserver
+    sent."""
+
+    kind: ClassVar[str]
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    """The object's metadata (crdgen renders it as ObjectMeta, not from this model)."""
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Self:
+        """The typed object. A spec that does not validate raises `InvalidObject` (the caller logs and skips the
+        object); the status, written by Ferry itself, keeps what validates."""
+        metadata = lenient(ObjectMeta, body.get("metadata"), f"{cls.kind} metadata") or ObjectMeta()
+        where = f"{cls.kind} {metadata.namespace}/{metadata.name}"
+        try:
+            spec = cls.model_validate({"spec": dict(body.get("spec") or {})}).spec
+        except ValidationError as error:
+            raise InvalidObject(f"{where}: spec does not validate: {error}") from error
+        status_type = get_args(cls.model_fields["status"].annotation)[0]  # the status model of `X | None`
+        status = lenient(status_type, body.get("status"), f"{where} status")
+        return cls.model_construct(metadata=metadata, spec=spec, status=status)
 
 
 # ---------------------------------------------------------------- shared parts
@@ -304,7 +413,7 @@ class WeightVersionStatus(_Model):
     attached: <namespace>/<pod> on <node>."""
 
 
-class WeightVersion(_Model):
+class WeightVersion(_Resource):
     """An immutable, published version of a model's weights (a checkpoint or a delta in object storage, or bytes
     only peers hold), verified by the operator before replicas load it."""
 
@@ -604,7 +713,7 @@ class ModelLoadStatus(_Model):
     """metadata.generation the status was computed for."""
 
 
-class ModelLoad(_Model):
+class ModelLoad(_Resource):
     """Keeps a version of a model resident (in GPU or host memory) on a set of nodes, one WeightReplica per node,
     and moves them to a new desiredVersion by rolling out."""
 
@@ -834,7 +943,7 @@ class WeightReplicaStatus(_Model):
     """metadata.generation the agent last acted on."""
 
 
-class WeightReplica(_Model):
+class WeightReplica(_Resource):
     """One node's copy of a ModelLoad's version: the operator places it, the node's agent loads and serves it."""
 
     kind: ClassVar[str] = "WeightReplica"
@@ -860,7 +969,7 @@ class WeightReplica(_Model):
     """Written by the node agent, except `conditions` (the operator)."""
 
 
-RESOURCES: list[type[_Model]] = [WeightVersion, ModelLoad, WeightReplica]
+RESOURCES: list[type[_Resource]] = [WeightVersion, ModelLoad, WeightReplica]
 
 
 # ---------------------------------------------------------------- names shared by operator and agent

@@ -14,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from ferry.api.models import GROUP
+from ferry.api.models import GROUP, InvalidObject, WeightReplica, WeightVersion
 from ferry.chain import VersionView
 from ferry_operator.indexkeys import named, version_keys
 from ferry_operator.kubeapi import ML, WR, WV
@@ -23,8 +23,12 @@ from ferry_operator.versions import attachment_blockers
 
 @kopf.index(*WV)
 def version_index(body: kopf.Body, **_: Any) -> dict:
-    """The one index over every WeightVersion (see indexkeys): chains, dependents, retention, shared folders."""
-    return version_keys(VersionView.from_body(body))
+    """The one index over every WeightVersion (see indexkeys): chains, dependents, retention, shared folders. A
+    version whose spec does not validate is left out (its own reconcile logs it): to the others it does not exist."""
+    try:
+        return version_keys(VersionView.of(WeightVersion.from_body(body)))
+    except InvalidObject:
+        return {}
 
 
 @kopf.index(*ML)
@@ -47,9 +51,15 @@ def lease_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Status,
 def attach_index(namespace: str, body: kopf.Body, **_: Any) -> dict:
     """(namespace, version) -> the consumer pods a replica holds it for (`attachment_blockers`). Empty, never None,
     once they are gone: kopf keeps an object's previous entries when its handler returns None."""
-    return {(namespace, version): names for version, names in attachment_blockers(body).items()}
+    try:
+        replica = WeightReplica.from_body(body)
+    except InvalidObject:
+        return {}
+    return {(namespace, version): names for version, names in attachment_blockers(replica).items()}
 
 
+# Replicas and Leases are kept as dict snapshots, not parsed: a ModelLoad reconcile reads a few keys of each of
+# its replicas, and parsing hundreds of them per reconcile (or on each of their frequent progress events) costs more.
 def snapshot(body: Mapping[str, Any]) -> dict:
     return copy.deepcopy(dict(body))
 

@@ -1,6 +1,8 @@
 """ModelLoad: choose nodes, plan the WeightReplicas, and aggregate their progress into conditions.
 
-Pure functions over object dicts and a clock, so scheduling, rollout and stall detection are unit-testable.
+Pure functions over the typed ModelLoad (parsed once per reconcile), the object dicts of its replicas, their
+Leases and the nodes (kopf index snapshots: parsing every replica of a large ModelLoad on each reconcile would cost
+more than the few keys read here), and a clock, so scheduling, rollout and stall detection are unit-testable.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ferry.api.conditions import get_condition, set_condition
+from ferry.api.conditions import get_condition, set_condition, with_condition
 from ferry.api.liveness import DEFAULT_LEASE_SECONDS, lease_is_live, lease_node, parse_time
 from ferry.api.models import (
     API_VERSION,
@@ -27,10 +29,13 @@ from ferry.api.models import (
     DegradedReason,
     EnginesAttachedReason,
     LiveReason,
+    ModelLoad,
     ModelLoadConditionType,
     ModelLoadEventReason,
     ModelLoadPhase,
     ModelLoadReadyReason,
+    ModelLoadSpec,
+    ModelLoadStatus,
     PeerStalledReason,
     ProgressingReason,
     ReplicaConditionType,
@@ -64,16 +69,16 @@ class VersionProblem:
     message: str
 
 
-def version_problem(spec: Mapping[str, Any], version: VersionView | None) -> VersionProblem | None:
+def version_problem(spec: ModelLoadSpec, version: VersionView | None) -> VersionProblem | None:
     """None when the desired version exists, is Ready and is of the ModelLoad's model."""
-    desired = spec["desiredVersion"]
+    desired = spec.desiredVersion
     if version is None:
         return VersionProblem(VERSION_NOT_FOUND, f"WeightVersion {desired} does not exist")
-    if version.model_name != spec["modelName"]:
+    if version.model_name != spec.modelName:
         return VersionProblem(
             MODEL_MISMATCH,
             f"WeightVersion {desired} is of model {version.model_name!r}, but this ModelLoad serves "
-            f"{spec['modelName']!r}; no replica is created",
+            f"{spec.modelName!r}; no replica is created",
         )
     if not version.ready:
         return VersionProblem(
@@ -104,7 +109,7 @@ def node_matches(node: Mapping[str, Any], selector: Mapping[str, str]) -> bool:
 
 
 def choose_nodes(
-    spec: Mapping[str, Any],
+    spec: ModelLoadSpec,
     nodes: Iterable[Mapping[str, Any]],
     current: Iterable[str],
     holders: Iterable[str],
@@ -113,9 +118,9 @@ def choose_nodes(
 ) -> list[str]:
     """Nodes for `spec.replicas` replicas. Current placements stay (no churn); new ones go first to nodes that
     already hold the desired version (a free, local source), then spread by a stable hash."""
-    eligible = [n["metadata"]["name"] for n in nodes if node_matches(n, spec.get("nodeSelector") or {})]
+    eligible = [n["metadata"]["name"] for n in nodes if node_matches(n, spec.nodeSelector)]
     eligible_set = set(eligible)
-    wanted = int(spec.get("replicas", 1))
+    wanted = spec.replicas
     keep = [n for n in current if n in eligible_set][:wanted]
     holding = set(holders)
 
@@ -188,43 +193,41 @@ def placement(replica: Mapping[str, Any]) -> str:
     return ((replica.get("metadata") or {}).get("labels") or {}).get(LABEL_PLACEMENT) or PLACEMENT_POOL
 
 
-def replica_body(
-    modelload: Mapping[str, Any], node: str, version: str, placement: str = PLACEMENT_POOL
-) -> dict[str, Any]:
-    meta, spec = modelload["metadata"], modelload["spec"]
+def replica_body(modelload: ModelLoad, node: str, version: str, placement: str = PLACEMENT_POOL) -> dict[str, Any]:
+    meta, spec = modelload.metadata, modelload.spec
     return {
         "apiVersion": API_VERSION,
         "kind": "WeightReplica",
         "metadata": {
-            "name": replica_name(meta["name"], node),
-            "namespace": meta["namespace"],
+            "name": replica_name(meta.name, node),
+            "namespace": meta.namespace,
             "labels": {
-                LABEL_MODEL: label_value(spec["modelName"]),
+                LABEL_MODEL: label_value(spec.modelName),
                 LABEL_VERSION: label_value(version),
                 LABEL_NODE: label_value(node),
-                LABEL_MODELLOAD: label_value(meta["name"]),
+                LABEL_MODELLOAD: label_value(meta.name),
                 LABEL_PLACEMENT: placement,
             },
             "ownerReferences": [
                 {
                     "apiVersion": API_VERSION,
                     "kind": "ModelLoad",
-                    "name": meta["name"],
-                    "uid": meta["uid"],
+                    "name": meta.name,
+                    "uid": meta.uid,
                     "controller": True,
                     "blockOwnerDeletion": True,
                 }
             ],
         },
         "spec": {
-            "modelLoad": meta["name"],
-            "modelName": spec["modelName"],
+            "modelLoad": meta.name,
+            "modelName": spec.modelName,
             "version": version,
             "nodeName": node,
-            "ranks": spec.get("ranksPerReplica", 1),
-            "device": spec.get("device", "cuda"),
-            "sourceOrder": spec.get("sourceOrder") or ["Peer", "ObjectStorage"],
-            "transfer": spec.get("transfer") or {},
+            "ranks": spec.ranksPerReplica,
+            "device": spec.device,
+            "sourceOrder": list(spec.sourceOrder),
+            "transfer": spec.transfer.model_dump(mode="json", exclude_none=True),
         },
     }
 
@@ -239,15 +242,14 @@ class ReplicaPlan:
     extra: int = 0  # replicas kept besides the warm pool (followed pods' nodes, held ones)
 
 
-def max_unavailable(spec: Mapping[str, Any]) -> int | None:
+def max_unavailable(spec: ModelLoadSpec) -> int | None:
     """How many replicas a rollout may have moving or unavailable at once; None: no bound (Parallel). A percentage
     of spec.replicas rounds down, as a Deployment's maxUnavailable, but is at least 1 so every rollout progresses."""
-    rollout = spec.get("rollout") or {}
-    if rollout.get("strategy", RolloutStrategy.ROLLING) == RolloutStrategy.PARALLEL:
+    if spec.rollout.strategy == RolloutStrategy.PARALLEL:
         return None
-    value = rollout.get("maxUnavailable") or DEFAULT_MAX_UNAVAILABLE
+    value = spec.rollout.maxUnavailable or DEFAULT_MAX_UNAVAILABLE
     if isinstance(value, str):
-        value = int(value.removesuffix("%")) * int(spec.get("replicas", 1)) // 100
+        value = int(value.removesuffix("%")) * spec.replicas // 100
     return max(1, int(value))
 
 
@@ -262,13 +264,13 @@ def moving(replica: Mapping[str, Any], desired: str) -> bool:
 
 
 def rollout_moves(
-    spec: Mapping[str, Any], kept: list[Mapping[str, Any]], holders: Iterable[str], stale: Iterable[str] = ()
+    spec: ModelLoadSpec, kept: list[Mapping[str, Any]], holders: Iterable[str], stale: Iterable[str] = ()
 ) -> list[str]:
     """Which of the `kept` replicas (placed, not being deleted) move to spec.desiredVersion now. A replica that is
     moving or unavailable counts against the budget (`max_unavailable`): a moving one keeps serving its old version
     (make-before-break) unless its agent cannot, so counting it bounds the replicas that serve neither version
     whatever the agent does. A replica that serves nothing anyway moves at once: that costs no capacity."""
-    desired = spec["desiredVersion"]
+    desired = spec.desiredVersion
     stale = set(stale)
     behind = [r for r in kept if r["spec"]["version"] != desired]
     free = [r["metadata"]["name"] for r in behind if not available(r, stale)]
@@ -284,7 +286,7 @@ def rollout_moves(
 
 
 def plan_replicas(
-    modelload: Mapping[str, Any],
+    modelload: ModelLoad,
     replicas: Iterable[Mapping[str, Any]],
     nodes: Iterable[Mapping[str, Any]],
     holders: Iterable[str],
@@ -301,12 +303,12 @@ def plan_replicas(
     `choose_nodes`) and the known nodes in `pod_nodes` (where a pod the ModelLoad follows is bound); a replica
     neither wants is deleted only once no consumer is attached to it. `pod_nodes=None`: the pods are not known yet
     (the operator has not listed them since it started), so no replica kept for pods is deleted."""
-    desired = modelload["spec"]["desiredVersion"]
+    desired = modelload.spec.desiredVersion
     replicas = [r for r in replicas if not r["metadata"].get("deletionTimestamp")]
     by_node = {r["spec"]["nodeName"]: r for r in replicas}
     # The pool keeps its own replicas first; one kept for pods joins it only when the pool lacks a node.
     current = sorted(by_node, key=lambda n: placement(by_node[n]) == PLACEMENT_PODS)
-    pool = choose_nodes(modelload["spec"], nodes, current, holders, salt=modelload["metadata"]["name"])
+    pool = choose_nodes(modelload.spec, nodes, current, holders, salt=modelload.metadata.name)
     known = {n["metadata"]["name"] for n in nodes}
     follow = {n for n in pod_nodes or () if n in known} - set(pool)
     unknown = pod_nodes is None
@@ -331,7 +333,7 @@ def plan_replicas(
         ),
         key=lambda body: body["metadata"]["name"],
     )
-    plan.retarget = rollout_moves(modelload["spec"], [by_node[n] for n in chosen if n in by_node], holders, stale)
+    plan.retarget = rollout_moves(modelload.spec, [by_node[n] for n in chosen if n in by_node], holders, stale)
     return plan
 
 
@@ -622,7 +624,7 @@ def attached_pods(replicas: Iterable[Mapping[str, Any]], desired: str, stale: It
 
 
 def aggregate_status(
-    modelload: Mapping[str, Any],
+    modelload: ModelLoad,
     replicas: list[Mapping[str, Any]],
     leases: Mapping[str, Mapping[str, Any]],
     *,
@@ -632,14 +634,15 @@ def aggregate_status(
     now_text: str,
     version_uid: str | None = None,
     extra_replicas: int = 0,
-) -> dict[str, Any]:
-    """The ModelLoad's status. With `version_uid` (the desired WeightVersion's metadata.uid), a replica is ready only
-    while it serves that very object. `extra_replicas`: those kept besides the warm pool (`ReplicaPlan.extra`)."""
-    meta, spec = modelload["metadata"], modelload["spec"]
-    current = modelload.get("status") or {}
-    generation = meta.get("generation")
-    desired = spec["desiredVersion"]
-    pool = int(spec.get("replicas", 1))
+) -> ModelLoadStatus:
+    """The ModelLoad's status (all of it: the fields not set here are kept from the current one). With
+    `version_uid` (the desired WeightVersion's metadata.uid), a replica is ready only while it serves that very
+    object. `extra_replicas`: those kept besides the warm pool (`ReplicaPlan.extra`)."""
+    spec = modelload.spec
+    current = modelload.status or ModelLoadStatus()
+    generation = modelload.metadata.generation
+    desired = spec.desiredVersion
+    pool = spec.replicas
     wanted = pool + extra_replicas
     stale = set(stale_replicas(replicas, leases, now))
     ready = [r for r in replicas if serves(r, desired, version_uid) and r["metadata"]["name"] not in stale]
@@ -650,14 +653,14 @@ def aggregate_status(
     failed = [r for r in replicas if load_failed(r)]
     loading = [r for r in replicas if loading_now(r)]
     behind = [r for r in replicas if r["spec"]["version"] != desired]
-    stalled = stalled_replicas(replicas, float((spec.get("transfer") or {}).get("stallSeconds", 60)), now)
+    stalled = stalled_replicas(replicas, stall_seconds(spec), now)
     fallbacks = [r["metadata"]["name"] for r in replicas if fell_back(r)]
 
-    conds = list(current.get("conditions") or [])
+    conds = current.conditions
 
     def put(type_: str, ok: bool, reason: str, message: str) -> None:
         nonlocal conds
-        conds = set_condition(conds, type_, ok, reason, message, generation=generation, now=now_text)
+        conds = with_condition(conds, type_, ok, reason, message, generation=generation, now=now_text)
 
     all_ready = len(ready) >= wanted and not behind
     if all_ready:
@@ -728,16 +731,18 @@ def aggregate_status(
         phase = ModelLoadPhase.PROGRESSING
     else:
         phase = ModelLoadPhase.PENDING
-    return {
+    update: dict[str, Any] = {
         "phase": str(phase),
         "replicas": wanted,
         "readyReplicas": len(ready),
         "ready": f"{len(ready)}/{wanted}",
-        "loadedVersion": desired if all_ready else current.get("loadedVersion"),
         "attachedPods": attached.pods,
         "conditions": conds,
         "observedGeneration": generation,
     }
+    if all_ready:
+        update["loadedVersion"] = desired
+    return current.model_copy(update=update)
 
 
 # ---------------------------------------------------------------- what a reconcile gathers from the indexes
@@ -760,10 +765,10 @@ def replica_leases(
     }
 
 
-def matching_nodes(nodes: Iterable[Mapping[str, Any]], spec: Mapping[str, Any]) -> int:
+def matching_nodes(nodes: Iterable[Mapping[str, Any]], spec: ModelLoadSpec) -> int:
     """How many nodes the ModelLoad's `spec.nodeSelector` admits."""
-    return sum(1 for n in nodes if node_matches(n, spec.get("nodeSelector") or {}))
+    return sum(1 for n in nodes if node_matches(n, spec.nodeSelector))
 
 
-def stall_seconds(spec: Mapping[str, Any]) -> float:
-    return float((spec.get("transfer") or {}).get("stallSeconds", 60))
+def stall_seconds(spec: ModelLoadSpec) -> float:
+    return float(spec.transfer.stallSeconds)

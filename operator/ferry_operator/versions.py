@@ -5,18 +5,22 @@ Pure: the kopf handlers feed in the object, a chain result and a storage report,
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ferry.api.conditions import get_condition, human_bytes, set_condition
+from ferry.api.conditions import find_condition, human_bytes, with_condition
 from ferry.api.models import (
     ChainReason,
     ConditionStatus,
     StorageReason,
+    WeightReplica,
+    WeightVersion,
     WeightVersionConditionType,
     WeightVersionPhase,
     WeightVersionReadyReason,
+    WeightVersionStatus,
+    merge_patch,
 )
 from ferry.chain import ChainResult
 from ferry.storage import StorageReport
@@ -28,6 +32,7 @@ READY = WeightVersionConditionType.READY
 READY_REASON = WeightVersionReadyReason.VERIFIED
 RELEASE_BLOCKED = WeightVersionReadyReason.RELEASE_BLOCKED
 VERIFICATION_PENDING = StorageReason.VerificationPending
+STORAGE_REASONS = frozenset(StorageReason)
 
 # Spec is immutable, so these can only be fixed by publishing a new version.
 PERMANENT_REASONS = frozenset(
@@ -45,34 +50,40 @@ PERMANENT_REASONS = frozenset(
 
 @dataclass
 class VersionStatusPlan:
-    status: dict[str, Any]
+    status: WeightVersionStatus
     became_ready: bool = False
 
-    def differs_from(self, current: Mapping[str, Any] | None) -> bool:
-        current = current or {}
-        return any(current.get(k) != v for k, v in self.status.items())
+    def differs_from(self, current: WeightVersionStatus | None) -> bool:
+        return self.status != current
+
+    def patch(self, current: WeightVersionStatus | None) -> dict[str, Any]:
+        """The status subresource patch from `current` (as read) to the plan."""
+        return merge_patch(current, self.status)
 
 
-def storage_from_status(status: Mapping[str, Any], generation: int | None) -> StorageReport | None:
-    """The verification outcome recorded for this generation, if any (None: never checked)."""
-    cond = get_condition(status.get("conditions"), STORAGE_VERIFIED)
-    if cond is None or cond.get("status") == ConditionStatus.UNKNOWN or cond.get("observedGeneration") != generation:
+def storage_from_status(version: WeightVersion) -> StorageReport | None:
+    """The verification outcome recorded for the version's generation, if any (None: never checked)."""
+    status = version.status
+    cond = find_condition(status.conditions, STORAGE_VERIFIED) if status else None
+    if cond is None or cond.status == ConditionStatus.UNKNOWN or cond.observedGeneration != version.metadata.generation:
         return None
-    reason = StorageReason(cond.get("reason", StorageReason.Verified))
-    ok = cond.get("status") == ConditionStatus.TRUE
+    if cond.reason not in STORAGE_REASONS:  # an older operator's reason: verify again
+        return None
+    reason = StorageReason(cond.reason)
+    ok = cond.status == ConditionStatus.TRUE
     return StorageReport(
         ok=ok,
         reason=reason,
-        message=cond.get("message", ""),
+        message=cond.message,
         transient=reason == StorageReason.EndpointUnreachable,
-        total_bytes=status.get("totalBytes") if ok else None,
-        tensor_count=status.get("tensorCount") if ok else None,
-        index_digest=status.get("indexDigest") if ok else None,
+        total_bytes=status.totalBytes if ok else None,
+        tensor_count=status.tensorCount if ok else None,
+        index_digest=status.indexDigest if ok else None,
     )
 
 
 def plan_version_status(
-    body: Mapping[str, Any],
+    version: WeightVersion,
     chain: ChainResult,
     storage: StorageReport | None,
     *,
@@ -81,30 +92,33 @@ def plan_version_status(
 ) -> VersionStatusPlan:
     """The full desired status. `storage` None means not verified yet; a transient report keeps the last good
     StorageVerified=True (a flaky endpoint must not flap a Ready version)."""
-    metadata = body.get("metadata") or {}
-    current: Mapping[str, Any] = body.get("status") or {}
-    generation = metadata.get("generation")
-    conditions = list(current.get("conditions") or [])
-    previous = {c["type"]: c.get("status") for c in conditions}
+    generation = version.metadata.generation
+    current = version.status or WeightVersionStatus()
+    conditions = current.conditions
+    previous = {c.type: c.status for c in conditions}
 
-    conditions = set_condition(
-        conditions, CHAIN_RESOLVED, chain.ok, str(chain.reason), chain.message, generation=generation, now=now
+    conditions = with_condition(
+        conditions, CHAIN_RESOLVED, chain.ok, chain.reason, chain.message, generation=generation, now=now
     )
 
     kept_good = storage is not None and storage.transient and previous.get(STORAGE_VERIFIED) == ConditionStatus.TRUE
     if storage is None:
-        conditions = set_condition(
-            conditions, STORAGE_VERIFIED, ConditionStatus.UNKNOWN, VERIFICATION_PENDING,
-            "checking the checkpoint objects in object storage", generation=generation, now=now,
-        )  # fmt: skip
+        conditions = with_condition(
+            conditions,
+            STORAGE_VERIFIED,
+            ConditionStatus.UNKNOWN,
+            VERIFICATION_PENDING,
+            "checking the checkpoint objects in object storage",
+            generation=generation,
+            now=now,
+        )
     elif not kept_good:
-        conditions = set_condition(
-            conditions, STORAGE_VERIFIED, storage.ok, str(storage.reason), storage.message,
-            generation=generation, now=now,
-        )  # fmt: skip
+        conditions = with_condition(
+            conditions, STORAGE_VERIFIED, storage.ok, storage.reason, storage.message, generation=generation, now=now
+        )
     storage_ok = kept_good or (storage is not None and storage.ok)
 
-    deleting = bool(metadata.get("deletionTimestamp"))
+    deleting = bool(version.metadata.deletionTimestamp)
     blockers = list(release_blockers)
     if chain.ok and storage_ok:
         ready_reason, ready_message = READY_REASON, f"{chain.message} Storage verified."
@@ -120,7 +134,7 @@ def plan_version_status(
         ready_message = (
             f"release is blocked by {', '.join(blockers)}" if blockers else "released; waiting for the finalizer"
         )
-    conditions = set_condition(conditions, READY, ready, ready_reason, ready_message, generation=generation, now=now)
+    conditions = with_condition(conditions, READY, ready, ready_reason, ready_message, generation=generation, now=now)
 
     if deleting:
         phase = WeightVersionPhase.RELEASING
@@ -133,23 +147,28 @@ def plan_version_status(
     else:
         phase = WeightVersionPhase.PENDING
 
-    status: dict[str, Any] = {
+    # The fields not set here (a failed chain's last resolved one, the last verified sizes) are kept.
+    update: dict[str, Any] = {
         "phase": str(phase),
         "conditions": conditions,
         "observedGeneration": generation,
-        "chain": list(chain.chain) if chain.ok else current.get("chain"),
-        "chainDepth": chain.depth if chain.ok else current.get("chainDepth"),
         "releaseBlockers": blockers or None,
     }
+    if chain.ok:
+        update |= {"chain": list(chain.chain), "chainDepth": chain.depth}
     if storage is not None and storage.ok:
-        status["totalBytes"] = storage.total_bytes
-        status["tensorCount"] = storage.tensor_count
-        status["size"] = human_bytes(storage.total_bytes) if storage.total_bytes is not None else None
-        status["indexDigest"] = storage.index_digest
+        update |= {
+            "totalBytes": storage.total_bytes,
+            "tensorCount": storage.tensor_count,
+            "size": human_bytes(storage.total_bytes) if storage.total_bytes is not None else None,
+            "indexDigest": storage.index_digest,
+        }
     if ready:
-        status["readyTime"] = current.get("readyTime") or now
-
-    return VersionStatusPlan(status=status, became_ready=ready and previous.get(READY) != ConditionStatus.TRUE)
+        update["readyTime"] = current.readyTime or now
+    return VersionStatusPlan(
+        status=current.model_copy(update=update),
+        became_ready=ready and previous.get(READY) != ConditionStatus.TRUE,
+    )
 
 
 def release_blockers(
@@ -168,11 +187,11 @@ def release_blockers(
     )
 
 
-def attachment_blockers(replica: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+def attachment_blockers(replica: WeightReplica) -> dict[str, tuple[str, ...]]:
     """Per version a replica's consumers hold (`status.attachments`), its blockers: `attached: <ns>/<pod> on
     <node>`. A version a replica merely serves blocks nothing; one that a pod is attached to must stay."""
-    node = (replica.get("spec") or {}).get("nodeName") or "?"
+    node = replica.spec.nodeName or "?"
     found: dict[str, set[str]] = {}
-    for entry in (replica.get("status") or {}).get("attachments") or []:
-        found.setdefault(entry["version"], set()).add(f"attached: {entry['podNamespace']}/{entry['pod']} on {node}")
+    for entry in (replica.status.attachments if replica.status else None) or []:
+        found.setdefault(entry.version, set()).add(f"attached: {entry.podNamespace}/{entry.pod} on {node}")
     return {version: tuple(sorted(names)) for version, names in found.items()}

@@ -86,6 +86,24 @@ def test_last_transition_time_moves_only_on_flips(cluster, s3, namespace, operat
     assert before == after
 
 
+def test_a_status_reason_the_operator_no_longer_knows_is_verified_again(cluster, s3, namespace, operator):
+    """A status written by an older operator (here: a StorageVerified reason this one does not know) is read as far
+    as it is understood: the version is verified again, not left to a reconcile that fails on it."""
+    publish_chain(s3, namespace, ["v1"])
+    apply(cluster, namespace, wv_body(namespace, "v1"))
+    obj = wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")
+    conditions = [
+        c | {"status": "False", "reason": "OlderReason", "message": "written by an older operator"}
+        if c["type"] == "StorageVerified"
+        else c
+        for c in obj["status"]["conditions"]
+    ]
+    patch = json.dumps({"status": {"conditions": conditions}})
+    cluster.kubectl("patch", "wv", "v1", "-n", namespace, "--subresource=status", "--type=merge", "-p", patch)
+    wait_reason(cluster, namespace, "v1", "StorageVerified", "True", "Verified")
+    assert condition(get(cluster, namespace, "wv", "v1"), "Ready")["status"] == "True"
+
+
 @pytest.mark.parametrize(
     ("case", "reason", "phase"),
     [

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
+from ferry.api.models import ModelLoadSpec
 from ferry_agent.kube.registry import source_candidates
 from ferry_agent.strategies.selector import make_selector
 from ferry_operator.modelloads import choose_nodes, replica_name
@@ -95,7 +96,7 @@ def test_wedged_source_is_reported_and_the_target_completes_elsewhere(cluster, n
         wait_for(lambda: ml_status(cluster, namespace).get("ready") == "2/2", 60, "2/2", describe)
         serving = replicas(cluster, namespace)
         nodes = [{"metadata": {"name": n, "labels": {"ferry.dev/pool": namespace}}, "spec": {}} for n in names]
-        spec = modelload(namespace, 3, "v1")["spec"]
+        spec = ModelLoadSpec.model_validate(modelload(namespace, 3, "v1")["spec"])
         current = [r["spec"]["nodeName"] for r in serving.values()]
         newcomer_node = choose_nodes(spec, nodes, current, [], salt="serve")[2]
         newcomer = replica_name("serve", newcomer_node)

@@ -274,6 +274,9 @@ def test_structural_checks_come_before_readiness() -> None:
     assert resolve_chain("v2", store).reason == ChainReason.BaseNotFound
 
 
+T = "2026-01-01T00:00:00Z"
+
+
 def test_from_body() -> None:
     body = {
         "apiVersion": "ferry.dev/v1alpha1",
@@ -288,8 +291,8 @@ def test_from_body() -> None:
         },
         "status": {
             "conditions": [
-                {"type": "ChainResolved", "status": "True", "reason": "Resolved"},
-                {"type": "Ready", "status": "True", "reason": "Verified"},
+                {"type": "ChainResolved", "status": "True", "reason": "Resolved", "lastTransitionTime": T},
+                {"type": "Ready", "status": "True", "reason": "Verified", "lastTransitionTime": T},
             ]
         },
     }
@@ -302,7 +305,9 @@ def test_from_body() -> None:
 def test_from_body_minimal() -> None:
     body = {"metadata": {"name": "p"}, "spec": {"modelName": "m", "format": "PeerOnly"}}
     assert VersionView.from_body(body) == VersionView("p", "m", "PeerOnly", None, None, False, False, False)
-    body["status"] = {"conditions": [{"type": "Ready", "status": "False", "reason": "BaseNotReady"}]}
+    body["status"] = {
+        "conditions": [{"type": "Ready", "status": "False", "reason": "BaseNotReady", "lastTransitionTime": T}]
+    }
     assert not VersionView.from_body(body).ready
 
 

@@ -8,6 +8,7 @@ from ferry.chain import ChainResult
 from ferry.storage import StorageReason, StorageReport
 from ferry_operator.events import condition_event
 from ferry_operator.versions import plan_version_status
+from tests.support.typed import weight_version
 
 pytestmark = pytest.mark.unit
 
@@ -62,14 +63,13 @@ def test_condition_events(type_, before, after, expected):
 
 def test_a_verified_version_is_one_normal_event_and_a_resync_none():
     chain = ChainResult(ok=True, reason="Resolved", message="chain of 1", chain=("v1",))
-    body = {"metadata": {"name": "v1", "generation": 1}, "spec": {}, "status": {}}
     ok = StorageReport(ok=True, reason=StorageReason.Verified, message="ok", total_bytes=1, tensor_count=1)
-    first = plan_version_status(body, chain, ok, now=T0)
-    events = [(x["type"], condition_event(x["type"], None, x)) for x in first.status["conditions"]]
+    first = plan_version_status(weight_version("v1"), chain, ok, now=T0).patch(None)
+    events = [(x["type"], condition_event(x["type"], None, x)) for x in first["conditions"]]
     assert [e for e in events if e[1] is not None] == [("Ready", False)]
-    again = plan_version_status({**body, "status": first.status}, chain, ok, now=T0)
-    old = {x["type"]: x for x in first.status["conditions"]}
-    assert all(condition_event(x["type"], old[x["type"]], x) is None for x in again.status["conditions"])
+    again = plan_version_status(weight_version("v1", status=first), chain, ok, now=T0).patch(None)
+    old = {x["type"]: x for x in first["conditions"]}
+    assert all(condition_event(x["type"], old[x["type"]], x) is None for x in again["conditions"])
 
 
 def test_engines_attached_flips_are_normal_events_and_its_birth_is_none():

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from ferry.api.models import replica_lease_name
+from ferry.api.models import ModelLoad, merge_patch, replica_lease_name
 from ferry.chain import VersionView
 from ferry_operator.modelloads import (
     aggregate_status,
@@ -44,12 +44,12 @@ def node(name, gpu=True, unschedulable=False):
 
 
 def ml(replicas=3, version="v2", status=None):
-    return {
+    return ModelLoad.from_body({
         "metadata": {"name": "serve", "namespace": "ns", "uid": "u-1", "generation": 4},
         "spec": {"modelName": "m", "desiredVersion": version, "replicas": replicas, "nodeSelector": {"gpu": "yes"},
                  "transfer": {"stallSeconds": 30}},
         "status": status or {},
-    }  # fmt: skip
+    })  # fmt: skip
 
 
 def wr(node_name, version="v2", phase="Serving", **status):
@@ -76,10 +76,10 @@ def live(*nodes):
 
 def test_choose_nodes_respects_selector_keeps_placements_and_prefers_holders():
     nodes = [node("a"), node("b"), node("c"), node("d"), node("cpu", gpu=False), node("cordoned", unschedulable=True)]
-    chosen = choose_nodes({"replicas": 3, "nodeSelector": {"gpu": "yes"}}, nodes, ["c"], ["d"], salt="s")
+    chosen = choose_nodes(ml(replicas=3).spec, nodes, ["c"], ["d"], salt="s")
     assert chosen[:2] == ["c", "d"]
     assert len(chosen) == 3 and set(chosen) <= {"a", "b", "c", "d"}
-    assert len(choose_nodes({"replicas": 9, "nodeSelector": {"gpu": "yes"}}, nodes, [], [], salt="s")) == 4
+    assert len(choose_nodes(ml(replicas=9).spec, nodes, [], [], salt="s")) == 4
 
 
 def test_plan_creates_owned_replicas_and_scales_down():
@@ -112,26 +112,36 @@ def test_version_change_rolls_one_replica_at_a_time():
 
 
 def conds(status):
-    return {c["type"]: c for c in status["conditions"]}
+    return {c.type: c for c in status.conditions}
 
 
 def test_all_serving_is_ready():
     replicas = [wr("a"), wr("b"), wr("c")]
     status = aggregate_status(ml(), replicas, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0))
     c = conds(status)
-    assert status["ready"] == "3/3" and status["phase"] == "Ready" and status["loadedVersion"] == "v2"
-    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("True", "AllReplicasReady")
-    assert c["Progressing"]["status"] == "False" and c["Degraded"]["status"] == "False"
-    assert c["PeerStalled"]["status"] == "False"
-    assert all(x["observedGeneration"] == 4 for x in c.values())
+    assert status.ready == "3/3" and status.phase == "Ready" and status.loadedVersion == "v2"
+    assert (c["Ready"].status, c["Ready"].reason) == ("True", "AllReplicasReady")
+    assert c["Progressing"].status == "False" and c["Degraded"].status == "False"
+    assert c["PeerStalled"].status == "False"
+    assert all(x.observedGeneration == 4 for x in c.values())
+
+
+def test_a_resync_of_an_unchanged_load_writes_nothing():
+    replicas = [wr("a"), wr("b"), wr("c", phase="Loading")]
+    first = aggregate_status(ml(), replicas, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0))
+    written = merge_patch(None, first)
+    again = aggregate_status(
+        ml(status=written), replicas, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(-60)
+    )
+    assert again == ml(status=written).status and merge_patch(first, again) == written
 
 
 def test_expired_lease_is_stale_and_degraded():
     replicas = [wr("a"), wr("b"), wr("c")]
     status = aggregate_status(ml(), replicas, live("a", "b"), nodes_available=3, now=NOW, now_text=ts(0))
     c = conds(status)
-    assert status["readyReplicas"] == 2 and status["phase"] == "Degraded"
-    assert c["Degraded"]["reason"] == "ReplicaStale" and replica_name("serve", "c") in c["Degraded"]["message"]
+    assert status.readyReplicas == 2 and status.phase == "Degraded"
+    assert c["Degraded"].reason == "ReplicaStale" and replica_name("serve", "c") in c["Degraded"].message
 
 
 def test_staleness_is_derived_from_the_lease_every_time():
@@ -141,7 +151,7 @@ def test_staleness_is_derived_from_the_lease_every_time():
     assert stale_replicas(back, live("a", "b"), NOW) == [RC]
     assert stale_replicas(back, live("a", "b", "c"), NOW) == []
     status = aggregate_status(ml(), back, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0))
-    assert status["phase"] == "Ready" and conds(status)["Degraded"]["status"] == "False"
+    assert status.phase == "Ready" and conds(status)["Degraded"].status == "False"
     assert stale_replicas([wr("c", phase="Loading")], {}, NOW) == [], "no Lease is expected before it loaded"
 
 
@@ -176,10 +186,10 @@ def test_stalled_peer_names_replica_source_bytes_and_time():
     stalled = stalled_replicas(replicas, 30, NOW)
     assert [s.replica for s in stalled] == [RC]
     status = aggregate_status(ml(), replicas, live("a", "b"), nodes_available=3, now=NOW, now_text=ts(0))
-    message = conds(status)["PeerStalled"]["message"]
+    message = conds(status)["PeerStalled"].message
     for part in (RC, f"peer/{RA}", "1024 of 4096 bytes", "45s", ts(45)):
         assert part in message
-    assert conds(status)["Progressing"]["reason"] == "Loading"
+    assert conds(status)["Progressing"].reason == "Loading"
 
 
 def test_the_stall_deadline_is_the_next_loading_replica_to_go_quiet():
@@ -195,13 +205,13 @@ def test_fallback_to_object_storage_is_degraded():
     replicas = [wr("a"), wr("b"), wr("c", source="s3", attempts=attempts)]
     status = aggregate_status(ml(), replicas, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0))
     c = conds(status)
-    assert c["Degraded"]["reason"] == "FellBackToObjectStorage" and c["Ready"]["status"] == "True"
+    assert c["Degraded"].reason == "FellBackToObjectStorage" and c["Ready"].status == "True"
 
 
 def test_not_enough_nodes_is_explained():
     status = aggregate_status(ml(replicas=5), [wr("a")], live("a"), nodes_available=1, now=NOW, now_text=ts(0))
     ready = conds(status)["Ready"]
-    assert ready["reason"] == "InsufficientNodes" and "only 1 nodes" in ready["message"]
+    assert ready.reason == "InsufficientNodes" and "only 1 nodes" in ready.message
 
 
 def test_replica_names_are_dns_safe():
@@ -220,7 +230,8 @@ def test_replica_names_of_different_pairs_never_collide():
     assert replica_name("a-b", "c").startswith("a-b-c-") and replica_name("a", "b-c").startswith("a-b-c-")
     long = "x" * 60
     assert replica_name(long, "node-1") != replica_name(long, "node-2")  # the prefix is cut before the nodes differ
-    a, b = ml(), {**ml(), "metadata": {**ml()["metadata"], "name": "serve-x"}}
+    a = ml()
+    b = a.model_copy(update={"metadata": a.metadata.model_copy(update={"name": "serve-x"})})
     bodies = [replica_body(a, "x-n", "v2"), replica_body(b, "n", "v2")]
     assert bodies[0]["metadata"]["name"] != bodies[1]["metadata"]["name"]
 
@@ -233,14 +244,14 @@ def test_a_replica_serving_an_older_object_of_the_desired_name_is_not_ready():
         ml(), replicas, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0), version_uid="new"
     )
     ready = conds(status)["Ready"]
-    assert status["readyReplicas"] == 2 and status["phase"] != "Ready" and status["loadedVersion"] is None
-    assert (ready["status"], ready["reason"]) == ("False", "ReplicasNotReady")
-    assert f"{RC} serve an older WeightVersion named v2" in ready["message"]
+    assert status.readyReplicas == 2 and status.phase != "Ready" and status.loadedVersion is None
+    assert (ready.status, ready.reason) == ("False", "ReplicasNotReady")
+    assert f"{RC} serve an older WeightVersion named v2" in ready.message
     replicas[2] = wr("c", versionUid="new")
     status = aggregate_status(
         ml(), replicas, live("a", "b", "c"), nodes_available=3, now=NOW, now_text=ts(0), version_uid="new"
     )
-    assert status["phase"] == "Ready" and status["readyReplicas"] == 3
+    assert status.phase == "Ready" and status.readyReplicas == 3
 
 
 def test_leases_that_name_another_node_or_none_are_to_be_deleted():
@@ -270,7 +281,7 @@ def view(name="v2", model="m", ready=True):
     [(None, "VersionNotFound"), (view(ready=False), "VersionNotReady"), (view(model="other"), "ModelMismatch")],
 )
 def test_an_unplaceable_version_creates_and_moves_nothing(version, reason):
-    spec = ml()["spec"]
+    spec = ml().spec
     problem = version_problem(spec, version)
     assert problem is not None and problem.reason == reason and "v2" in problem.message
     nodes = [node("a"), node("b"), node("c")]
@@ -280,11 +291,11 @@ def test_an_unplaceable_version_creates_and_moves_nothing(version, reason):
     rolling = plan_replicas(ml(replicas=2), old, nodes, [], placeable=False)
     assert rolling.create == [] and rolling.retarget == [] and rolling.delete == []
     status = aggregate_status(ml(), [], {}, nodes_available=3, problem=problem, now=NOW, now_text=ts(0))
-    assert conds(status)["Ready"]["reason"] == reason and status["phase"] == "Pending"
+    assert conds(status)["Ready"].reason == reason and status.phase == "Pending"
 
 
 def test_a_ready_version_of_the_model_is_placeable():
-    assert version_problem(ml()["spec"], view()) is None
+    assert version_problem(ml().spec, view()) is None
 
 
 def test_what_a_reconcile_gathers_holders_leases_and_matching_nodes():
@@ -293,4 +304,4 @@ def test_what_a_reconcile_gathers_holders_leases_and_matching_nodes():
     found = {replica_lease_name(RA): [lease("a")], replica_lease_name(RB): []}
     assert replica_leases([wr("a"), wr("b")], lambda name: found.get(name, [])) == {replica_lease_name(RA): lease("a")}
     nodes = [node("a"), node("b", gpu=False), node("c", unschedulable=True)]
-    assert matching_nodes(nodes, ml()["spec"]) == 1
+    assert matching_nodes(nodes, ml().spec) == 1

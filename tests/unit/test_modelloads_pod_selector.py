@@ -14,6 +14,7 @@ from ferry.api.models import (
     PLACEMENT_POOL,
     WARM_LABEL_PREFIX,
     LabelSelector,
+    ModelLoad,
     ModelLoadSpec,
     replica_lease_name,
     warm_node_label,
@@ -46,14 +47,16 @@ def node(name: str, **labels: str) -> dict:
     return {"metadata": {"name": name, "labels": labels}, "spec": {}}
 
 
-def modelload(replicas: int = 1, selector: dict | None = None) -> dict:
+def modelload(replicas: int = 1, selector: dict | None = None) -> ModelLoad:
     spec = {"modelName": "m", "desiredVersion": "v1", "replicas": replicas, "nodeSelector": {"pool": "a"}}
     if selector is not None:
         spec["podSelector"] = selector
-    return {"metadata": {"name": "ml", "namespace": "ns", "uid": "u1"}, "spec": spec}
+    return ModelLoad.from_body({"metadata": {"name": "ml", "namespace": "ns", "uid": "u1"}, "spec": spec})
 
 
-def existing(ml: dict, node_name: str, placement: str | None, *, attached: int = 0, phase: str = "Serving") -> dict:
+def existing(
+    ml: ModelLoad, node_name: str, placement: str | None, *, attached: int = 0, phase: str = "Serving"
+) -> dict:
     body = replica_body(ml, node_name, "v1", placement or PLACEMENT_POOL)
     if placement is None:  # created before the label existed
         del body["metadata"]["labels"][LABEL_PLACEMENT]
@@ -174,9 +177,9 @@ def test_followed_replicas_count_in_status_but_not_against_node_supply():
     leases = {replica_lease_name(replicas[0]["metadata"]["name"]): lease}
     status = aggregate_status(ml, replicas, leases, nodes_available=1, now=now, now_text="2026-01-01T00:00:00Z",
                               extra_replicas=1)  # fmt: skip
-    assert status["ready"] == "1/2" and status["replicas"] == 2
-    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
-    assert ready["reason"] == "ReplicasNotReady", ready  # not InsufficientNodes: the pool has its one node
+    assert status.ready == "1/2" and status.replicas == 2
+    ready = next(c for c in status.conditions if c.type == "Ready")
+    assert ready.reason == "ReplicasNotReady", ready  # not InsufficientNodes: the pool has its one node
 
 
 def test_warm_label_fits_kubernetes_names_for_any_modelload():

@@ -8,7 +8,7 @@ import datetime as dt
 import pytest
 from pydantic import ValidationError
 
-from ferry.api.models import ModelLoadSpec, RolloutSpec
+from ferry.api.models import ModelLoad, ModelLoadSpec, ObjectMeta, RolloutSpec
 from ferry_agent.kube.registry import first_loader
 from ferry_operator.modelloads import (
     aggregate_status,
@@ -25,13 +25,13 @@ NOW = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
 NOW_TEXT = "2026-01-01T12:00:00Z"
 
 
-def spec(replicas: int, strategy: str | None = None, max_unavailable: int | str | None = None) -> dict:
+def spec(replicas: int, strategy: str | None = None, max_unavailable: int | str | None = None) -> ModelLoadSpec:
     rollout: dict = {}
     if strategy:
         rollout["strategy"] = strategy
     if max_unavailable is not None:
         rollout["maxUnavailable"] = max_unavailable
-    return {"modelName": "m", "desiredVersion": "v2", "replicas": replicas, "rollout": rollout}
+    return ModelLoadSpec(modelName="m", desiredVersion="v2", replicas=replicas, rollout=rollout)
 
 
 def wr(
@@ -105,7 +105,7 @@ def test_rolling_prefers_nodes_that_hold_the_new_version():
 
 def test_plan_passes_stale_replicas_to_the_budget():
     nodes = [{"metadata": {"name": n, "labels": {}}, "spec": {}} for n in "abc"]
-    ml = {"metadata": {"name": "serve", "namespace": "ns", "uid": "u"}, "spec": spec(3, "Rolling", 1)}
+    ml = ModelLoad(metadata=ObjectMeta(name="serve", namespace="ns", uid="u"), spec=spec(3, "Rolling", 1))
     kept = [wr(n) for n in "abc"]
     assert plan_replicas(ml, kept, nodes, [], stale=names("b")).retarget == names("b")
     assert plan_replicas(ml, kept, nodes, [], placeable=False).retarget == []
@@ -120,16 +120,16 @@ def test_rollout_spec_validation():
 
 
 def test_a_moving_replica_still_serving_the_old_version_is_not_ready_not_failed():
-    ml = {"metadata": {"name": "serve", "generation": 1}, "spec": spec(2), "status": {}}
+    ml = ModelLoad(metadata=ObjectMeta(name="serve", generation=1), spec=spec(2))
     replicas = [wr("a", "v2"), wr("b", "v2", version="v1", loadingVersion="v2", startedTime="2026-01-01T11:59:59Z")]
     status = aggregate_status(ml, replicas, {}, nodes_available=2, now=NOW, now_text=NOW_TEXT)
-    conds = {c["type"]: c for c in status["conditions"]}
-    assert status["readyReplicas"] == 0  # no Lease in this view: stale, whatever they serve
-    assert conds["Progressing"]["status"] == "True" and "1 loading" in conds["Progressing"]["message"]
+    conds = {c.type: c for c in status.conditions}
+    assert status.readyReplicas == 0  # no Lease in this view: stale, whatever they serve
+    assert conds["Progressing"].status == "True" and "1 loading" in conds["Progressing"].message
     failed = [wr("a", "v2"), wr("b", "v2", version="v1", loadingVersion="v2", reason="LoadFailed", message="boom")]
     status = aggregate_status(ml, failed, {}, nodes_available=2, now=NOW, now_text=NOW_TEXT)
-    conds = {c["type"]: c for c in status["conditions"]}
-    assert conds["Degraded"]["reason"] == "ReplicaFailed" and names("b")[0] in conds["Degraded"]["message"]
+    conds = {c.type: c for c in status.conditions}
+    assert conds["Degraded"].reason == "ReplicaFailed" and names("b")[0] in conds["Degraded"].message
 
 
 def test_a_load_next_to_the_served_version_can_stall():

@@ -17,13 +17,13 @@ from typing import Any
 
 import kopf
 
-from ferry.api.conditions import now_rfc3339
-from ferry.api.models import LABEL_PLACEMENT, LABEL_VERSION, warm_node_label
+from ferry.api.conditions import condition_dicts, now_rfc3339
+from ferry.api.models import LABEL_PLACEMENT, LABEL_VERSION, InvalidObject, ModelLoad, merge_patch, warm_node_label
 from ferry.api.models import ModelLoadEventReason as MLEvent
 from ferry_operator import kubeapi, metrics, pod_placement
 from ferry_operator.deadlines import DEADLINES
 from ferry_operator.events import emit_transitions, first_time
-from ferry_operator.indexes import Indexes, snapshot
+from ferry_operator.indexes import Indexes
 from ferry_operator.kubeapi import ML
 from ferry_operator.modelloads import (
     LEASE_OF_OTHER_NODE_DELETED,
@@ -74,20 +74,27 @@ async def _reconcile(namespace: str, name: str, body: Mapping[str, Any], memo: k
     indexes: Indexes = memo.indexes
     announced: dict[str, tuple] = memo.setdefault("announced", {})
     started = time.perf_counter()
-    if body["metadata"].get("deletionTimestamp"):
+    try:
+        model_load = ModelLoad.from_body(body)  # parsed once; the replicas, Leases and nodes stay index snapshots
+    except InvalidObject as error:
+        log.error("skipping %s", error)
+        return
+    if model_load.metadata.deletionTimestamp:
         return  # ownerReferences let the garbage collector remove the replicas
-    model_load = snapshot(body)
+    spec = model_load.spec
     replicas = list(indexes.replicas.get((namespace, name), []))
     nodes = indexes.all_nodes()
-    desired = body["spec"]["desiredVersion"]
+    desired = spec.desiredVersion
     view = indexes.version_lookup(namespace)(desired)
     uid = (view.uid or None) if view else None
     serving = holders(indexes.replicas.get(("serving", namespace, desired), []), desired, uid)
-    problem = version_problem(body["spec"], view)
+    problem = version_problem(spec, view)
     leases = replica_leases(replicas, lambda lease: indexes.replica_leases.get((namespace, lease), []))
     now = dt.datetime.now(dt.UTC)
     stale = stale_replicas(replicas, leases, now)
-    pod_nodes = pod_placement.pod_nodes(namespace, name, body["spec"].get("podSelector"))
+    # pod_placement keeps the selector as a dict in its process-wide state, between reconciles.
+    selector = spec.podSelector.model_dump(mode="json", exclude_none=True) if spec.podSelector else None
+    pod_nodes = pod_placement.pod_nodes(namespace, name, selector)
     plan = plan_replicas(
         model_load, replicas, nodes, serving, placeable=problem is None, pod_nodes=pod_nodes, stale=stale
     )
@@ -125,22 +132,23 @@ async def _reconcile(namespace: str, name: str, body: Mapping[str, Any], memo: k
         model_load,
         replicas,
         leases,
-        nodes_available=matching_nodes(nodes, body["spec"]),
+        nodes_available=matching_nodes(nodes, spec),
         now=now,
         now_text=now_rfc3339(),
         problem=problem,
         version_uid=uid,
         extra_replicas=plan.extra,
     )
-    status["warmNodeLabel"] = warm_node_label(namespace, name)
-    current_status = body.get("status") or {}
-    if any(current_status.get(k) != v for k, v in status.items()):
-        await asyncio.to_thread(kubeapi.patch_status, ML[2], namespace, name, status)
-        emit_transitions(body, list(current_status.get("conditions") or []), status["conditions"], announced)
+    status = status.model_copy(update={"warmNodeLabel": warm_node_label(namespace, name)})
+    patch = merge_patch(model_load.status, status)
+    if status != model_load.status:
+        await asyncio.to_thread(kubeapi.patch_status, ML[2], namespace, name, patch)
+        before = condition_dicts(model_load.status.conditions) if model_load.status else []
+        emit_transitions(body, before, patch["conditions"], announced)
     # A load that stops progressing sends no event: its stall deadline is one. A stalled one that progresses again
     # must wake this ModelLoad (replica_changed), where ordinary progress does not.
     stalled: set[tuple[str, str]] = memo.stalled
-    seconds = stall_seconds(body["spec"])
+    seconds = stall_seconds(spec)
     for r in replicas:
         stalled.discard((namespace, r["metadata"]["name"]))
     stalled.update((namespace, s.replica) for s in stalled_replicas(replicas, seconds, now))
@@ -151,8 +159,8 @@ async def _reconcile(namespace: str, name: str, body: Mapping[str, Any], memo: k
         DEADLINES.after(
             ("stall", namespace, name), (stall - now).total_seconds() + DEADLINE_MARGIN, wake_later(namespace, name)
         )
-    metrics.record_modelload(namespace, name, status, replicas)
-    metrics.RECONCILES.labels(kind="ModelLoad", phase=status["phase"]).inc()
+    metrics.record_modelload(namespace, name, patch, replicas)
+    metrics.RECONCILES.labels(kind="ModelLoad", phase=status.phase).inc()
     metrics.RECONCILE_SECONDS.labels(kind="ModelLoad").observe(time.perf_counter() - started)
 
 

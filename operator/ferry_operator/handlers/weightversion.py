@@ -14,9 +14,9 @@ from typing import Any
 
 import kopf
 
-from ferry.api.conditions import get_condition, now_rfc3339
+from ferry.api.conditions import condition_dicts, find_condition, now_rfc3339
+from ferry.api.models import InvalidObject, WeightVersion, WeightVersionStatus
 from ferry.api.models import WeightVersionEventReason as WVEvent
-from ferry.api.models import WeightVersionSpec
 from ferry.chain import VersionView, dependents, resolve_chain
 from ferry_operator import kubeapi, metrics, retention_handlers, verification
 from ferry_operator.config import CONFIG
@@ -24,7 +24,14 @@ from ferry_operator.events import emit_transitions
 from ferry_operator.indexes import Indexes
 from ferry_operator.indexkeys import dependents_of
 from ferry_operator.kubeapi import ML, WV
-from ferry_operator.versions import CHAIN_RESOLVED, READY, plan_version_status, release_blockers, storage_from_status
+from ferry_operator.versions import (
+    CHAIN_RESOLVED,
+    READY,
+    VersionStatusPlan,
+    plan_version_status,
+    release_blockers,
+    storage_from_status,
+)
 from ferry_operator.wakeups import WAKEUPS
 
 log = logging.getLogger("ferry.operator")
@@ -46,10 +53,28 @@ def _retry(namespace: str, name: str) -> Callable[[], Awaitable[None]]:
     return wake
 
 
-async def _write_status(namespace: str, name: str, body: Mapping[str, Any], status: dict, memo: kopf.Memo) -> None:
-    await asyncio.to_thread(kubeapi.patch_status, WV[2], namespace, name, status)
-    before = list((body.get("status") or {}).get("conditions") or [])
-    emit_transitions(body, before, status["conditions"], memo.setdefault("announced", {}))
+def parse(body: Mapping[str, Any], logger: logging.Logger = log) -> WeightVersion | None:
+    """The typed version, parsed once per reconcile; None (logged) for a spec that does not validate, which an
+    older schema may have let in: such a version is left alone rather than crash every reconcile."""
+    try:
+        return WeightVersion.from_body(body)
+    except InvalidObject as error:
+        logger.error("skipping %s", error)
+        return None
+
+
+async def _write_status(
+    namespace: str,
+    name: str,
+    body: Mapping[str, Any],
+    current: WeightVersionStatus | None,
+    plan: VersionStatusPlan,
+    memo: kopf.Memo,
+) -> None:
+    patch = plan.patch(current)
+    await asyncio.to_thread(kubeapi.patch_status, WV[2], namespace, name, patch)
+    before = condition_dicts(current.conditions) if current else []
+    emit_transitions(body, before, patch["conditions"], memo.setdefault("announced", {}))
 
 
 async def reconcile(
@@ -63,22 +88,28 @@ async def reconcile(
             body = await asyncio.to_thread(kubeapi.get_object, WV[2], namespace, name)
             if body is None:
                 return
+        version = parse(body, logger)
+        if version is None:
+            return
         started = time.perf_counter()
-        spec = WeightVersionSpec.model_validate(dict(body["spec"]))  # the typed spec, parsed once
         chain = resolve_chain(name, indexes.version_lookup(namespace), CONFIG.max_chain_length)
-        recorded = storage_from_status(body.get("status") or {}, body["metadata"].get("generation"))
         storage = await verification.storage_report(
-            body["metadata"]["uid"], namespace, name, spec, recorded, memo, retry=_retry(namespace, name)
+            version.metadata.uid,
+            namespace,
+            name,
+            version.spec,
+            storage_from_status(version),
+            memo,
+            retry=_retry(namespace, name),
         )
-        deleting = bool(body["metadata"].get("deletionTimestamp"))
-        blocked = blockers(namespace, name, indexes) if deleting else []
-        plan = plan_version_status(body, chain, storage, release_blockers=blocked, now=now_rfc3339())
-        if plan.differs_from(body.get("status")):
-            await _write_status(namespace, name, body, plan.status, memo)
+        blocked = blockers(namespace, name, indexes) if version.metadata.deletionTimestamp else []
+        plan = plan_version_status(version, chain, storage, release_blockers=blocked, now=now_rfc3339())
+        if plan.differs_from(version.status):
+            await _write_status(namespace, name, body, version.status, plan, memo)
         if plan.became_ready:
-            logger.info("%s/%s is Ready (chain %s)", namespace, name, " → ".join(plan.status["chain"] or []))
-        metrics.record_phase(namespace, name, plan.status["phase"])
-        metrics.RECONCILES.labels(kind="WeightVersion", phase=plan.status["phase"]).inc()
+            logger.info("%s/%s is Ready (chain %s)", namespace, name, " → ".join(plan.status.chain or []))
+        metrics.record_phase(namespace, name, plan.status.phase)
+        metrics.RECONCILES.labels(kind="WeightVersion", phase=plan.status.phase).inc()
         metrics.RECONCILE_SECONDS.labels(kind="WeightVersion").observe(time.perf_counter() - started)
 
 
@@ -86,22 +117,18 @@ async def reconcile_woken(namespace: str, name: str, memo: kopf.Memo) -> None:
     await reconcile(namespace, name, memo)
 
 
-def forget(namespace: str, name: str, body: Mapping[str, Any]) -> None:
+def forget(namespace: str, name: str, body: kopf.Body) -> None:
     """The version is gone: drop what the process kept of it (kopf drops its memo)."""
     metrics.forget(namespace, name)
-    verification.forget(body["metadata"].get("uid"))
+    verification.forget(body.metadata.uid)
     WAKEUPS.forget(WV[2], namespace, name)
 
 
-def signature(body: Mapping[str, Any]) -> tuple:
+def signature(version: WeightVersion) -> tuple:
     """What others derive from a version: its identity, readiness, release and why its chain is (not) resolved."""
-    conditions = (body.get("status") or {}).get("conditions")
-    return (
-        body["metadata"].get("uid"),
-        bool(body["metadata"].get("deletionTimestamp")),
-        tuple((get_condition(conditions, t) or {}).get("reason") for t in (READY, CHAIN_RESOLVED)),
-        VersionView.from_body(body).ready,
-    )
+    conditions = version.status.conditions if version.status else None
+    reasons = tuple(getattr(find_condition(conditions, t), "reason", None) for t in (READY, CHAIN_RESOLVED))
+    return (version.metadata.uid, bool(version.metadata.deletionTimestamp), reasons, VersionView.of(version).ready)
 
 
 def wake_watchers(
@@ -111,8 +138,11 @@ def wake_watchers(
     the index), wake the versions based on it and the ModelLoads that desire it. Nothing else has to poll."""
     gone = event.get("type") == "DELETED"
     if not gone:
+        version = parse(body)
+        if version is None:
+            return
         previous = memo.get("signature")
-        memo["signature"] = signature(body)
+        memo["signature"] = signature(version)
         if previous == memo["signature"] or (previous is None and event.get("type") is None):
             return  # unchanged, or first seen in the startup listing (everything is reconciled then anyway)
     indexes: Indexes = memo.indexes
@@ -131,10 +161,12 @@ async def release(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo) -
         await retention_handlers.release_storage(namespace, name, body, indexes.versions)
         kopf.info(body, reason=WVEvent.RELEASED, message="no dependents left; releasing")
         return
+    version = parse(body)
     async with WAKEUPS.lock(memo):
-        chain = resolve_chain(name, indexes.version_lookup(namespace), CONFIG.max_chain_length)
-        storage = storage_from_status(body.get("status") or {}, body["metadata"].get("generation"))
-        plan = plan_version_status(body, chain, storage, release_blockers=blocked, now=now_rfc3339())
-        if plan.differs_from(body.get("status")):
-            await _write_status(namespace, name, body, plan.status, memo)
+        if version is not None:
+            chain = resolve_chain(name, indexes.version_lookup(namespace), CONFIG.max_chain_length)
+            storage = storage_from_status(version)
+            plan = plan_version_status(version, chain, storage, release_blockers=blocked, now=now_rfc3339())
+            if plan.differs_from(version.status):
+                await _write_status(namespace, name, body, version.status, plan, memo)
     raise kopf.TemporaryError(f"release blocked by {', '.join(blocked)}", delay=CONFIG.release_retry_seconds)
