@@ -104,34 +104,14 @@ async def step_down(**_: Any) -> None:
 
 @kopf.on.event(*WV)
 async def version_changed(
-    event: dict,
-    namespace: str,
-    name: str,
-    body: kopf.Body,
-    memo: kopf.Memo,
-    patch: kopf.Patch,
-    logger: logging.Logger,
-    **_: Any,
+    event: dict, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
     if event.get("type") == "DELETED":
         weightversion.forget(namespace, name, body)
-    elif _first_sight(body):
-        # kopf adds the release finalizer after this handler, by a JSON patch conditional on this very
-        # resourceVersion: a status written first would fail it, and kopf would retry it on the next event, a
-        # request and a handling cycle more per new version. The status goes into kopf's own patch instead (written
-        # just before the finalizer). Wakes wait for the next event, which that patch guarantees and which runs a
-        # reconcile with everything known by then: a woken run now could read the object before kopf writes it.
-        await weightversion.reconcile(namespace, name, memo, body, logger, patch=patch)
     else:
         WAKEUPS.seen(WV[2], namespace, name, memo)
         await weightversion.reconcile(namespace, name, memo, body, logger)
     weightversion.wake_watchers(event, namespace, name, body, memo)
-
-
-def _first_sight(body: kopf.Body) -> bool:
-    """kopf has not yet added the release finalizer, and will in this handling cycle."""
-    meta = body["metadata"]
-    return RELEASE_FINALIZER not in (meta.get("finalizers") or []) and not meta.get("deletionTimestamp")
 
 
 @kopf.on.delete(*WV)

@@ -86,39 +86,6 @@ def test_last_transition_time_moves_only_on_flips(cluster, s3, namespace, operat
     assert before == after
 
 
-def conflicting_version_patches(cluster) -> int:
-    """PATCHes of WeightVersions the apiserver refused with 422 so far (a JSON patch whose resourceVersion test
-    failed), from its own request counter."""
-    total = 0
-    for line in cluster.kubectl("get", "--raw", "/metrics").stdout.splitlines():
-        if line.startswith("apiserver_request_total{") and all(
-            label in line for label in ('code="422"', 'resource="weightversions"', 'subresource=""', 'verb="PATCH"')
-        ):
-            total += int(float(line.rsplit(" ", 1)[1]))
-    return total
-
-
-def test_new_versions_get_status_and_finalizer_without_a_conflict(cluster, s3, namespace, operator):
-    """A new version's status is written in kopf's handling cycle, ahead of its release finalizer: a status written
-    by the handler itself made kopf's resourceVersion-tested finalizer patch fail once per new version."""
-    names = [f"c{i}" for i in range(6)]
-    for name in names:
-        publish_full(s3, namespace, name, tensors(0))
-    before = conflicting_version_patches(cluster)
-    apply(cluster, namespace, *(wv_body(namespace, name) for name in names))
-    for name in names:
-        wait_reason(cluster, namespace, name, "Ready", "True", "Verified")
-        wait_for(
-            lambda name=name: (
-                "ferry.dev/release" in (get(cluster, namespace, "wv", name)["metadata"].get("finalizers") or [])
-            ),
-            30,
-            f"{name}'s release finalizer",
-        )
-    # The old code had one per new version; a couple from other namespaces' teardown are tolerated.
-    assert conflicting_version_patches(cluster) - before < len(names) // 2
-
-
 @pytest.mark.parametrize(
     ("case", "reason", "phase"),
     [

@@ -46,28 +46,17 @@ def _retry(namespace: str, name: str) -> Callable[[], Awaitable[None]]:
     return wake
 
 
-async def _write_status(
-    namespace: str, name: str, body: Mapping[str, Any], status: dict, memo: kopf.Memo, patch: kopf.Patch | None
-) -> None:
-    if patch is not None:
-        patch.status.update(status)  # kopf writes it right after the handler, before the finalizer (see main.py)
-    else:
-        await asyncio.to_thread(kubeapi.patch_status, WV[2], namespace, name, status)
+async def _write_status(namespace: str, name: str, body: Mapping[str, Any], status: dict, memo: kopf.Memo) -> None:
+    await asyncio.to_thread(kubeapi.patch_status, WV[2], namespace, name, status)
     before = list((body.get("status") or {}).get("conditions") or [])
     emit_transitions(body, before, status["conditions"], memo.setdefault("announced", {}))
 
 
 async def reconcile(
-    namespace: str,
-    name: str,
-    memo: kopf.Memo,
-    body: Mapping[str, Any] | None = None,
-    logger: logging.Logger = log,
-    patch: kopf.Patch | None = None,
+    namespace: str, name: str, memo: kopf.Memo, body: Mapping[str, Any] | None = None, logger: logging.Logger = log
 ) -> None:
     """Derive the version's status from the indexes and write it where it differs. `body` None: woken, read the
-    object now (the lock is held first, so a write by its own handler just before is seen). `patch`: kopf's patch
-    of this handler cycle, to write the status into instead of patching it here."""
+    object now (the lock is held first, so a write by its own handler just before is seen)."""
     indexes: Indexes = memo.indexes
     async with WAKEUPS.lock(memo):
         if body is None:
@@ -85,7 +74,7 @@ async def reconcile(
         blocked = blockers(namespace, name, indexes) if deleting else []
         plan = plan_version_status(body, chain, storage, release_blockers=blocked, now=now_rfc3339())
         if plan.differs_from(body.get("status")):
-            await _write_status(namespace, name, body, plan.status, memo, patch)
+            await _write_status(namespace, name, body, plan.status, memo)
         if plan.became_ready:
             logger.info("%s/%s is Ready (chain %s)", namespace, name, " → ".join(plan.status["chain"] or []))
         metrics.record_phase(namespace, name, plan.status["phase"])
@@ -147,5 +136,5 @@ async def release(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo) -
         storage = storage_from_status(body.get("status") or {}, body["metadata"].get("generation"))
         plan = plan_version_status(body, chain, storage, release_blockers=blocked, now=now_rfc3339())
         if plan.differs_from(body.get("status")):
-            await _write_status(namespace, name, body, plan.status, memo, None)
+            await _write_status(namespace, name, body, plan.status, memo)
     raise kopf.TemporaryError(f"release blocked by {', '.join(blocked)}", delay=CONFIG.release_retry_seconds)
