@@ -5,7 +5,8 @@ Each row runs on a fresh stack (apiserver, SeaweedFS, operator), so its RSS and 
 measured in the same run: apply → the same object's ADDED watch event (what the apiserver alone costs), and when the
 apiserver had delivered every object. After each row a single new version is applied, one at a time, into the loaded
 cluster: its apply → Ready beside its apply → watch event is the "single new version" ratio. Our figure includes S3
-verification of every version (index GET, shard HEAD + header GET) and the status patch.
+verification of every version (index GET, one header GET per shard) and the status patch. Each row also reports
+the CPU seconds the operator and the apiserver + etcd spent during it.
 
 Rows: `--rows 1,100,1000,10000,10000x100` (`NxM`: N versions over M namespaces). Writes bench/results/operator.json
 and operator.md.
