@@ -5,7 +5,8 @@ Each row runs on a fresh stack (apiserver, SeaweedFS, operator), so its RSS and 
 measured in the same run: apply → the same object's ADDED watch event (what the apiserver alone costs), and when the
 apiserver had delivered every object. After each row a single new version is applied, one at a time, into the loaded
 cluster: its apply → Ready beside its apply → watch event is the "single new version" ratio. Our figure includes S3
-verification of every version (index GET, shard HEAD + header GET) and the status patch.
+verification of every version (index GET, one header GET per shard) and the status patch. Each row also reports
+the CPU seconds the operator and the apiserver + etcd spent during it.
 
 Rows: `--rows 1,100,1000,10000,10000x100` (`NxM`: N versions over M namespaces). Writes bench/results/operator.json
 and operator.md.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import threading
 import time
@@ -39,6 +41,12 @@ CREATE_THREADS = 8
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def proc_mib(pid: int, field: str) -> float:
@@ -160,7 +168,13 @@ def measure(n: int, spread: int) -> dict:
         wait_until(lambda: "metrics on" in operator.log_tail(200), 30, "operator", operator)
         api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
         api.configuration.connection_pool_maxsize = CREATE_THREADS
+        # CPU seconds spent during the row: steadier than wall time on shared cores, and the apiserver's own share
+        # (etcd included) shows what each version's requests cost there.
+        servers = [p.proc.pid for p in cluster.processes if p.name in ("etcd", "kube-apiserver") and p.proc]
+        cpu_before = cpu_seconds(operator.proc.pid), sum(cpu_seconds(pid) for pid in servers)
         row = run_row(api, n, spread, uri, timeout=180 + 0.2 * n)
+        row["operator_cpu_s"] = round(cpu_seconds(operator.proc.pid) - cpu_before[0], 2)
+        row["apiserver_etcd_cpu_s"] = round(sum(cpu_seconds(pid) for pid in servers) - cpu_before[1], 2)
         row["operator_rss_mib"] = proc_mib(operator.proc.pid, "VmRSS")
         row["operator_peak_rss_mib"] = proc_mib(operator.proc.pid, "VmHWM")
         log = (cluster.workdir / "operator.log").read_text(errors="replace")
@@ -178,8 +192,8 @@ def duration(seconds: float) -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         "| versions | namespaces | apply→Ready p50 | p99 | all Ready | apiserver: watch p50 / all seen (reference) "
-        "| single new version: Ready / watch event | ratio | operator RSS |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| single new version: Ready / watch event | ratio | operator RSS | CPU s: operator / apiserver+etcd |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ratio = r["single_ready_s"] / max(r["single_watch_s"], 1e-6)
@@ -187,7 +201,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['count']} | {r['namespaces']} | {duration(r['ready_p50_s'])} | {duration(r['ready_p99_s'])} "
             f"| {r['ready_all_s']:.1f} s | {duration(r['apiserver_watch_p50_s'])} / {r['apiserver_all_s']:.1f} s "
             f"| {duration(r['single_ready_s'])} / {duration(r['single_watch_s'])} | {ratio:.1f}x "
-            f"| {r['operator_rss_mib']:.0f} MiB |"
+            f"| {r['operator_rss_mib']:.0f} MiB | {r['operator_cpu_s']:.1f} / {r['apiserver_etcd_cpu_s']:.1f} |"
         )
     return "\n".join(lines)
 

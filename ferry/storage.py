@@ -9,6 +9,7 @@ the bytes).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,8 +104,16 @@ def _read_prefix(client: Any, bucket: str, key: str, what: str, nbytes: int) -> 
     return _call(what, response["Body"].read), size
 
 
-def verify_checkpoint(client: Any, uri: str, *, fmt: str, version: str, base_version: str | None) -> StorageReport:
-    """Check the checkpoint at `uri` (its index) is complete and canonical for WeightVersion `version`."""
+# `map`, or an executor's `map`: runs the shard checks, yielding their results in order.
+ShardMap = Callable[[Callable[[str], Any], Iterable[str]], Iterator[Any]]
+
+
+def verify_checkpoint(
+    client: Any, uri: str, *, fmt: str, version: str, base_version: str | None, map_shards: ShardMap = map
+) -> StorageReport:
+    """Check the checkpoint at `uri` (its index) is complete and canonical for WeightVersion `version`.
+    `map_shards` (e.g. a thread pool's `map`) reads the shard headers; in order either way, so the report names
+    the first failing shard of the index."""
     if fmt == WeightFormat.PEER_ONLY:
         return StorageReport(
             ok=True,
@@ -114,12 +123,21 @@ def verify_checkpoint(client: Any, uri: str, *, fmt: str, version: str, base_ver
     if fmt not in (WeightFormat.FULL_CHECKPOINT, WeightFormat.XOR_DELTA):
         raise ValueError(f"unknown WeightVersion format {fmt!r}")
     try:
-        return _verify(client, uri, delta=fmt == WeightFormat.XOR_DELTA, version=version, base_version=base_version)
+        return _verify(
+            client,
+            uri,
+            delta=fmt == WeightFormat.XOR_DELTA,
+            version=version,
+            base_version=base_version,
+            map_shards=map_shards,
+        )
     except _Stop as stop:
         return stop.report
 
 
-def _verify(client: Any, uri: str, *, delta: bool, version: str, base_version: str | None) -> StorageReport:
+def _verify(
+    client: Any, uri: str, *, delta: bool, version: str, base_version: str | None, map_shards: ShardMap
+) -> StorageReport:
     try:
         bucket, key = s3.parse_s3_uri(uri)
     except s3.InvalidUri as exc:
@@ -142,11 +160,15 @@ def _verify(client: Any, uri: str, *, delta: bool, version: str, base_version: s
 
     # Deltas always carry checksums; a full checkpoint does when its index says so (ours always do).
     checksummed = index.metadata.get("checksum_format") == ckpt.CHECKSUM_FORMAT
+
+    def check(shard: str) -> tuple[int, dict[str, ckpt.TensorInfo]]:
+        shard_uri = f"s3://{bucket}/{prefix}{shard}"
+        return _check_shard(client, bucket, prefix + shard, shard_uri, index.tensors_in(shard), checksummed)
+
     total_bytes = 0
     tensor_bytes = 0
-    for shard in index.shards:
-        shard_uri = f"s3://{bucket}/{prefix}{shard}"
-        size, infos = _check_shard(client, bucket, prefix + shard, shard_uri, index.tensors_in(shard), checksummed)
+    # A pool's map raises a shard's failure when its turn comes, as the loop would: the first in index order.
+    for size, infos in map_shards(check, index.shards):
         total_bytes += size
         tensor_bytes += sum(info.nbytes for info in infos.values())
 

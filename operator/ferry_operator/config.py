@@ -24,7 +24,9 @@ class Setting:
 
 
 SETTINGS = (
-    Setting("FERRY_VERIFY_CONCURRENCY", "16", "storage verifications at once (threads, and S3 connections)"),
+    Setting(
+        "FERRY_VERIFY_CONCURRENCY", "16", "storage verifications at once (threads; as many again read shard headers)"
+    ),
     Setting("FERRY_VERIFY_BACKOFF_SECONDS", "2", "first retry delay after a failed storage verification"),
     Setting("FERRY_VERIFY_BACKOFF_MAX_SECONDS", "300", "cap of the doubling verification retry delay"),
     Setting("FERRY_RELEASE_RETRY_SECONDS", "2", "how often a blocked release (deletion) of a version is retried"),
@@ -56,7 +58,7 @@ def _float(name: str) -> float:
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    verify_concurrency: int  # storage verifications at once (threads, and the S3 client's connection pool)
+    verify_concurrency: int  # storage verifications at once (threads; as many again read shard headers)
     verify_backoff_initial: float
     verify_backoff_max: float
     release_retry_seconds: float

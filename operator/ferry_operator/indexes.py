@@ -2,7 +2,9 @@
 `Indexes`, the one value through which handlers and woken reconciles read them.
 
 kopf fills every index before it runs any handler, keeps them current on every watch event, and passes the same
-index objects to every handler, startup included: `Indexes` is built once, at startup.
+index objects to every handler, startup included: `Indexes` is built once, at startup. The indexers are `async`
+although they never await: kopf runs a sync one in its thread pool (a thread hop and a shielded task per index per
+event, most of an event's cost at thousands of objects), an async one inline on the loop.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ferry_operator.versions import attachment_blockers
 
 
 @kopf.index(*WV)
-def version_index(body: kopf.Body, **_: Any) -> dict:
+async def version_index(body: kopf.Body, **_: Any) -> dict:
     """The one index over every WeightVersion (see indexkeys): chains, dependents, retention, shared folders. A
     version whose spec does not validate is left out (its own reconcile logs it): to the others it does not exist."""
     try:
@@ -32,14 +34,14 @@ def version_index(body: kopf.Body, **_: Any) -> dict:
 
 
 @kopf.index(*ML)
-def desired_index(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> dict | None:
+async def desired_index(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> dict | None:
     if meta.get("deletionTimestamp"):
         return None
     return {(namespace, spec.get("desiredVersion")): name}
 
 
 @kopf.index(*WR)
-def lease_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict:
+async def lease_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict:
     # {} rather than None when the reads end: None would keep the replica's previous entry (a blocker for good).
     if not status.get("activeLeases"):
         return {}
@@ -48,7 +50,7 @@ def lease_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Status,
 
 
 @kopf.index(*WR)
-def attach_index(namespace: str, body: kopf.Body, **_: Any) -> dict:
+async def attach_index(namespace: str, body: kopf.Body, **_: Any) -> dict:
     """(namespace, version) -> the consumer pods a replica holds it for (`attachment_blockers`). Empty, never None,
     once they are gone: kopf keeps an object's previous entries when its handler returns None."""
     try:
@@ -69,12 +71,14 @@ def node_view(name: str, body: kopf.Body) -> dict:
 
 
 @kopf.index("", "v1", "nodes")
-def node_index(name: str, body: kopf.Body, **_: Any) -> dict:
+async def node_index(name: str, body: kopf.Body, **_: Any) -> dict:
     return {name: node_view(name, body)}
 
 
 @kopf.index(*WR)
-def replica_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, body: kopf.Body, **_: Any) -> dict:
+async def replica_index(
+    namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, body: kopf.Body, **_: Any
+) -> dict:
     """By (namespace, ModelLoad); also by name (a Lease's replica) and by the version it reports (holders)."""
     shot = snapshot(body)
     keys = {(namespace, spec.get("modelLoad")): shot, ("replica", namespace, name): shot}
@@ -84,7 +88,7 @@ def replica_index(namespace: str, name: str, spec: kopf.Spec, status: kopf.Statu
 
 
 @kopf.index("coordination.k8s.io", "v1", "leases", labels={f"{GROUP}/replica": kopf.PRESENT})
-def replica_lease_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+async def replica_lease_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
     return {(namespace, name): snapshot(body)}
 
 

@@ -47,14 +47,14 @@ _storage_tries: dict[str, int] = {}  # uid -> failed storage deletions at releas
 
 
 @kopf.index(*ML)
-def retention_load_index(namespace: str, body: kopf.Body, meta: kopf.Meta, **_: Any) -> dict | None:
+async def retention_load_index(namespace: str, body: kopf.Body, meta: kopf.Meta, **_: Any) -> dict | None:
     if meta.get("deletionTimestamp"):
         return None
     return {namespace: LoadFacts.from_body(body)}
 
 
 @kopf.index(*WR)
-def retention_hold_index(namespace: str, body: kopf.Body, **_: Any) -> dict:
+async def retention_hold_index(namespace: str, body: kopf.Body, **_: Any) -> dict:
     return {namespace: held_versions(body)}
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import kopf
 
@@ -28,6 +29,14 @@ from ferry_operator.s3clients import client_for
 # threads that patch.
 _verify_pool = ThreadPoolExecutor(CONFIG.verify_concurrency, thread_name_prefix="verify")
 _verify_slots = asyncio.Semaphore(CONFIG.verify_concurrency)
+# A checkpoint's shard headers are read at once, on a pool of their own (a verification thread waits on them), as
+# large: one round trip per version rather than one per shard. s3clients sizes the connection pool for both.
+_shard_pool = ThreadPoolExecutor(CONFIG.verify_concurrency, thread_name_prefix="verify-shard")
+
+
+def _map_shards(check: Callable[[str], Any], shards: Iterable[str]) -> Iterator[Any]:
+    shards = list(shards)
+    return map(check, shards) if len(shards) < 2 else _shard_pool.map(check, shards)
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,9 @@ def verify_storage(namespace: str, name: str, spec: WeightVersionSpec) -> Storag
     except ValueError as exc:
         return StorageReport(ok=False, reason=StorageReason.CredentialsMissing, message=str(exc))
     client = client_for(storage.endpoint or CONFIG.s3_endpoint, storage.region, credentials)
-    return verify_checkpoint(client, storage.uri, fmt=spec.format, version=name, base_version=spec.baseVersion)
+    return verify_checkpoint(
+        client, storage.uri, fmt=spec.format, version=name, base_version=spec.baseVersion, map_shards=_map_shards
+    )
 
 
 async def storage_report(

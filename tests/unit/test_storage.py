@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from safetensors.numpy import save
 
 from ferry import checkpoint_format as ckpt
 from ferry.storage import StorageReason, StorageReport, verify_checkpoint
+from ferry_operator import verification
 
 pytestmark = pytest.mark.unit
 
@@ -382,3 +384,32 @@ def test_connection_dropped_while_reading_a_body_is_transient() -> None:
     fake.body_fail[PREFIX + ckpt.INDEX_NAME] = ResponseStreamingError(error="connection reset")
     report = verify(fake)
     assert report.reason == StorageReason.EndpointUnreachable and report.transient
+
+
+class BarrierS3(FakeS3):
+    """Each shard header GET waits until all of them are under way: only concurrent reads get through."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        super().__init__(files)
+        self.barrier = threading.Barrier(len(shards(files)), timeout=10)
+
+    def get_object(self, *, Bucket: str, Key: str, Range: str | None = None) -> dict[str, Any]:
+        if not Key.endswith(ckpt.INDEX_NAME):
+            self.barrier.wait()
+        return super().get_object(Bucket=Bucket, Key=Key, Range=Range)
+
+
+def test_the_operator_reads_all_shard_headers_at_once() -> None:
+    files = full_files()
+    assert len(shards(files)) > 2
+    report = verify(BarrierS3(files), map_shards=verification._map_shards)
+    assert report.ok and report.shard_count == len(shards(files))
+
+
+def test_read_at_once_the_first_failing_shard_in_index_order_is_named() -> None:
+    files = full_files()
+    first, *_, last = shards(files)
+    del files[first], files[last]
+    report = verify(FakeS3(files), map_shards=verification._map_shards)
+    assert report.reason == StorageReason.ObjectMissing
+    assert f"s3://{BUCKET}/{PREFIX}{first}" in report.message and last not in report.message
