@@ -19,6 +19,12 @@ ModelExpress semantics, in four phases:
    delta changes are not copied at all: the new version shares the base's chunks), check their adler32, apply
    each delta in place (streamed zstd, numpy XOR) checking the exact decoded size and adler32 after each, and
    write the result to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
+   A one-rank replay into a CPU pool writes `materialized/<target>` behind the load instead, from the new pool
+   (`stream.store_materialized_behind`); the ranks of a multi-rank replica read the store, so their leader
+   writes it in the pass.
+
+A write-behind stores and activates only after the load returned; until then the store stays at its last
+activated version, and a crash leaves only what `CheckpointStore.recover()` removes.
 
 A stored artifact is used only for the exact versions it was written from (namespace, WeightVersion uid, storage
 URI, index digest: `store.checkpoints.VersionIdentity`); an index fetched from S3 must have the sha256 the operator
