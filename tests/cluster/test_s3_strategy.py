@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import pytest
 from ferry import checkpoint_format as ckpt
 from ferry_agent.store.checkpoints import ArtifactRef, CheckpointStore, StoreStatus, chain_refs
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
+from ferry_agent.strategies.object_storage import stream as stream_module
 from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
 from tests.support.s3 import (
     DELTA,
@@ -198,13 +200,14 @@ def test_sigkill_mid_apply_then_recover(
     assert child.returncode == -signal.SIGKILL, child.stderr
 
     model_dir = first.model_dir(KEY)
-    partial = model_dir / "materialized" / "v3.tmp"
-    assert any(p.suffix == ".safetensors" for p in partial.iterdir())
+    # Mid-replay nothing of materialized/v3 exists: it is written behind the load, from the new version's memory
+    # (a crash during that write: test_sigkill_during_the_write_behind_leaves_no_usable_entry).
+    assert not (model_dir / "materialized" / "v3").exists() and not (model_dir / "materialized" / "v3.tmp").exists()
     assert json.loads((model_dir / "state.json").read_text())["status"] == "UPDATING"
 
     restarted = CheckpointStore(root, 1 << 30)
     actions = restarted.recover()
-    assert any("v3.tmp" in a for a in actions) and any("interrupted" in a for a in actions)
+    assert any("interrupted" in a for a in actions)
     assert not debris(root)
     state = restarted.state(KEY)
     assert (state.status, state.version) == (StoreStatus.READY, "v1")
@@ -333,3 +336,138 @@ def test_model_mismatch_peer_only_and_availability(store: CheckpointStore) -> No
     assert strategy.is_available(ctx("v1")) and not strategy.is_available(ctx("p1"))
     assert not strategy.is_available(ctx("nope"))
     strategy.rollback(ctx("v1"))  # holds nothing
+
+
+# ---------------------------------------------------------------- streaming full loads, store written behind
+
+
+@pytest.mark.cluster
+def test_a_full_load_serves_before_the_store_write_behind_finished(
+    registry: Registry, store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w1 = weights(31)
+    registry.publish("v1", full(w1))
+    gate, writing = threading.Event(), threading.Event()
+    write_shard = stream_module.write_shard
+
+    def blocked(*args: Any) -> None:
+        writing.set()
+        assert gate.wait(60)
+        write_shard(*args)
+
+    monkeypatch.setattr(stream_module, "write_shard", blocked)
+    result = registry.strategy(store).load(ctx("v1"))
+    assert (result.source, result.reused, result.chain) == ("s3", None, ("v1",))
+    assert resident_shas(result) == shas(w1)
+    # Served while the store's writer is blocked inside the entry (looked at on disk: the lock would wait for it).
+    assert writing.wait(60) and not gate.is_set()
+    model_dir = store.model_dir(KEY)
+    assert (model_dir / "full" / "v1.tmp").is_dir() and not (model_dir / "full" / "v1").exists()
+    gate.set()
+    store.flush()
+    state = store.state(KEY)
+    assert (state.status, state.version) == (StoreStatus.READY, "v1") and not debris(store.root)
+    again = registry.strategy(store).load(ctx("v1"))
+    assert (again.reused, again.bytes_downloaded) == ("full/v1", 0) and resident_shas(again) == shas(w1)
+
+
+WRITE_BEHIND_CHILD = textwrap.dedent(
+    """
+    import hashlib, json, os, signal, sys, threading
+    import torch
+    from pathlib import Path
+    from ferry_agent.store.checkpoints import CheckpointStore
+    from ferry_agent.strategies.object_storage import stream
+    from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
+    from ferry_agent.strategies.chain import LoadContext
+
+    root, versions, endpoint, key, secret, model, version = sys.argv[1:]
+    served, write_shard, written = threading.Event(), stream.write_shard, []
+
+    def write_then_die(*args):
+        served.wait()
+        write_shard(*args)
+        written.append(1)
+        if len(written) == 2:  # mid-entry: two shard files written, the others and the rename still to go
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    stream.write_shard = write_then_die
+    store = CheckpointStore(Path(root), 1 << 30)
+    strategy = ObjectStorageStrategy(
+        namespace="tenant-a", fetch_version=json.loads(Path(versions).read_text()).get,
+        credentials=lambda storage: {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret},
+        store=store, default_endpoint=endpoint, range_bytes=48 * 1024,
+    )
+    result = strategy.load(LoadContext(model=model, version=version, rank=0, target_id="child"))
+    print(json.dumps({n: hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                      for n, t in result.resident.tensors.items()}), flush=True)
+    served.set()
+    store.flush()
+    """
+)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("version", ["v1", "v3"])
+def test_sigkill_during_the_write_behind_leaves_no_usable_entry(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path, version: str
+) -> None:
+    """v1: the full checkpoint streamed from S3 into an empty store; v3: a replay on the stored v1, whose
+    materialized/v3 is written behind. The writer is killed after two of the entry's shard files."""
+    assert len(ckpt.parse_index(full(chain3[0])[ckpt.INDEX_NAME]).shards) > 2
+    publish_chain3(registry, chain3)
+    root = tmp_path / "store"
+    if version == "v3":
+        first = CheckpointStore(root, 1 << 30)
+        registry.strategy(first).load(ctx("v1"))
+        first.close()
+    versions = tmp_path / "versions.json"
+    versions.write_text(json.dumps(registry.versions))
+    server = registry.server
+    argv = [str(root), str(versions), server.endpoint, server.access_key, server.secret_key, MODEL, version]
+    child = subprocess.run(
+        [sys.executable, "-c", WRITE_BEHIND_CHILD, *argv], capture_output=True, text=True, timeout=120
+    )
+    expected = shas(chain3[int(version[1]) - 1])
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert json.loads(child.stdout) == expected  # it served every tensor before the writer died
+
+    store = CheckpointStore(root, 1 << 30)
+    kind = "full" if version == "v1" else "materialized"
+    model_dir = store.model_dir(KEY)
+    half = model_dir / kind / f"{version}.tmp"
+    assert sum(p.suffix == ".safetensors" for p in half.iterdir()) == 2 and not (model_dir / kind / version).exists()
+    assert json.loads((model_dir / "state.json").read_text())["status"] == "UPDATING"
+    actions = store.recover()
+    assert any(f"{version}.tmp" in a for a in actions) and any("interrupted" in a for a in actions)
+    assert not debris(root) and store.state(KEY).version == (None if version == "v1" else "v1")
+
+    result = registry.strategy(store).load(ctx(version))
+    assert resident_shas(result) == expected
+    assert (result.reused, result.bytes_downloaded == 0) == ((None, False) if version == "v1" else ("full/v1", True))
+    store.flush()
+    again = registry.strategy(store).load(ctx(version))
+    assert (again.reused, again.bytes_downloaded) == (f"{kind}/{version}", 0) and resident_shas(again) == expected
+    store.close()
+
+
+@pytest.mark.cluster
+def test_a_corrupted_byte_of_a_full_shard_in_s3_fails_its_tensor(registry: Registry, store: CheckpointStore) -> None:
+    w1 = weights(33)
+    files = full(w1)
+    shard = ckpt.parse_index(files[ckpt.INDEX_NAME]).shards[0]
+    header_len, header = ckpt.parse_safetensors_header(files[shard])
+    name = next(n for n, h in header.items() if n != "__metadata__" and h["data_offsets"][1] > h["data_offsets"][0])
+    begin, end = header[name]["data_offsets"]
+    corrupted = bytearray(files[shard])
+    corrupted[ckpt.HEADER_PREFIX_BYTES + header_len + (begin + end) // 2] ^= 0x08
+    registry.publish("v1", {**files, shard: bytes(corrupted)})
+
+    with pytest.raises(StrategyFailed) as exc:
+        registry.strategy(store).load(ctx("v1"))
+    assert not exc.value.mutated
+    assert f"shard {registry.uri('v1', shard)}: tensor {name!r} fails its adler32 check" in str(exc.value)
+    assert store.artifacts() == [] and store.state(KEY).version is None and not debris(store.root)
+
+    registry.publish("v1", files)  # repaired: the retry loads it
+    assert resident_shas(registry.strategy(store).load(ctx("v1"))) == shas(w1)

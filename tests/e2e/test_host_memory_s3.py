@@ -64,8 +64,10 @@ def test_a_delta_replays_on_the_held_base_in_host_memory(cluster, s3, namespace,
         assert status()["source"] == "s3" and status()["residentBytes"] == total
 
         with attach("serve", socket_dir=pod_dir, timeout=30, version="v1") as held:
-            stored = shards(tmp_path / f"store-{node_name}")
-            assert stored and all("/full/v1/" in str(p) for p in stored)
+            folder = tmp_path / f"store-{node_name}"
+            # Written behind the load: the entry is renamed into place, complete, after the replica serves.
+            stored = wait_for(lambda: [p for p in shards(folder) if "/full/v1/" in str(p)], 30, "full/v1 stored")
+            assert stored == shards(folder)
             for shard in stored:
                 corrupt(shard)  # v1 on disk: a replay that read it would fail its adler32 and fetch v1 again
             cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p",

@@ -95,7 +95,8 @@ def test_two_namespaces_with_the_same_version_name_serve_their_own_bytes(cluster
         # Same tensor names and shapes: the indexes are byte-identical, only namespace, uid and URI tell them apart.
         assert wv_a["status"].get("indexDigest") == wv_b["status"].get("indexDigest") is not None
         store = tmp_path / f"store-{pool}-n"
-        assert (store / namespace / "m" / "full" / "v1").is_dir() and (store / other / "m" / "full" / "v1").is_dir()
+        both = [store / ns / "m" / "full" / "v1" for ns in (namespace, other)]
+        wait_for(lambda: all(p.is_dir() for p in both), 30, "both versions stored (written behind the loads)", describe)
     finally:
         for ns in (namespace, other):
             cluster.kubectl("delete", "ml", "serve", "-n", ns, "--wait=false", check=False)

@@ -30,6 +30,12 @@ cannot fit it raises `CheckpointCacheCapacityError` before evicting anything.
 
 One lock (a thread lock plus `flock` on `<root>/.lock`, so two processes on one root also serialize) guards all
 mutations; callers hold `lock()` across a whole load.
+
+Write-behind: `write_behind(job)` queues a job (e.g. storing what a load already streamed into memory) on the
+store's one writer thread, off the load's critical path. A job writes through `write()` and `update()` like any
+caller, so a crash mid-job leaves only tmp debris and an UPDATING state, which `recover()` undoes. Every other
+thread's `lock()` and read of the store (`state`, `artifacts`, `usage`) first waits for the queued jobs, so what
+a finished load stored is seen by whatever comes next; `flush()` waits explicitly, `close()` too.
 """
 
 from __future__ import annotations
@@ -38,16 +44,20 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import threading
 import urllib.parse
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
 MARKER = "source.json"
@@ -281,25 +291,63 @@ class CheckpointStore:
         self._depth = 0
         self._lock_fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         self._pins: list[set[ArtifactRef]] = []  # chains of updates in progress
+        self._owner: int | None = None  # the thread holding `lock()`
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ferry-store-writer")
+        self._writer_thread: int | None = None
+        self._queued: list[Future[None]] = []
+        self._queued_lock = threading.Lock()
 
     def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
         with self._mutex:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
 
+    # ------------------------------------------------------------------ write-behind
+
+    def write_behind(self, job: Callable[[], None], what: str) -> None:
+        """Run `job` on the writer thread after the jobs queued before it. A failed job is logged (what it
+        stores is a cache: the next load fetches it again), never raised into a load."""
+
+        def run() -> None:
+            self._writer_thread = threading.get_ident()
+            try:
+                job()
+            except Exception:
+                log.exception("write-behind of %s failed; the next load fetches it again", what)
+
+        with self._queued_lock:
+            self._queued = [f for f in self._queued if not f.done()]
+            self._queued.append(self._writer.submit(run))
+
+    def flush(self) -> None:
+        """Wait for every queued write-behind job. A no-op on the writer thread and in the thread holding the
+        lock (a job waits for that lock: waiting for it there would never end)."""
+        if threading.get_ident() in (self._writer_thread, self._owner):
+            return
+        with self._queued_lock:
+            queued, self._queued = self._queued, []
+        for future in queued:
+            future.result()  # `run` logs failures: nothing raises here
+
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Reentrant within this process; `flock` excludes other processes sharing the root."""
+        """Reentrant within this process; `flock` excludes other processes sharing the root. Waits for the
+        queued write-behind jobs first, so a load sees what the loads before it stored."""
+        self.flush()
         with self._mutex:
             if self._depth == 0:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+                self._owner = threading.get_ident()
             self._depth += 1
             try:
                 yield
             finally:
                 self._depth -= 1
                 if self._depth == 0:
+                    self._owner = None
                     fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     # ------------------------------------------------------------------ paths and reads
@@ -324,6 +372,7 @@ class CheckpointStore:
         return self.model_dir(ref.model) / ref.kind / ref.version
 
     def state(self, model: str) -> StoreState:
+        self.flush()
         path = self.model_dir(model) / STATE_FILE
         try:
             return StoreState.from_json(json.loads(path.read_text()))
@@ -370,6 +419,7 @@ class CheckpointStore:
 
     def artifacts(self) -> list[StoredArtifact]:
         """Every complete-looking artifact (no tmp debris), across models."""
+        self.flush()
         found: list[StoredArtifact] = []
         for model, model_dir in self._model_dirs():
             for kind in ArtifactKind:
@@ -384,6 +434,7 @@ class CheckpointStore:
 
     def usage(self) -> int:
         """Bytes of everything under the root, debris included."""
+        self.flush()
         return _tree_size(self.root)
 
     # ------------------------------------------------------------------ writes

@@ -104,7 +104,7 @@ def _build_tensor(
     return None
 
 
-def _unchanged_since(plan: Plan) -> Callable[[Any], list[str]]:
+def unchanged_since(plan: Plan) -> Callable[[Any], list[str]]:
     """A `share` for the host store: the tensors a held version of the chain (the very WeightVersion object, by
     uid) has the target's bytes of, because no later delta of the chain changes them."""
     links = [plan.base, *plan.deltas]
@@ -127,15 +127,18 @@ def build(
     plan: Plan,
     pool: ThreadPoolExecutor,
     timings: dict[str, float],
+    *,
+    materialize: bool = True,
 ) -> ResidentWeights:
-    """Fill a new pool from the base, applying the deltas on the way, and (when there are deltas) write the
-    result to materialized/<target> in the same pass. The base is read, never changed or renamed, so the
-    previous good version stays intact until the new one is committed."""
+    """Fill a new pool from the base, applying the deltas on the way, and (when there are deltas and
+    `materialize`) write the result to materialized/<target> in the same pass; without `materialize` the caller
+    stores it from the pool (`stream.store_materialized_behind`). The base is read, never changed or renamed, so
+    the previous good version stays intact until the new one is committed."""
     base = plan.base
     assert base.path is not None and all(d.path is not None for d in plan.deltas)
     t = time.monotonic()
     try:
-        resident = allocate(plan.specs, ctx.device, _unchanged_since(plan))
+        resident = allocate(plan.specs, ctx.device, unchanged_since(plan))
     except (RuntimeError, ValueError) as exc:  # e.g. out of device memory
         nbytes = sum(s.nbytes for s in plan.specs)
         raise LoadError(f"cannot allocate {nbytes} bytes on {ctx.device}: {exc}") from exc
@@ -155,7 +158,7 @@ def build(
             sources[shard] = os.open(base.path / shard, os.O_RDONLY)
             stack.callback(os.close, sources[shard])
         outputs: dict[str, tuple[int, Countdown]] = {}
-        if plan.deltas:
+        if plan.deltas and materialize:
             identity = base.identity + tuple(i for d in plan.deltas for i in d.identity)
             tmp = stack.enter_context(
                 store.write(plan.head, {"uri": plan.deltas[-1].link.uri, "chain": list(plan.chain)}, identity)
@@ -201,7 +204,7 @@ def build(
             raise _failure(plan, failure)
         timings["build"] = time.monotonic() - t
         t = time.monotonic()
-    if plan.deltas:
+    if outputs:
         timings["commit"] = timings.get("commit", 0.0) + time.monotonic() - t  # fsync + rename
     return resident
 

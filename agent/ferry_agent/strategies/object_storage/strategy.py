@@ -9,13 +9,22 @@ ModelExpress semantics, in four phases:
    against the root's layout. Loading starts from the newest version of the chain the store already holds, so
    only what is missing is fetched (and validated) from S3.
 3. Download what is missing with parallel ranged GETs into the store (tmp + fsync + rename), checking every full
-   tensor's adler32 before the rename.
+   tensor's adler32 before the rename. A one-rank load of a full checkpoint the store lacks streams instead
+   (`stream`): the ranged GETs read straight into the new pool, each tensor checked as its last range lands, and
+   the store entry is written behind the load (`CheckpointStore.write_behind`, still tmp + fsync + rename), so
+   the replica serves without waiting for the disk.
 4. Build the target in one pass per tensor, in parallel: read the base bytes straight into a freshly allocated
    `ResidentWeights` pool (CPU: the agent's host store; through a host buffer for other devices), from the store,
    or from the base version's sealed host memory when a pod still holds that very version (then the tensors no
    delta changes are not copied at all: the new version shares the base's chunks), check their adler32, apply
    each delta in place (streamed zstd, numpy XOR) checking the exact decoded size and adler32 after each, and
    write the result to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
+   A one-rank replay into a CPU pool writes `materialized/<target>` behind the load instead, from the new pool
+   (`stream.store_materialized_behind`); the ranks of a multi-rank replica read the store, so their leader
+   writes it in the pass.
+
+A write-behind stores and activates only after the load returned; until then the store stays at its last
+activated version, and a crash leaves only what `CheckpointStore.recover()` removes.
 
 A stored artifact is used only for the exact versions it was written from (namespace, WeightVersion uid, storage
 URI, index digest: `store.checkpoints.VersionIdentity`); an index fetched from S3 must have the sha256 the operator
@@ -38,15 +47,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ferry import s3
 from ferry.api.models import SourceKind
 from ferry_agent.store.checkpoints import CheckpointCacheCapacityError, CheckpointStore
 from ferry_agent.store.resident import ResidentWeights, TensorSpec
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
-from ferry_agent.strategies.object_storage.build import build
+from ferry_agent.strategies.object_storage.build import build, unchanged_since
 from ferry_agent.strategies.object_storage.checkpoint import Link, LoadError, Plan
 from ferry_agent.strategies.object_storage.download import download
 from ferry_agent.strategies.object_storage.plan import Planner
+from ferry_agent.strategies.object_storage.stream import store_full_behind, store_materialized_behind, stream
 from ferry_agent.strategies.progress import Progress
 from ferry_agent.transport.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
 
@@ -242,6 +254,11 @@ class ObjectStorageStrategy:
         fetch = [c for c in (plan.base, *plan.deltas) if c.path is None]
         downloaded = sum(c.stored_bytes for c in fetch)
         needed = downloaded + (plan.base.stored_bytes if plan.deltas else 0)  # + the materialized target
+        alone = activate and ctx.world_size == 1  # no other rank reads what this load stores
+        if alone and fetch == [plan.base]:
+            return self._stream(ctx, plan, pool, timings, needed), downloaded
+        # A one-rank replay into a CPU pool: materialized/<target> is written behind, from the new pool.
+        behind = alone and bool(plan.deltas) and torch.device(ctx.device).type == "cpu"
         with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
             try:
                 self._store.reserve(needed)
@@ -249,6 +266,28 @@ class ObjectStorageStrategy:
                 raise LoadError(str(exc)) from exc
             if fetch:
                 download(self._store, fetch, pool, timings, report=self._progress, range_bytes=self._range_bytes)
-            resident = build(self._store, self._allocate, ctx, plan, pool, timings)
-            update.commit(activate=activate)
+            resident = build(self._store, self._allocate, ctx, plan, pool, timings, materialize=not behind)
+            if not behind:
+                update.commit(activate=activate)
+        if behind:
+            store_materialized_behind(self._store, plan, resident)
         return resident, downloaded
+
+    def _stream(
+        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
+    ) -> ResidentWeights:
+        """A one-rank full load the store lacks: streamed from S3 into the new pool, the store written behind."""
+        try:
+            self._store.reserve(needed)  # refused up front, as when the store is written first
+        except CheckpointCacheCapacityError as exc:
+            raise LoadError(str(exc)) from exc
+        t = time.monotonic()
+        try:
+            resident = self._allocate(plan.specs, ctx.device, unchanged_since(plan))
+        except (RuntimeError, ValueError) as exc:  # e.g. out of device memory
+            nbytes = sum(s.nbytes for s in plan.specs)
+            raise LoadError(f"cannot allocate {nbytes} bytes on {ctx.device}: {exc}") from exc
+        timings["allocate"] = time.monotonic() - t
+        streamed = stream(plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes)
+        store_full_behind(self._store, plan, streamed)
+        return resident

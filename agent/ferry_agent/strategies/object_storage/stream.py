@@ -1,0 +1,239 @@
+"""The streaming path of a full load the store lacks: parallel ranged GETs read straight into the new version's
+memory (each tensor's bytes where they will be served from), every tensor checked (adler32 of the shard header)
+as soon as its last range lands; then the node's store is written behind the load, from that same memory
+(`store_behind`: also materialized/<target> of a delta replay).
+
+A CPU pool (the agent's host store) is read into directly; for other devices each tensor lands in a host
+buffer first and is copied over once checked (the buffers are kept for the store write). Nothing is handed out
+before every tensor is checked, so a failure changes nothing a replica serves."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from botocore.exceptions import BotoCoreError, ClientError
+
+from ferry import checkpoint_format as ckpt
+from ferry_agent.store.checkpoints import ArtifactRef, CheckpointStore, VersionIdentity
+from ferry_agent.store.resident import ResidentWeights
+from ferry_agent.strategies.object_storage.checkpoint import (
+    CHAIN_FILE,
+    CHECKSUMS_FILE,
+    Checkpoint,
+    LoadError,
+    Plan,
+    Shard,
+    s3_error,
+)
+from ferry_agent.strategies.object_storage.download import _Progress
+from ferry_agent.strategies.object_storage.files import Countdown, pwrite_all, run_tasks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Where bytes [begin, end) of a shard object land: `target` (a writable byte view of that length), and the
+    countdown of the tensor they belong to (None: the shard header)."""
+
+    begin: int
+    end: int
+    target: memoryview
+    done: Countdown | None
+
+
+def _read_into(body: object, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = body.readinto(view[got:])  # type: ignore[attr-defined]
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _fetch_range(
+    checkpoint: Checkpoint, shard: Shard, begin: int, end: int, pieces: list[_Piece], progress: _Progress
+) -> None:
+    """One ranged GET, its body read piece by piece into the memory each byte belongs in (no staging copy)."""
+    link = checkpoint.link
+    uri = link.shard_uri(shard.name)
+    short = LoadError(
+        f"shard {uri}: the ranged GET of bytes {begin}-{end - 1} did not return exactly {end - begin} bytes; "
+        "the object changed or is truncated"
+    )
+    try:
+        response = checkpoint.client.get_object(
+            Bucket=link.bucket, Key=link.shard_key(shard.name), Range=f"bytes={begin}-{end - 1}"
+        )
+        body = response["Body"]
+        try:
+            if response.get("ContentLength", end - begin) != end - begin:
+                raise short
+            for piece in pieces:
+                lo, hi = max(piece.begin, begin), min(piece.end, end)
+                view = piece.target[lo - piece.begin : hi - piece.begin]
+                if _read_into(body, view) != len(view):
+                    raise short
+                progress.add(len(view))
+            if body.read(1):
+                raise short
+        finally:
+            body.close()
+    except (ClientError, BotoCoreError) as exc:
+        raise s3_error(exc, uri) from exc
+    for piece in pieces:
+        if piece.done is not None:
+            piece.done.tick()  # the tensor's last range: checked now, in this thread, while others download
+
+
+def _check(uri: str, name: str, host: np.ndarray, checksum: str, device: torch.Tensor | None) -> None:
+    got = ckpt.adler32_hex(host)
+    if got != checksum:
+        # Raised into the range's task: the load stops (the other ranges are cancelled) at the first bad tensor.
+        raise LoadError(f"shard {uri}: tensor {name!r} fails its adler32 check (got {got}, expected {checksum})")
+    if device is not None:
+        device.copy_(torch.from_numpy(host))
+
+
+@dataclass
+class Streamed:
+    """A full checkpoint streamed into memory: every tensor's checked bytes (`hosts`, views of the resident
+    pool where it is on the CPU), what `store_behind` writes to the store."""
+
+    checkpoint: Checkpoint
+    hosts: dict[str, np.ndarray]
+
+
+def stream(
+    plan: Plan,
+    resident: ResidentWeights,
+    pool: ThreadPoolExecutor,
+    timings: dict[str, float],
+    *,
+    report: Callable[[int, int, str], None] | None,
+    range_bytes: int,
+) -> Streamed:
+    """Fetch `plan.base` (a full checkpoint, not in the store) with parallel ranged GETs into `resident`."""
+    base = plan.base
+    t = time.monotonic()
+    folder = base.link.uri.rpartition("/")[0] + "/"  # what a stall report names
+    progress = _Progress(report, sum(s.layout.size for s in base.shards.values()), folder)
+    hosts: dict[str, np.ndarray] = {}
+    headers: dict[str, bytearray] = {}
+    tasks: list[Callable[[], None]] = []
+    for shard in base.shards.values():
+        layout = shard.layout
+        ranges = [(b, min(b + range_bytes, layout.size)) for b in range(0, layout.size, range_bytes)]
+        headers[shard.name] = bytearray(layout.data_start)
+        spans: list[tuple[int, int, memoryview, Countdown | None]] = [
+            (0, layout.data_start, memoryview(headers[shard.name]), None)
+        ]
+        for name, info in layout.infos.items():
+            tensor = resident.tensors.get(name)
+            flat = None if tensor is None or name in resident.shared else tensor.reshape(-1).view(torch.uint8)
+            on_cpu = flat is not None and flat.device.type == "cpu"
+            host = flat.numpy() if on_cpu else np.empty(info.nbytes, dtype=np.uint8)
+            hosts[name] = host
+            begin = layout.data_start + info.begin
+            count = sum(1 for b, e in ranges if b < begin + info.nbytes and e > begin)
+            uri = base.link.shard_uri(shard.name)
+            check = partial(_check, uri, name, host, layout.checksums[name], None if on_cpu else flat)
+            if count == 0:  # an empty tensor: nothing to fetch
+                check()
+                continue
+            spans.append((begin, begin + info.nbytes, memoryview(host).cast("B"), Countdown(count, check)))
+        for b, e in ranges:
+            pieces = [_Piece(lo, hi, view, done) for lo, hi, view, done in spans if lo < e and hi > b]
+            tasks.append(partial(_fetch_range, base, shard, b, e, pieces, progress))
+    run_tasks(pool, tasks)
+    for name, header in headers.items():
+        if bytes(header) != base.shards[name].header:
+            raise LoadError(f"shard {base.where(name)} changed while it was downloaded")
+    timings["download"] = time.monotonic() - t  # with every tensor's check
+    return Streamed(base, hosts)
+
+
+def store_behind(
+    store: CheckpointStore,
+    plan: Plan,
+    ref: ArtifactRef,
+    source: dict[str, Any],
+    identity: tuple[VersionIdentity, ...],
+    fill: Callable[[Path], None],
+    nbytes: int,
+) -> None:
+    """Queue the store write of what a load built in memory: the artifact `ref` (its files written by
+    `fill(tmp)`, then tmp + fsync + rename by `CheckpointStore.write`) and then the store's active version, unless
+    another load changed it meanwhile. Called under the store lock, once the load's own update is over."""
+    before = store.state(plan.model)
+
+    def job() -> None:
+        with store.lock(), store.update(plan.model, plan.chain[-1], plan.chain) as update:
+            if store.artifact(ref, identity) is None:
+                store.reserve(nbytes)
+                with store.write(ref, source, identity) as tmp:
+                    fill(tmp)
+            if update.previous == before:  # else another load activated a version meanwhile: keep it
+                update.commit(activate=True)
+
+    store.write_behind(job, str(ref))
+
+
+def store_full_behind(store: CheckpointStore, plan: Plan, streamed: Streamed) -> None:
+    """The store entry of a streamed full checkpoint, from the checked bytes in memory."""
+    checkpoint = streamed.checkpoint
+
+    def fill(tmp: Path) -> None:
+        (tmp / ckpt.INDEX_NAME).write_bytes(checkpoint.index_raw)
+        for shard in checkpoint.shards.values():
+            write_shard(tmp / shard.name, shard, streamed.hosts)
+
+    source = {"uri": checkpoint.link.uri}
+    store_behind(store, plan, checkpoint.ref, source, checkpoint.identity, fill, checkpoint.stored_bytes)
+
+
+def store_materialized_behind(store: CheckpointStore, plan: Plan, resident: ResidentWeights) -> None:
+    """materialized/<target> of a replayed chain, from the new version's memory (a CPU pool holding every tensor:
+    checked after each delta, and never written once handed out)."""
+    base = plan.base
+    checksums = dict(base.checksums)
+    for delta in plan.deltas:
+        checksums.update(delta.checksums)
+    hosts = {name: t.reshape(-1).view(torch.uint8).numpy() for name, t in resident.tensors.items()}
+
+    def fill(tmp: Path) -> None:
+        (tmp / ckpt.INDEX_NAME).write_bytes(base.index_raw)
+        (tmp / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=1, sort_keys=True))
+        chain = {"version": plan.chain[-1], "full_version": plan.chain[0], "deltas": plan.chain[1:]}
+        (tmp / CHAIN_FILE).write_text(json.dumps(chain))
+        for shard in base.shards.values():
+            write_shard(tmp / shard.name, shard, hosts)
+
+    identity = base.identity + tuple(i for d in plan.deltas for i in d.identity)
+    source = {"uri": plan.deltas[-1].link.uri, "chain": list(plan.chain)}
+    store_behind(store, plan, plan.head, source, identity, fill, base.stored_bytes)
+
+
+def write_shard(path: os.PathLike[str], shard: Shard, hosts: dict[str, np.ndarray]) -> None:
+    """One shard file from the checked header and tensor bytes; `CheckpointStore.write` fsyncs it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        pwrite_all(fd, shard.header, 0)
+        os.ftruncate(fd, shard.layout.size)
+        for name, info in shard.layout.infos.items():
+            if info.nbytes:
+                pwrite_all(fd, hosts[name], shard.layout.data_start + info.begin)
+    finally:
+        os.close(fd)

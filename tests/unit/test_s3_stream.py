@@ -1,0 +1,191 @@
+"""The streaming S3 path against an in-memory S3 (the real path is in tests/cluster/test_s3_strategy.py): bytes
+land in the new pool, each tensor checked, the store written behind the load and crash-safe."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+from botocore.response import StreamingBody
+
+from ferry import checkpoint_format as ckpt
+from ferry_agent.store.checkpoints import ArtifactRef, CheckpointStore, StoreState, StoreStatus
+from ferry_agent.strategies.chain import StrategyFailed
+from ferry_agent.strategies.object_storage import stream as stream_module
+from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
+from tests.support.s3 import (
+    FULL,
+    KEY,
+    MAT,
+    NAMESPACE,
+    RANGE_BYTES,
+    ctx,
+    debris,
+    delta,
+    evolve,
+    full,
+    resident_shas,
+    shas,
+    weights,
+    wv,
+)
+
+pytestmark = pytest.mark.unit
+
+BUCKET = "ferry-s3-strategy"
+
+
+class MemoryS3:
+    """The two calls the strategy makes, over a dict of objects; `corrupt(key, offset)` flips one byte of every
+    later ranged GET response that covers it (the stored object stays intact)."""
+
+    def __init__(self, objects: Mapping[str, bytes]) -> None:
+        self.objects = dict(objects)
+        self.flips: dict[str, int] = {}
+        self.gets = 0
+
+    def head_object(self, Bucket: str, Key: str) -> dict[str, Any]:
+        if Key not in self.objects:
+            raise ClientError({"Error": {"Code": "404", "Message": "Not Found"}}, "HeadObject")
+        return {"ContentLength": len(self.objects[Key])}
+
+    def get_object(self, Bucket: str, Key: str, Range: str | None = None) -> dict[str, Any]:
+        self.gets += 1
+        data = self.objects[Key]
+        begin, end = 0, len(data)
+        if Range is not None:
+            first, last = Range.removeprefix("bytes=").split("-")
+            begin, end = int(first), min(int(last) + 1, len(data))
+        body = bytearray(data[begin:end])
+        flip = self.flips.get(Key)
+        if flip is not None and begin <= flip < end:
+            body[flip - begin] ^= 0x01
+        return {"ContentLength": len(body), "Body": StreamingBody(io.BytesIO(bytes(body)), len(body))}
+
+
+def publish(files: Mapping[str, bytes], version: str = "v1") -> tuple[MemoryS3, dict[str, dict[str, Any]]]:
+    prefix = f"m/{version}"
+    s3 = MemoryS3({f"{prefix}/{name}": data for name, data in files.items()})
+    versions = {version: wv(version, "FullCheckpoint", uri=f"s3://{BUCKET}/{prefix}/{ckpt.INDEX_NAME}")}
+    return s3, versions
+
+
+def test_a_replay_writes_its_materialized_version_behind_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w1 = weights(10)
+    w2 = evolve(w1, 11, ["embed.weight", "mask"])
+    s3, versions = publish(full(w1))
+    s3.objects.update({f"m/v2/{name}": data for name, data in delta(w1, w2, "v2", "v1").items()})
+    versions["v2"] = wv("v2", "XorDelta", "v1", uri=f"s3://{BUCKET}/m/v2/{ckpt.INDEX_NAME}")
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    strategy(store, s3, versions).load(ctx("v1"))
+    assert store.state(KEY).version == "v1"  # waits for v1's write-behind
+    gate = threading.Event()
+    write_shard = stream_module.write_shard
+    monkeypatch.setattr(stream_module, "write_shard", lambda *args: (gate.wait(60), write_shard(*args)))
+
+    result = strategy(store, s3, versions).load(ctx("v2"))
+    assert resident_shas(result) == shas(w2) and result.reused == "full/v1"
+    assert not store.path(ArtifactRef(KEY, MAT, "v2")).exists()  # served first, stored behind
+    gate.set()
+    assert store.state(KEY).version == "v2" and not debris(store.root)
+    again = strategy(store, s3, versions).load(ctx("v2"))
+    assert (again.reused, again.bytes_downloaded, resident_shas(again)) == ("materialized/v2", 0, shas(w2))
+    store.close()
+
+
+def strategy(store: CheckpointStore, s3: MemoryS3, versions: Mapping[str, Any]) -> ObjectStorageStrategy:
+    out = ObjectStorageStrategy(
+        namespace=NAMESPACE,
+        fetch_version=versions.get,
+        credentials=lambda storage: None,
+        store=store,
+        download_workers=3,
+        range_bytes=RANGE_BYTES,
+    )
+    out._client = lambda link: s3  # type: ignore[method-assign]
+    out._planner._client = out._client
+    return out
+
+
+def test_a_load_serves_before_its_store_write_and_a_later_load_uses_the_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = weights(7)
+    s3, versions = publish(full(w))
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    gate, writing = threading.Event(), threading.Event()
+    write_shard = stream_module.write_shard
+
+    def blocked(*args: Any) -> None:
+        writing.set()
+        assert gate.wait(60)
+        write_shard(*args)
+
+    monkeypatch.setattr(stream_module, "write_shard", blocked)
+    result = strategy(store, s3, versions).load(ctx("v1"))
+    assert resident_shas(result) == shas(w) and (result.reused, result.source) == (None, "s3")
+    # Served while the store writer is blocked mid-entry (read without the lock, which would wait for it).
+    assert writing.wait(60) and not gate.is_set()
+    assert not store.path(ArtifactRef(KEY, FULL, "v1")).exists()
+    gate.set()
+    store.flush()
+    assert store.state(KEY).version == "v1" and not debris(store.root)
+    gets = s3.gets
+    again = strategy(store, s3, versions).load(ctx("v1"))
+    assert (again.reused, again.bytes_downloaded, s3.gets) == ("full/v1", 0, gets)
+    assert resident_shas(again) == shas(w)
+    store.close()
+
+
+def test_a_flipped_byte_in_a_ranged_get_fails_its_tensor_and_stores_nothing(tmp_path: Path) -> None:
+    w = weights(8)
+    files = full(w)
+    shard = ckpt.parse_index(files[ckpt.INDEX_NAME]).shards[0]
+    header_len, header = ckpt.parse_safetensors_header(files[shard])
+    name = next(n for n, h in header.items() if n != "__metadata__" and h["data_offsets"][1] > h["data_offsets"][0])
+    begin, end = header[name]["data_offsets"]
+    s3, versions = publish(files)
+    s3.flips[f"m/v1/{shard}"] = ckpt.HEADER_PREFIX_BYTES + header_len + (begin + end) // 2
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+
+    with pytest.raises(StrategyFailed) as exc:
+        strategy(store, s3, versions).load(ctx("v1"))
+    assert not exc.value.mutated and f"tensor {name!r} fails its adler32 check" in str(exc.value)
+    assert shard in str(exc.value)
+    assert store.artifacts() == [] and store.state(KEY) == StoreState() and not debris(store.root)
+
+    s3.flips.clear()
+    assert resident_shas(strategy(store, s3, versions).load(ctx("v1"))) == shas(w)
+    assert store.state(KEY).version == "v1"
+    store.close()
+
+
+def test_a_failed_write_behind_leaves_nothing_and_the_next_load_fetches_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = weights(9)
+    s3, versions = publish(full(w))
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    fails = strategy(store, s3, versions)
+    written = []
+
+    def broken(*args: Any) -> None:
+        written.append(args)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(stream_module, "write_shard", broken)
+    assert resident_shas(fails.load(ctx("v1"))) == shas(w)
+    store.flush()
+    monkeypatch.undo()
+    assert written and store.artifacts() == [] and not debris(store.root)
+    assert store.state(KEY) == StoreState(StoreStatus.READY)
+    again = strategy(store, s3, versions).load(ctx("v1"))
+    assert again.reused is None and resident_shas(again) == shas(w)
+    store.close()
