@@ -1,8 +1,10 @@
 """ModelLoad benchmarks with agents as processes: apply → Ready, and publish → serving for each rollout mode.
 
-Apply → Ready, for 1, 3 and 8 replicas, peers-first against S3-only: the reference is the same load with
-`sourceOrder: [ObjectStorage]`, measured in the same run on the same agents (fresh checkpoint stores each round).
-Reports wall time to Ready, how many replicas read S3 vs a peer, and the bytes fetched from S3 (the fan-out saving).
+Apply → Ready, for 1, 3, 8 and 16 replicas of 1 rank and 1 and 3 replicas of 2 ranks (`ranksPerReplica: 2`),
+peers-first against S3-only: the reference is the same load with `sourceOrder: [ObjectStorage]`, measured in the same
+run on the same agents (fresh checkpoint stores each round). Reports wall time to Ready, how many replicas read S3 vs
+a peer, the bytes fetched from S3 (the fan-out saving), each row's ratio to the 1-replica row of the same ranks and
+order, and per replica when its load started and finished (what bench/sim_fanout.py calibrates against).
 
 Publish → serving, for 1, 3 and 8 replicas serving a version, per `spec.rollout` mode (Parallel; Rolling with the
 default maxUnavailable 25%): from the end of `ferry publish` of an XorDelta (10% of the tensors changed; the
@@ -76,8 +78,8 @@ def apply_v1(cluster: LocalCluster, namespace: str) -> None:
     cluster.kubectl("wait", "--for=condition=Ready", "wv/v1", "-n", namespace, "--timeout=60s")
 
 
-def one_round(cluster: LocalCluster, s3, root: Path, n: int, order: list[str]) -> dict:
-    tag = f"r{n}-{'p' if 'Peer' in order else 's'}"
+def one_round(cluster: LocalCluster, s3, root: Path, n: int, order: list[str], ranks: int = 1) -> dict:
+    tag = f"r{n}x{ranks}-{'p' if 'Peer' in order else 's'}"
     namespace = tag
     cluster.kubectl("create", "namespace", namespace)
     agents = start_agents(cluster, s3, root, n, tag)
@@ -86,9 +88,9 @@ def one_round(cluster: LocalCluster, s3, root: Path, n: int, order: list[str]) -
         ml = {
             "apiVersion": API_VERSION, "kind": "ModelLoad", "metadata": {"name": "m"},
             "spec": {"modelName": MODEL, "desiredVersion": "v1", "replicas": n, "device": "cpu",
-                     "nodeSelector": {"bench": tag}, "sourceOrder": order},
+                     "nodeSelector": {"bench": tag}, "sourceOrder": order, "ranksPerReplica": ranks},
         }  # fmt: skip
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(ml))
 
         def ready() -> bool:
@@ -101,16 +103,28 @@ def one_round(cluster: LocalCluster, s3, root: Path, n: int, order: list[str]) -
         sources = [r["status"]["source"] for r in items]
         return {
             "replicas": n,
+            "ranks": ranks,
             "source_order": "+".join(order),
             "seconds_to_ready": round(seconds, 2),
             "from_s3": sum(s == "s3" for s in sources),
             "from_peer": sum(s.startswith("peer/") for s in sources),
             "s3_bytes": sum(r["status"]["bytesDone"] for r in items if r["status"]["source"] == "s3"),
+            # Per replica, seconds from the apply: its load's start and end, its source and bytes.
+            "loads": sorted((load_times(r["status"], started_wall) for r in items), key=lambda x: x["started_s"]),
         }
     finally:
         for a in agents:
             a.stop()
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def load_times(status: dict, since_wall: float) -> dict:
+    return {
+        "started_s": round(wall(status["startedTime"]) - since_wall, 3),
+        "completed_s": round(wall(status["completedTime"]) - since_wall, 3),
+        "source": status["source"],
+        "bytes": status["bytesDone"],
+    }
 
 
 ROLLOUTS = {"Parallel": {"strategy": "Parallel"}, "Rolling": {"strategy": "Rolling"}}
@@ -238,9 +252,44 @@ def rollout_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def cold_table(rows: list[dict], size_mib: int) -> list[str]:
+    """Peers-first beside S3-only per (ranks, replicas), and each row against the 1-replica row of its ranks and
+    order (the fan-out's scaling; issue 14's goal for 8 replicas, peers first: at most 1.5x)."""
+    lines = [
+        f'model {size_mib} MiB; S3-only is the reference measured in the same run; "vs 1" is the row\'s time over the '
+        "1-replica row of the same ranks and source order, also from this run",
+        "",
+        "| ranks | replicas | peers first: s to Ready | vs 1 | S3 only: s to Ready | vs 1 | S3 only / peers first "
+        "| peers first: S3 reads / peer copies | S3 bytes, peers first vs S3 only |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    pairs = list(zip(rows[::2], rows[1::2], strict=True))
+    one = {(p["ranks"], "peer"): p for p, _ in pairs if p["replicas"] == 1}
+    one |= {(s["ranks"], "s3"): s for _, s in pairs if s["replicas"] == 1}
+
+    def vs_one(row: dict, kind: str) -> str:
+        base = one.get((row["ranks"], kind))
+        return f"{row['seconds_to_ready'] / base['seconds_to_ready']:.2f}x" if base else "—"
+
+    for peer, s3only in pairs:
+        lines.append(
+            f"| {peer['ranks']} | {peer['replicas']} | {peer['seconds_to_ready']:.1f} | {vs_one(peer, 'peer')} "
+            f"| {s3only['seconds_to_ready']:.1f} | {vs_one(s3only, 's3')} "
+            f"| {s3only['seconds_to_ready'] / peer['seconds_to_ready']:.2f}x | {peer['from_s3']} / {peer['from_peer']} "
+            f"| {peer['s3_bytes'] >> 20} MiB vs {s3only['s3_bytes'] >> 20} MiB |"
+        )
+    by = {(p["ranks"], p["replicas"]): p for p, _ in pairs}
+    for (ranks, n), row in sorted(by.items()):
+        if ranks > 1 and (1, n) in by:
+            ratio = row["seconds_to_ready"] / by[(1, n)]["seconds_to_ready"]
+            lines.append(f"\n{ranks} ranks vs 1 rank, {n} replica(s), peers first: {ratio:.2f}x")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--replicas", default="1,3,8")
+    parser.add_argument("--replicas", default="1,3,8,16")
+    parser.add_argument("--ranks2-replicas", default="1,3", help="replica counts of the 2-rank rows ('' for none)")
     parser.add_argument("--size-mib", type=int, default=128)
     parser.add_argument("--only", choices=["cold", "rollout"], help="run one of the two parts (default: both)")
     parser.add_argument("--keep", action="store_true", help="keep the run's directory (agent and operator logs)")
@@ -250,35 +299,23 @@ def main() -> None:
     args = parser.parse_args()
     rows, rollouts = [], []
     counts = [int(x) for x in args.replicas.split(",")]
+    cold = [(1, n) for n in counts] + [(2, int(x)) for x in args.ranks2_replicas.split(",") if x]
     with local_stack(keep=args.keep) as (cluster, s3):
         root = cluster.workdir.parent
         print(f"run directory {root}", flush=True)
         operator = start_operator(cluster, root / "operator", env=s3.env())
         publish(cluster, s3, root, args.size_mib)
-        for n in counts if args.only != "rollout" else []:
+        for ranks, n in cold if args.only != "rollout" else []:
             for order in (["Peer", "ObjectStorage"], ["ObjectStorage"]):
-                row = one_round(cluster, s3, root, n, order)
+                row = one_round(cluster, s3, root, n, order, ranks)
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "loads"}), flush=True)
         for n in counts if args.only != "cold" else []:
             rollouts += rollout_rounds(cluster, s3, root, n, args.socket_dir)
         operator.stop()
-    lines = [
-        f"model {args.size_mib} MiB; S3-only is the reference measured in the same run",
-        "",
-        "| replicas | peers first: s to Ready | S3 only: s to Ready | ratio | peers first: S3 reads / peer copies "
-        "| S3 bytes, peers first vs S3 only |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    for peer, s3only in zip(rows[::2], rows[1::2], strict=True):
-        lines.append(
-            f"| {peer['replicas']} | {peer['seconds_to_ready']:.1f} | {s3only['seconds_to_ready']:.1f} | "
-            f"{s3only['seconds_to_ready'] / peer['seconds_to_ready']:.2f}x | {peer['from_s3']} / {peer['from_peer']} "
-            f"| {peer['s3_bytes'] >> 20} MiB vs {s3only['s3_bytes'] >> 20} MiB |"
-        )
-    if not rows:
-        lines = [f"model {args.size_mib} MiB"]
-    write_results("modelload", {"cold": rows, "rollout": rollouts}, "\n".join(lines + rollout_table(rollouts)))
+    lines = cold_table(rows, args.size_mib) if rows else [f"model {args.size_mib} MiB"]
+    data = {"size_mib": args.size_mib, "cold": rows, "rollout": rollouts}
+    write_results("modelload", data, "\n".join(lines + rollout_table(rollouts)))
 
 
 if __name__ == "__main__":

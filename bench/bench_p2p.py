@@ -1,5 +1,7 @@
 """P2P throughput: a full PeerStrategy load between two processes vs a raw NIXL READ of the same buffers vs
-an in-process memcpy (torch `copy_`), in one run, for 256 MiB and 1 GiB.
+an in-process memcpy (torch `copy_`), in one run, for 64 MiB to 4 GiB. A size needs four times its bytes of memory at
+once (the source's copy, the target, and memcpy's source and destination): sizes for which that plus 8 GiB left to
+the machine's other users exceeds MemAvailable are skipped and listed (on the shared 24 GiB VM: 4 GiB is).
 
     unshare -n bash -c 'ip link set lo up; UCX_NET_DEVICES=lo ~/.cache/ferry/venv/bin/python bench/bench_p2p.py'
 
@@ -49,6 +51,7 @@ from ferry_dev.localcluster import local_stack
 from ferry_dev.source_main import READY_MARKER
 
 MIB = 1 << 20
+SPARE_BYTES = 8 << 30  # left to the other users of a shared machine
 
 
 def parse_size(text: str) -> int:
@@ -97,6 +100,14 @@ def start_source(
         if line.startswith(READY_MARKER):
             return proc, json.loads(line[len(READY_MARKER) :])
     raise RuntimeError(f"source {name} exited with {proc.wait()} before it was ready")
+
+
+def available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping others out)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
 def timed(fn: Callable[[], Any], reps: int) -> list[float]:
@@ -287,12 +298,14 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['ratio_peer_vs_raw']:.2f} | {r['ratio_peer_vs_memcpy']:.2f} | {r['ratio_raw_vs_memcpy']:.2f} | "
             f"{'ok' if r['verified_sha256'] else 'MISMATCH'} |"
         )
+    if report["skipped_for_memory"]:
+        lines += ["", "not run, for lack of memory: " + ", ".join(f"{m} MiB" for m in report["skipped_for_memory"])]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="256M,1G")
+    parser.add_argument("--sizes", default="64M,256M,1G,2G,4G")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tensor-mib", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -323,7 +336,14 @@ def main(argv: list[str] | None = None) -> int:
             auth = authenticated(cluster, workdir)
         peer = NixlPeer(f"bench-target-{uuid.uuid4().hex[:6]}")
         try:
-            sizes = [parse_size(s) for s in args.sizes.split(",")]
+            sizes, skipped = [], []
+            for size in (parse_size(s) for s in args.sizes.split(",")):
+                (sizes if 4 * size + SPARE_BYTES <= available_bytes() else skipped).append(size)
+            for size in skipped:
+                print(
+                    f"skipping {size // MIB} MiB: needs {4 * size + SPARE_BYTES >> 30} GiB, "
+                    f"{available_bytes() >> 30} available"
+                )
             if args.compare_auth:
                 assert auth is not None
                 compared = [compare_auth(peer, n, args.tensor_mib * MIB, args.compare_auth, auth) for n in sizes]
@@ -347,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
         "authenticated": not args.no_auth,
         "results": results,
+        "skipped_for_memory": [size // MIB for size in skipped],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "p2p.json").write_text(json.dumps(report, indent=2) + "\n")
