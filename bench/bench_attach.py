@@ -179,26 +179,45 @@ def main() -> None:
         ("refit, 10% changed", t_refit, "full load_into", t_full, t_full / t_refit),
     ]
     shown = [
-        ("attach + read every byte", t_attach_touched, "load_file, mmap (default), read every byte", t_mmap_touched,
-         t_mmap_touched / t_attach_touched),
+        (
+            "attach + read every byte",
+            t_attach_touched,
+            "load_file, mmap (default), read every byte",
+            t_mmap_touched,
+            t_mmap_touched / t_attach_touched,
+        ),
         ("load_into", t_load_into, "plain copy_ from warm private memory", t_warm, t_warm / t_load_into),
-    ]  # fmt: skip
+    ]
     mib = args.size_mib
     both = f"{resident_both / 2**20:.0f} MiB resident for v1 + v2 ({2 * nbytes / 2**20:.0f} MiB as two copies)"
     table = "\n".join(
-        [f"attach, {mib} MiB in {len(v1)} tensors (median of {args.rounds} paired rounds)", "",
-         "| ours | s | reference | s | reference / ours |", "|---|---|---|---|---|"]
+        [
+            f"attach, {mib} MiB in {len(v1)} tensors (median of {args.rounds} paired rounds)",
+            "",
+            "| ours | s | reference | s | reference / ours |",
+            "|---|---|---|---|---|",
+        ]
         + [f"| {a} | {ta:.4f} | {b} | {tb:.4f} | {r:.2f} |" for a, ta, b, tb, r in rows]
-        + ["", "Shown alongside (no target):", "", "| ours | s | reference | s | reference / ours |",
-           "|---|---|---|---|---|"]
+        + [
+            "",
+            "Shown alongside (no target):",
+            "",
+            "| ours | s | reference | s | reference / ours |",
+            "|---|---|---|---|---|",
+        ]
         + [f"| {a} | {ta:.4f} | {b} | {tb:.4f} | {r:.2f} |" for a, ta, b, tb, r in shown]
         + ["", f"Refit memory: {both}."]
-    )  # fmt: skip
-    data = {"size_mib": mib, "tensors": len(v1), "rounds": args.rounds, "resident_bytes_v1_v2": resident_both,
-            "rows": [{"ours": a, "ours_s": ta, "reference": b, "reference_s": tb, "ratio": r}
-                     for a, ta, b, tb, r in rows],
-            "shown": [{"ours": a, "ours_s": ta, "reference": b, "reference_s": tb, "ratio": r}
-                      for a, ta, b, tb, r in shown]}  # fmt: skip
+    )
+    data = {
+        "size_mib": mib,
+        "tensors": len(v1),
+        "rounds": args.rounds,
+        "resident_bytes_v1_v2": resident_both,
+        "rows": [{"ours": a, "ours_s": ta, "reference": b, "reference_s": tb, "ratio": r} for a, ta, b, tb, r in rows],
+        "shown": [
+            {"ours": a, "ours_s": ta, "reference": b, "reference_s": tb, "ratio": r} for a, ta, b, tb, r in shown
+        ],
+    }
     write_results("attach", data, table)
 
 

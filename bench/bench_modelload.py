@@ -46,10 +46,26 @@ def publish(cluster: LocalCluster, s3, root: Path, size_mib: int) -> None:
     import subprocess
 
     subprocess.run(
-        [sys.executable, "-m", "ferry.cli", "publish", str(src), "--version", "v1", "--model", MODEL,
-         "--uri-prefix", "s3://bench/m", "--kubeconfig", str(cluster.kubeconfig), "--wait", "-q"],
-        check=True, env={**os.environ, **s3.env()},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ferry.cli",
+            "publish",
+            str(src),
+            "--version",
+            "v1",
+            "--model",
+            MODEL,
+            "--uri-prefix",
+            "s3://bench/m",
+            "--kubeconfig",
+            str(cluster.kubeconfig),
+            "--wait",
+            "-q",
+        ],
+        check=True,
+        env={**os.environ, **s3.env()},
+    )
 
 
 def start_agents(cluster: LocalCluster, s3, root: Path, n: int, tag: str, socket_dir: str = "") -> list[ManagedProcess]:
@@ -61,9 +77,22 @@ def start_agents(cluster: LocalCluster, s3, root: Path, n: int, tag: str, socket
         cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
         store = root / "stores" / node
         shutil.rmtree(store, ignore_errors=True)
-        argv = [sys.executable, "-m", "ferry_agent", "--node", node, "--checkpoint-dir", str(store),
-                "--poll-seconds", "0.2", "--retry-seconds", "1", "--socket-dir", socket_dir,
-                *cluster.agent_identity_args(node)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "ferry_agent",
+            "--node",
+            node,
+            "--checkpoint-dir",
+            str(store),
+            "--poll-seconds",
+            "0.2",
+            "--retry-seconds",
+            "1",
+            "--socket-dir",
+            socket_dir,
+            *cluster.agent_identity_args(node),
+        ]
         env = {**os.environ, **cluster.env(), **s3.env(), "UCX_NET_DEVICES": "lo"}
         agents.append(ManagedProcess(node, argv, root / "logs" / f"{node}.log", env=env).start())
     time.sleep(3)  # agents import torch/NIXL before they poll
@@ -86,10 +115,19 @@ def one_round(cluster: LocalCluster, s3, root: Path, n: int, order: list[str], r
     try:
         apply_v1(cluster, namespace)
         ml = {
-            "apiVersion": API_VERSION, "kind": "ModelLoad", "metadata": {"name": "m"},
-            "spec": {"modelName": MODEL, "desiredVersion": "v1", "replicas": n, "device": "cpu",
-                     "nodeSelector": {"bench": tag}, "sourceOrder": order, "ranksPerReplica": ranks},
-        }  # fmt: skip
+            "apiVersion": API_VERSION,
+            "kind": "ModelLoad",
+            "metadata": {"name": "m"},
+            "spec": {
+                "modelName": MODEL,
+                "desiredVersion": "v1",
+                "replicas": n,
+                "device": "cpu",
+                "nodeSelector": {"bench": tag},
+                "sourceOrder": order,
+                "ranksPerReplica": ranks,
+            },
+        }
         started, started_wall = time.monotonic(), time.time()
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(ml))
 
@@ -143,11 +181,31 @@ def publish_delta(cluster: LocalCluster, s3, root: Path, namespace: str, base: s
     src.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(src / "model.safetensors"))
     subprocess.run(
-        [sys.executable, "-m", "ferry.cli", "publish", str(src), "--version", version, "--base", base,
-         "--base-dir", str(root / f"weights-{base}"), "--model", MODEL, "--uri-prefix", f"s3://bench/{namespace}",
-         "--kubeconfig", str(cluster.kubeconfig), "-n", namespace, "-q"],
-        check=True, env={**os.environ, **s3.env()},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ferry.cli",
+            "publish",
+            str(src),
+            "--version",
+            version,
+            "--base",
+            base,
+            "--base-dir",
+            str(root / f"weights-{base}"),
+            "--model",
+            MODEL,
+            "--uri-prefix",
+            f"s3://bench/{namespace}",
+            "--kubeconfig",
+            str(cluster.kubeconfig),
+            "-n",
+            namespace,
+            "-q",
+        ],
+        check=True,
+        env={**os.environ, **s3.env()},
+    )
 
 
 def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int, socket_dir: str) -> list[dict]:
@@ -163,10 +221,17 @@ def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int, socket_dir: st
     try:
         apply_v1(cluster, namespace)
         ml = {
-            "apiVersion": API_VERSION, "kind": "ModelLoad", "metadata": {"name": "m"},
-            "spec": {"modelName": MODEL, "desiredVersion": "v1", "replicas": n, "device": "cpu",
-                     "nodeSelector": {"bench": tag}},
-        }  # fmt: skip
+            "apiVersion": API_VERSION,
+            "kind": "ModelLoad",
+            "metadata": {"name": "m"},
+            "spec": {
+                "modelName": MODEL,
+                "desiredVersion": "v1",
+                "replicas": n,
+                "device": "cpu",
+                "nodeSelector": {"bench": tag},
+            },
+        }
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(ml))
         wait_until(lambda: serving(objects, namespace, "v1") == n, 600, f"{n} replicas on v1")
         base = "v1"
@@ -194,17 +259,26 @@ def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int, socket_dir: st
             sources = [r["status"]["source"] for r in items]
             # Where the time went, per replica: when its agent started the load, and when it served.
             detail = sorted(
-                (round(wall(r["status"]["startedTime"]) - published_wall, 2),
-                 round(wall(r["status"]["completedTime"]) - published_wall, 2), r["status"]["source"])
+                (
+                    round(wall(r["status"]["startedTime"]) - published_wall, 2),
+                    round(wall(r["status"]["completedTime"]) - published_wall, 2),
+                    r["status"]["source"],
+                )
                 for r in items
-            )  # fmt: skip
+            )
             print(json.dumps({"replicas": n, "rollout": mode, "started_served_source": detail}), flush=True)
-            rows.append({
-                "replicas": n, "rollout": mode, "publish_to_ready_s": round(ready_s, 2),
-                "first_serving_s": round(first_s if first_s is not None else all_s, 2),
-                "all_serving_s": round(all_s, 2), "rollout_s": round(all_s - ready_s, 2),
-                "from_s3": sum(s == "s3" for s in sources), "from_peer": sum(s.startswith("peer/") for s in sources),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "replicas": n,
+                    "rollout": mode,
+                    "publish_to_ready_s": round(ready_s, 2),
+                    "first_serving_s": round(first_s if first_s is not None else all_s, 2),
+                    "all_serving_s": round(all_s, 2),
+                    "rollout_s": round(all_s - ready_s, 2),
+                    "from_s3": sum(s == "s3" for s in sources),
+                    "from_peer": sum(s.startswith("peer/") for s in sources),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
             base = version
     finally:

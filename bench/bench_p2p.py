@@ -77,10 +77,11 @@ def authenticated(cluster: Any, workdir: Path) -> Auth:
     node = "bench-node"
     token = cluster.pod_token(node, worker_audience(SOURCE_NODE), workdir / "worker-token")
     body = {
-        "apiVersion": API_VERSION, "kind": "WeightReplica",
+        "apiVersion": API_VERSION,
+        "kind": "WeightReplica",
         "metadata": {"name": "bench-target", "namespace": "default", "labels": {LABEL_NODE: node}},
         "spec": {"modelLoad": "bench", "modelName": "bench", "version": "v", "nodeName": node, "device": "cpu"},
-    }  # fmt: skip
+    }
     cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
     return Auth(token, "system:serviceaccount:ferry-system:ferry-agent", cluster.kubeconfig)  # pod_token's
 
@@ -88,8 +89,17 @@ def authenticated(cluster: Any, workdir: Path) -> Auth:
 def start_source(
     name: str, tensors: int, tensor_bytes: int, auth: Auth | None
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    cmd = [sys.executable, "-m", "ferry_dev.source_main", "--agent-name", name, "--tensors", str(tensors),
-           "--tensor-bytes", str(tensor_bytes)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ferry_dev.source_main",
+        "--agent-name",
+        name,
+        "--tensors",
+        str(tensors),
+        "--tensor-bytes",
+        str(tensor_bytes),
+    ]
     env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
     if auth is not None:
         cmd += ["--serve", "default/bench/v", "--node", SOURCE_NODE, "--worker-allowed-identity", auth.identity]
@@ -120,23 +130,32 @@ def timed(fn: Callable[[], Any], reps: int) -> list[float]:
     return out
 
 
-def peer_load(peer: Any, replica: str, info: dict[str, Any], target: ResidentWeights, auth: Auth | None
-              ) -> Callable[[], Any]:  # fmt: skip
+def peer_load(
+    peer: Any, replica: str, info: dict[str, Any], target: ResidentWeights, auth: Auth | None
+) -> Callable[[], Any]:
     """A PeerStrategy load from the source `info` (started by `start_source`) into `target`, reused by every load so
     that all land in the same pre-faulted pages; as an authenticated reader when `auth` is given."""
     cand = SourceCandidate(
-        replica=replica, rank=0, agent_name=info["agent_name"], grpc_endpoint=info["endpoint"],
-        manifest_digest=info["manifest_digest"], tensor_count=info["tensor_count"],
-        instance_id=info["instance_id"], node=SOURCE_NODE,
-    )  # fmt: skip
+        replica=replica,
+        rank=0,
+        agent_name=info["agent_name"],
+        grpc_endpoint=info["endpoint"],
+        manifest_digest=info["manifest_digest"],
+        tensor_count=info["tensor_count"],
+        instance_id=info["instance_id"],
+        node=SOURCE_NODE,
+    )
 
     def reuse(specs: Sequence[TensorSpec], device: str) -> ResidentWeights:
         return target
 
     strategy = PeerStrategy(
-        peer=peer, candidates=lambda _: [cand], settings=TransferSettings(timeout_s=120), allocate=reuse,
+        peer=peer,
+        candidates=lambda _: [cand],
+        settings=TransferSettings(timeout_s=120),
+        allocate=reuse,
         credentials=(lambda node: auth.token.read_text()) if auth is not None else None,
-    )  # fmt: skip
+    )
     ctx = LoadContext(model="bench", version="v", rank=0, target_id="bench-target")
     return lambda: strategy.load(ctx)
 
@@ -198,8 +217,9 @@ def compare_auth(peer: Any, size: int, tensor_bytes: int, rounds: int, auth: Aut
     }
     try:
         _, info = sources["open"]
-        manifest = get_tensor_manifest(info["endpoint"], SourceIdentity(info["agent_name"], info["instance_id"]),
-                                       timeout_s=30)  # fmt: skip
+        manifest = get_tensor_manifest(
+            info["endpoint"], SourceIdentity(info["agent_name"], info["instance_id"]), timeout_s=30
+        )
         target = ResidentWeights.allocate(manifest.specs, "cpu")
         for t in target.tensors.values():
             t.zero_()
@@ -212,9 +232,11 @@ def compare_auth(peer: Any, size: int, tensor_bytes: int, rounds: int, auth: Aut
             raw_src["endpoint"], SourceIdentity(raw_src["agent_name"], raw_src["instance_id"]), timeout_s=30
         )
         remote = peer.add_remote(raw_manifest.nixl_metadata)
-        runs = {"auth": peer_load(peer, "bench-auth", sources["auth"][1], target, auth),
-                "open": peer_load(peer, "bench-open", info, target, None),
-                "raw": lambda: peer.read(remote, raw_manifest.tensors, target, 120)}  # fmt: skip
+        runs = {
+            "auth": peer_load(peer, "bench-auth", sources["auth"][1], target, auth),
+            "open": peer_load(peer, "bench-open", info, target, None),
+            "raw": lambda: peer.read(remote, raw_manifest.tensors, target, 120),
+        }
 
         def once(kind: str) -> float:
             start = time.perf_counter()
@@ -241,15 +263,21 @@ def compare_auth(peer: Any, size: int, tensor_bytes: int, rounds: int, auth: Aut
     diffs = [a - o for a, o in zip(ratios["auth"], ratios["open"], strict=True)]
 
     def spread(values: list[float]) -> dict[str, float]:
-        return {"mean": round(statistics.mean(values), 3), "stdev": round(statistics.stdev(values), 3),
-                "median": round(statistics.median(values), 3)}  # fmt: skip
+        return {
+            "mean": round(statistics.mean(values), 3),
+            "stdev": round(statistics.stdev(values), 3),
+            "median": round(statistics.median(values), 3),
+        }
 
     return {
-        "bytes": info["total_bytes"], "rounds": rounds, "verified_sha256": verified,
-        "peer_vs_raw_authenticated": spread(ratios["auth"]), "peer_vs_raw_open": spread(ratios["open"]),
+        "bytes": info["total_bytes"],
+        "rounds": rounds,
+        "verified_sha256": verified,
+        "peer_vs_raw_authenticated": spread(ratios["auth"]),
+        "peer_vs_raw_open": spread(ratios["open"]),
         "difference_authenticated_minus_open": spread(diffs),
         "seconds": {k: [round(x, 5) for x in v] for k, v in seconds.items()},
-    }  # fmt: skip
+    }
 
 
 def compare_markdown(results: list[dict[str, Any]], host: str) -> str:
@@ -311,9 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--no-auth", action="store_true", help="read from an open source (no apiserver needed)")
     parser.add_argument(
-        "--compare-auth", type=int, metavar="ROUNDS", default=0,
+        "--compare-auth",
+        type=int,
+        metavar="ROUNDS",
+        default=0,
         help="instead: paired rounds of authenticated vs open loads (writes p2p_auth.json/.md)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     if args.compare_auth and (args.no_auth or args.compare_auth < 2):
         parser.error("--compare-auth needs at least 2 rounds and the apiserver (not --no-auth)")

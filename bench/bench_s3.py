@@ -143,8 +143,9 @@ def ranked_load(make: Callable[[Path], ObjectStorageStrategy], root: Path, ranks
             strategy = make(root / "store")
             g.all_gather_object(None)  # start together
             start = time.perf_counter()
-            result = run_cold_start(g, ctx, configured="v1", source_order=["ObjectStorage"],
-                                    strategies={"ObjectStorage": strategy})  # fmt: skip
+            result = run_cold_start(
+                g, ctx, configured="v1", source_order=["ObjectStorage"], strategies={"ObjectStorage": strategy}
+            )
             queue.put((time.perf_counter() - start, shas(dict(result.resident.tensors))))
 
     procs = [fork.Process(target=rank_main, args=(r,)) for r in range(ranks)]
@@ -216,10 +217,14 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
     def strategy(root: Path) -> ObjectStorageStrategy:
         stores[root] = CheckpointStore(root, quota_bytes=64 << 30)
         return ObjectStorageStrategy(
-            namespace="bench", fetch_version=versions.get, credentials=lambda _: creds,
+            namespace="bench",
+            fetch_version=versions.get,
+            credentials=lambda _: creds,
             store=stores[root],
-            default_endpoint=server.endpoint, download_workers=args.workers, range_bytes=range_bytes,
-        )  # fmt: skip
+            default_endpoint=server.endpoint,
+            download_workers=args.workers,
+            range_bytes=range_bytes,
+        )
 
     ctx = {v: LoadContext(model=MODEL, version=v, rank=0, target_id="bench") for v in versions}
     last: dict[str, S3LoadResult] = {}

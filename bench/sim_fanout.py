@@ -198,10 +198,18 @@ class Simulation:
                 status: dict[str, Any] = {"phase": ReplicaPhase.LOADING if r.loading else ReplicaPhase.PENDING}
                 if r.serving:
                     status = {
-                        "phase": ReplicaPhase.SERVING, "version": VERSION, "activeLeases": self.readers[i],
-                        "ranks": [{"rank": 0, "state": RankState.READY, "agentName": f"agent-{r.node}",
-                                   "grpcEndpoint": f"{r.node}:50051"}],
-                    }  # fmt: skip
+                        "phase": ReplicaPhase.SERVING,
+                        "version": VERSION,
+                        "activeLeases": self.readers[i],
+                        "ranks": [
+                            {
+                                "rank": 0,
+                                "state": RankState.READY,
+                                "agentName": f"agent-{r.node}",
+                                "grpcEndpoint": f"{r.node}:50051",
+                            }
+                        ],
+                    }
                     body = lease_body(r.name, f"agent-{r.node}", now, node=r.node)
                     leases[body["metadata"]["name"]] = body
                 replicas.append(
@@ -234,10 +242,16 @@ class Simulation:
         chunks spread over the holders as the targets of one version spread over its sources)."""
         limit = self.fleet.max_readers
         cands = [
-            SourceCandidate(replica=self.reps[j].name, rank=0, agent_name=f"agent-{self.reps[j].node}",
-                            grpc_endpoint=f"{self.reps[j].node}:50051", active_leases=self.readers[j])
-            for j in self.holders[chunk] if j != i and (limit is None or self.readers[j] < limit)
-        ]  # fmt: skip
+            SourceCandidate(
+                replica=self.reps[j].name,
+                rank=0,
+                agent_name=f"agent-{self.reps[j].node}",
+                grpc_endpoint=f"{self.reps[j].node}:50051",
+                active_leases=self.readers[j],
+            )
+            for j in self.holders[chunk]
+            if j != i and (limit is None or self.readers[j] < limit)
+        ]
         ordered = self.selector.order(cands, model=MODEL, target_id=f"{self.reps[i].name}/{chunk}", target_rank=0)
         return [self.index[c.replica] for c in ordered]
 
@@ -256,9 +270,15 @@ class Simulation:
         if any(math.isnan(t) for t in self.serving_s):
             raise RuntimeError(f"{self.mode}: not every replica served (a scheduling deadlock)")
         return Result(
-            self.mode, self.fleet, self.serving_s, self.received, self.from_s3, self.max_readers_seen,
-            self.abandoned, self.events,
-        )  # fmt: skip
+            self.mode,
+            self.fleet,
+            self.serving_s,
+            self.received,
+            self.from_s3,
+            self.max_readers_seen,
+            self.abandoned,
+            self.events,
+        )
 
     def _on_start(self, i: int) -> None:
         r = self.reps[i]
@@ -550,9 +570,15 @@ def calibrate(cold: Sequence[dict[str, Any]], size_bytes: int) -> tuple[Fleet, d
     fabric = len(copies) * size_bytes / max(span, 1e-3)
     gbit = {"s3_client_gbps": s3_client / GBIT, "s3_total_gbps": s3_total / GBIT, "fabric_gbps": fabric / GBIT}
     fleet = Fleet(
-        replicas=1, model_bytes=size_bytes, nic_gbps=None, s3_latency_s=0.0, peer_latency_s=0.0,
-        start_s=start_s, finish_s=finish_s, **gbit,
-    )  # fmt: skip
+        replicas=1,
+        model_bytes=size_bytes,
+        nic_gbps=None,
+        s3_latency_s=0.0,
+        peer_latency_s=0.0,
+        start_s=start_s,
+        finish_s=finish_s,
+        **gbit,
+    )
     return fleet, {"start_s": start_s, "finish_s": finish_s, **gbit}
 
 
@@ -569,11 +595,15 @@ def check_against(path: Path) -> dict[str, Any] | None:
     for r in cold:
         mode = WHOLE if r["source_order"].startswith("Peer") else S3_ONLY
         predicted = simulate(replace(fleet, replicas=r["replicas"]), mode)
-        rows.append({
-            "replicas": r["replicas"], "mode": mode, "measured_s": r["seconds_to_ready"],
-            "predicted_s": round(predicted.all_serving_s, 2),
-            "fitted_on": r["replicas"] in (1, 3),
-        })  # fmt: skip
+        rows.append(
+            {
+                "replicas": r["replicas"],
+                "mode": mode,
+                "measured_s": r["seconds_to_ready"],
+                "predicted_s": round(predicted.all_serving_s, 2),
+                "fitted_on": r["replicas"] in (1, 3),
+            }
+        )
     return {"source": str(path), "size_mib": data["size_mib"], "fitted": fitted, "rows": rows}
 
 
@@ -634,8 +664,12 @@ def main(argv: list[str] | None = None) -> int:
         result = simulate(fleet, mode)
         predictions.append({"model": label, "policy": describe(mode, fleet), **result.summary()})
         print(json.dumps({k: v for k, v in predictions[-1].items() if k != "fleet"}), flush=True)
-    report = {"replicas": args.replicas, "predictions": predictions, "published": PUBLISHED,
-              "check": check_against(args.modelload)}  # fmt: skip
+    report = {
+        "replicas": args.replicas,
+        "predictions": predictions,
+        "published": PUBLISHED,
+        "check": check_against(args.modelload),
+    }
     write_results("sim_fanout", report, markdown(report), args.out)
     return 0
 

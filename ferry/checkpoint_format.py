@@ -49,11 +49,24 @@ DELTA_METADATA_KEYS = frozenset(
 
 # Byte width per element; dtypes not listed (sub-byte floats) are accepted without a size cross-check.
 DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
-    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-    "U32": 4, "I32": 4, "F32": 4,
-    "U64": 8, "I64": 8, "F64": 8, "C64": 8,
-}  # fmt: skip
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 
 # safetensors dtype → numpy dtype. Dtypes numpy lacks travel as same-width unsigned "carriers" (`CARRIERS`); their
 # real name is written into the shard header (`canonical_shard`), since the builders only know numpy arrays.

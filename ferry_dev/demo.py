@@ -50,8 +50,10 @@ def make_weights(directory: Path, seed: int, base: dict[str, torch.Tensor] | Non
     if base is None:
         weights = {f"model.layers.{i}.mlp.weight": torch.randn((1024, 1024), generator=gen) for i in range(layers)}
     else:
-        weights = {k: (v + 0.01 * torch.randn(v.shape, generator=gen)) if i % 4 == 0 else v.clone()
-                   for i, (k, v) in enumerate(base.items())}  # fmt: skip
+        weights = {
+            k: (v + 0.01 * torch.randn(v.shape, generator=gen)) if i % 4 == 0 else v.clone()
+            for i, (k, v) in enumerate(base.items())
+        }
     directory.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(directory / "model.safetensors"))
     return weights
@@ -59,10 +61,27 @@ def make_weights(directory: Path, seed: int, base: dict[str, torch.Tensor] | Non
 
 def publish(cluster: LocalCluster, s3: S3Server, source: Path, version: str, base: str | None) -> None:
     argv = [
-        sys.executable, "-m", "ferry.cli", "publish", str(source), "--version", version, "--model", MODEL,
-        "--uri-prefix", f"s3://{BUCKET}/{MODEL}", "--layout-signature", f"{MODEL}/f32/tp1", "-n", NAMESPACE,
-        "--kubeconfig", str(cluster.kubeconfig), "--wait", "--timeout", "120",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "ferry.cli",
+        "publish",
+        str(source),
+        "--version",
+        version,
+        "--model",
+        MODEL,
+        "--uri-prefix",
+        f"s3://{BUCKET}/{MODEL}",
+        "--layout-signature",
+        f"{MODEL}/f32/tp1",
+        "-n",
+        NAMESPACE,
+        "--kubeconfig",
+        str(cluster.kubeconfig),
+        "--wait",
+        "--timeout",
+        "120",
+    ]
     if base:
         argv += ["--base", base]
     print(f"$ ferry publish {source.name} --version {version}" + (f" --base {base}" if base else ""), flush=True)
@@ -75,8 +94,20 @@ def start_agents(cluster: LocalCluster, s3: S3Server, workdir: Path) -> list[Man
         body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": {"ferry.dev/gpu": "true"}}}
         cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
         # The Pod the chart would run it as: the agent mints its worker tokens bound to it.
-        argv = [sys.executable, "-m", "ferry_agent", "--node", node, "--checkpoint-dir", str(workdir / node),
-                "--poll-seconds", "2", "--retry-seconds", "1", *cluster.agent_identity_args(node)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "ferry_agent",
+            "--node",
+            node,
+            "--checkpoint-dir",
+            str(workdir / node),
+            "--poll-seconds",
+            "2",
+            "--retry-seconds",
+            "1",
+            *cluster.agent_identity_args(node),
+        ]
         env = {**os.environ, **cluster.env(), **s3.env(), "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
         agents.append(ManagedProcess(f"agent-{node}", argv, workdir / f"agent-{node}.log", env=env).start())
     return agents
@@ -94,8 +125,10 @@ def summary(cluster: LocalCluster, model_load: str = MODEL) -> None:
         start, end = _time(st.get("startedTime")), _time(st.get("completedTime"))
         seconds = (end - start).total_seconds() if start and end else float("nan")
         rate = (st.get("bytesDone") or 0) / seconds / 1e9 if seconds and seconds > 0 else float("nan")
-        print(f"{r['metadata']['name']:<28} {r['spec']['nodeName']:<12} {st.get('version', ''):<14} "
-              f"{st.get('source', ''):<32} {st.get('bytesDone') or 0:>12} {seconds:>8.2f} {rate:>6.2f}")  # fmt: skip
+        print(
+            f"{r['metadata']['name']:<28} {r['spec']['nodeName']:<12} {st.get('version', ''):<14} "
+            f"{st.get('source', ''):<32} {st.get('bytesDone') or 0:>12} {seconds:>8.2f} {rate:>6.2f}"
+        )
 
 
 def replicas_of(cluster: LocalCluster, model_load: str) -> list[dict]:
@@ -109,8 +142,10 @@ def rank_table(cluster: LocalCluster, model_load: str) -> None:
     print(f"{'replica':<28} {'rank':>4} {'tensors':>7}  {'NIXL agent':<32} worker endpoint")
     for r in sorted(items, key=lambda r: r["metadata"]["name"]):
         for e in sorted(r["status"].get("ranks") or [], key=lambda e: e["rank"]):
-            print(f"{r['metadata']['name']:<28} {e['rank']:>4} {e['tensorCount']:>7}  {e['agentName']:<32} "
-                  f"{e['grpcEndpoint']}")  # fmt: skip
+            print(
+                f"{r['metadata']['name']:<28} {e['rank']:>4} {e['tensorCount']:>7}  {e['agentName']:<32} "
+                f"{e['grpcEndpoint']}"
+            )
 
 
 def wait_modelload(cluster: LocalCluster, version: str, timeout: float = 180, name: str = MODEL) -> None:
@@ -158,10 +193,17 @@ def run(wait: bool, workdir: Path | None, size_mib: int) -> int:
 
             say("Apply a ModelLoad: 3 replicas of v1")
             ml = {
-                "apiVersion": API_VERSION, "kind": "ModelLoad", "metadata": {"name": MODEL},
-                "spec": {"modelName": MODEL, "desiredVersion": f"{MODEL}-v1", "replicas": 3, "device": "cpu",
-                         "nodeSelector": {"ferry.dev/gpu": "true"}},
-            }  # fmt: skip
+                "apiVersion": API_VERSION,
+                "kind": "ModelLoad",
+                "metadata": {"name": MODEL},
+                "spec": {
+                    "modelName": MODEL,
+                    "desiredVersion": f"{MODEL}-v1",
+                    "replicas": 3,
+                    "device": "cpu",
+                    "nodeSelector": {"ferry.dev/gpu": "true"},
+                },
+            }
             cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=json.dumps(ml))
             wait_modelload(cluster, f"{MODEL}-v1")
             show(cluster, "get", "ml,wr", "-n", NAMESPACE, "-o", "wide")
@@ -177,10 +219,18 @@ def run(wait: bool, workdir: Path | None, size_mib: int) -> int:
 
             say("Tensor parallel: a ModelLoad of 2 replicas x 2 ranks of v2; each rank holds half the tensors")
             tp = {
-                "apiVersion": API_VERSION, "kind": "ModelLoad", "metadata": {"name": TP_LOAD},
-                "spec": {"modelName": MODEL, "desiredVersion": f"{MODEL}-v2", "replicas": 2, "ranksPerReplica": 2,
-                         "device": "cpu", "nodeSelector": {"ferry.dev/gpu": "true"}},
-            }  # fmt: skip
+                "apiVersion": API_VERSION,
+                "kind": "ModelLoad",
+                "metadata": {"name": TP_LOAD},
+                "spec": {
+                    "modelName": MODEL,
+                    "desiredVersion": f"{MODEL}-v2",
+                    "replicas": 2,
+                    "ranksPerReplica": 2,
+                    "device": "cpu",
+                    "nodeSelector": {"ferry.dev/gpu": "true"},
+                },
+            }
             cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=json.dumps(tp))
             wait_modelload(cluster, f"{MODEL}-v2", name=TP_LOAD)
             summary(cluster, TP_LOAD)

@@ -38,8 +38,13 @@ CRD_DIR = REPO_ROOT / "crds"
 SERVICE_CIDR = "10.0.0.0/24"
 # The `kubernetes` Service (the first ClusterIP) as pods see it; ferry_dev.localnodes forwards it to the apiserver.
 API_SERVICE_IP = "10.0.0.1"
-IN_CLUSTER_SANS = (API_SERVICE_IP, "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-                   "kubernetes.default.svc.cluster.local")  # fmt: skip
+IN_CLUSTER_SANS = (
+    API_SERVICE_IP,
+    "kubernetes",
+    "kubernetes.default",
+    "kubernetes.default.svc",
+    "kubernetes.default.svc.cluster.local",
+)
 
 S3_ACCESS_KEY = "ferry-access"
 S3_SECRET_KEY = "ferry-secret-key"
@@ -338,14 +343,27 @@ class S3Server:
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
         self.port = s3
         argv = [
-            binary("weed"), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.volumeSizeLimitMB=512",
-            f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=50",
-            f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={config}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0",
+            binary("weed"),
+            "server",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-master.port={master}",
+            f"-master.port.grpc={master_grpc}",
+            "-master.volumeSizeLimitMB=512",
+            f"-volume.port={volume}",
+            f"-volume.port.grpc={volume_grpc}",
+            "-volume.max=50",
+            f"-filer.port={filer}",
+            f"-filer.port.grpc={filer_grpc}",
+            "-s3",
+            f"-s3.port={s3}",
+            f"-s3.port.grpc={s3_grpc}",
+            f"-s3.config={config}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
             "-metricsPort=0",
-        ]  # fmt: skip
+        ]
         self.process = ManagedProcess("seaweedfs", argv, self.workdir / "weed.log").start()
         wait_until(self._ready, timeout, "SeaweedFS S3", self.process)
         return self
@@ -423,16 +441,20 @@ class LocalCluster:
         etcd = ManagedProcess(
             "etcd",
             [
-                binary("etcd"), f"--data-dir={self.workdir / 'etcd'}", "--name=ferry",
+                binary("etcd"),
+                f"--data-dir={self.workdir / 'etcd'}",
+                "--name=ferry",
                 f"--listen-client-urls=http://127.0.0.1:{etcd_client}",
                 f"--advertise-client-urls=http://127.0.0.1:{etcd_client}",
                 f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
                 f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
                 f"--initial-cluster=ferry=http://127.0.0.1:{etcd_peer}",
-                "--unsafe-no-fsync=true", "--log-level=warn", "--listen-metrics-urls=",
+                "--unsafe-no-fsync=true",
+                "--log-level=warn",
+                "--listen-metrics-urls=",
             ],
             self.workdir / "etcd.log",
-        ).start()  # fmt: skip
+        ).start()
         self.processes.append(etcd)
         wait_until(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{etcd_client}/health", timeout=2).status == 200,
@@ -444,22 +466,36 @@ class LocalCluster:
         apiserver = ManagedProcess(
             "kube-apiserver",
             [
-                binary("kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{etcd_client}",
-                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.api_port}",
-                f"--cert-dir={pki.dir}", f"--tls-cert-file={pki.serving_cert}",
-                f"--tls-private-key-file={pki.serving_key}", f"--client-ca-file={pki.ca_cert}",
+                binary("kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{etcd_client}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.api_port}",
+                f"--cert-dir={pki.dir}",
+                f"--tls-cert-file={pki.serving_cert}",
+                f"--tls-private-key-file={pki.serving_key}",
+                f"--client-ca-file={pki.ca_cert}",
                 f"--service-account-issuer=https://127.0.0.1:{self.api_port}/",
-                f"--service-account-key-file={pki.sa_key}", f"--service-account-signing-key-file={pki.sa_key}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}", "--authorization-mode=Node,RBAC",
-                "--allow-privileged=true", "--enable-priority-and-fairness=false", "--max-requests-inflight=0",
-                "--max-mutating-requests-inflight=0", "--profiling=false", "--v=1",
+                f"--service-account-key-file={pki.sa_key}",
+                f"--service-account-signing-key-file={pki.sa_key}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--authorization-mode=Node,RBAC",
+                "--allow-privileged=true",
+                "--enable-priority-and-fairness=false",
+                "--max-requests-inflight=0",
+                "--max-mutating-requests-inflight=0",
+                "--profiling=false",
+                "--v=1",
                 # Without kubelets no pod mounts a token: the Pod objects tests create need no ServiceAccount
                 # admission. With kubelets, reach them by their node IPs (10.99.0.N), never a hostname.
-                *(["--kubelet-preferred-address-types=InternalIP"] if self.pods
-                  else ["--disable-admission-plugins=ServiceAccount"]),
+                *(
+                    ["--kubelet-preferred-address-types=InternalIP"]
+                    if self.pods
+                    else ["--disable-admission-plugins=ServiceAccount"]
+                ),
             ],
             self.workdir / "kube-apiserver.log",
-        ).start()  # fmt: skip
+        ).start()
         self.processes.append(apiserver)
         self.kubeconfig = write_kubeconfig(
             self.workdir / "kubeconfig", self.server, pki.ca_cert, cert=pki.admin_cert, key=pki.admin_key
@@ -473,17 +509,23 @@ class LocalCluster:
             kcm = ManagedProcess(
                 "kube-controller-manager",
                 [
-                    binary("kube-controller-manager"), f"--kubeconfig={self.kubeconfig}",
-                    "--leader-elect=false", f"--service-account-private-key-file={pki.sa_key}",
-                    f"--root-ca-file={pki.ca_cert}", "--bind-address=127.0.0.1", "--secure-port=0",
+                    binary("kube-controller-manager"),
+                    f"--kubeconfig={self.kubeconfig}",
+                    "--leader-elect=false",
+                    f"--service-account-private-key-file={pki.sa_key}",
+                    f"--root-ca-file={pki.ca_cert}",
+                    "--bind-address=127.0.0.1",
+                    "--secure-port=0",
                     "--use-service-account-credentials=false",
-                    "--controllers=*" if self.pods else
-                    "--controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller,"
+                    "--controllers=*"
+                    if self.pods
+                    else "--controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller,"
                     "serviceaccount-token-controller",
-                    "--concurrent-gc-syncs=5", "--v=1",
+                    "--concurrent-gc-syncs=5",
+                    "--v=1",
                 ],
                 self.workdir / "kube-controller-manager.log",
-            ).start()  # fmt: skip
+            ).start()
             self.processes.append(kcm)
             # No HTTPS port to probe (--secure-port=0): bad flags make it exit at once, so outliving 2 s is the check.
             time.sleep(2)
@@ -494,12 +536,17 @@ class LocalCluster:
             scheduler = ManagedProcess(
                 "kube-scheduler",
                 [
-                    binary("kube-scheduler"), f"--kubeconfig={self.kubeconfig}",
-                    f"--authentication-kubeconfig={self.kubeconfig}", f"--authorization-kubeconfig={self.kubeconfig}",
-                    "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={port}", "--v=1",
+                    binary("kube-scheduler"),
+                    f"--kubeconfig={self.kubeconfig}",
+                    f"--authentication-kubeconfig={self.kubeconfig}",
+                    f"--authorization-kubeconfig={self.kubeconfig}",
+                    "--leader-elect=false",
+                    "--bind-address=127.0.0.1",
+                    f"--secure-port={port}",
+                    "--v=1",
                 ],
                 self.workdir / "kube-scheduler.log",
-            ).start()  # fmt: skip
+            ).start()
             self.processes.append(scheduler)
             insecure = ssl._create_unverified_context()  # its self-signed serving cert; /healthz is all we read
             wait_until(
@@ -568,9 +615,16 @@ class LocalCluster:
         bound to the Pod of `agent_pod`. Written to `path` (0600)."""
         pod = self.agent_pod(node, namespace=namespace, service_account=service_account, pod=pod)["podName"]
         token = self.kubectl(
-            "create", "token", service_account, "-n", namespace, f"--audience={audience}",
-            "--bound-object-kind=Pod", f"--bound-object-name={pod}", f"--duration={duration_s}s",
-        ).stdout.strip()  # fmt: skip
+            "create",
+            "token",
+            service_account,
+            "-n",
+            namespace,
+            f"--audience={audience}",
+            "--bound-object-kind=Pod",
+            f"--bound-object-name={pod}",
+            f"--duration={duration_s}s",
+        ).stdout.strip()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(token)
         path.chmod(0o600)
@@ -592,17 +646,22 @@ class LocalCluster:
         objects = [
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
             {
-                "apiVersion": "v1", "kind": "ServiceAccount",
+                "apiVersion": "v1",
+                "kind": "ServiceAccount",
                 "metadata": {"name": service_account, "namespace": namespace},
             },
             {
-                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "namespace": namespace},
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": pod, "namespace": namespace},
                 "spec": {
-                    "nodeName": node, "serviceAccountName": service_account, "automountServiceAccountToken": False,
+                    "nodeName": node,
+                    "serviceAccountName": service_account,
+                    "automountServiceAccountToken": False,
                     "containers": [{"name": "agent", "image": "ferry-agent:test"}],
                 },
             },
-        ]  # fmt: skip
+        ]
         if self.kubectl("get", "node", node, check=False).returncode != 0:
             objects.insert(0, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
         self.kubectl("apply", "-f", "-", input="\n".join(json.dumps(o) for o in objects))
@@ -613,8 +672,16 @@ class LocalCluster:
         """`python -m ferry_agent` flags for the Pod of `agent_pod(node)`: the agent mints its worker tokens, bound
         to that Pod, from this apiserver (with the admin kubeconfig of `env()`)."""
         me = self.agent_pod(node, **kw)
-        return ["--pod-namespace", me["podNamespace"], "--service-account", me["serviceAccount"],
-                "--pod-name", me["podName"], "--pod-uid", me["podUid"]]  # fmt: skip
+        return [
+            "--pod-namespace",
+            me["podNamespace"],
+            "--service-account",
+            me["serviceAccount"],
+            "--pod-name",
+            me["podName"],
+            "--pod-uid",
+            me["podUid"],
+        ]
 
     def install_crds(self, crd_dir: Path = CRD_DIR, timeout: float = 60) -> None:
         files = sorted(crd_dir.glob("*.yaml"))

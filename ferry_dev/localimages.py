@@ -101,12 +101,27 @@ def base_layer() -> Layer:
     IMAGES_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=IMAGES_DIR, prefix="rootfs-") as tmp:
         root = Path(tmp) / "rootfs"
-        _run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(root), MIRROR],
-             "debootstrap")  # fmt: skip
+        _run(
+            ["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(root), MIRROR],
+            "debootstrap",
+        )
         _slim(root)
         partial = tar.with_suffix(".partial")
-        _run(["tar", "-C", str(root), "--sort=name", "--mtime=@0", "--numeric-owner", "--xattrs",
-              "-cf", str(partial), "."], "tar of the rootfs")  # fmt: skip
+        _run(
+            [
+                "tar",
+                "-C",
+                str(root),
+                "--sort=name",
+                "--mtime=@0",
+                "--numeric-owner",
+                "--xattrs",
+                "-cf",
+                str(partial),
+                ".",
+            ],
+            "tar of the rootfs",
+        )
         partial.rename(tar)
     return _layer(tar)
 
@@ -118,8 +133,15 @@ def _slim(root: Path) -> None:
     with open(root / "etc/group", "a") as f:
         f.write(f"ferry:x:{GID}:\n")
     (root / "usr/local/bin/python").symlink_to("/usr/bin/python3.11")
-    for d in ("var/lib/apt/lists", "var/cache/apt", "usr/share/doc", "usr/share/man", "usr/share/locale",
-              "usr/share/info", "var/log"):  # fmt: skip
+    for d in (
+        "var/lib/apt/lists",
+        "var/cache/apt",
+        "usr/share/doc",
+        "usr/share/man",
+        "usr/share/locale",
+        "usr/share/info",
+        "var/log",
+    ):
         shutil.rmtree(root / d, ignore_errors=True)
         (root / d).mkdir(parents=True, exist_ok=True)
     (root / "tmp").chmod(0o1777)
@@ -273,8 +295,10 @@ def venv_site_packages() -> Path:
 def dev_chart_values(site_packages: Path | None = None) -> dict:
     """Chart values for dev images: mount the prebuilt venv's site-packages read-only in both workloads, and never
     pull (the images exist only on the local nodes)."""
-    volume = {"name": "dev-site-packages",
-              "hostPath": {"path": str(site_packages or venv_site_packages()), "type": "Directory"}}  # fmt: skip
+    volume = {
+        "name": "dev-site-packages",
+        "hostPath": {"path": str(site_packages or venv_site_packages()), "type": "Directory"},
+    }
     mount = {"name": "dev-site-packages", "mountPath": SITE_PACKAGES, "readOnly": True}
     workload = {"extraVolumes": [volume], "extraVolumeMounts": [mount]}
     return {"image": {"pullPolicy": "Never"}, "operator": workload, "agent": dict(workload)}

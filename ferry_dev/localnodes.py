@@ -51,8 +51,12 @@ def _ip(*args: str) -> None:
 
 def in_loopback_namespace() -> bool:
     """Whether this network namespace has no interface but `lo` (and bridges/veths of our own nodes)."""
-    names = [line.split(": ")[1].split("@")[0] for line in subprocess.run(
-        ["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout.splitlines()]  # fmt: skip
+    names = [
+        line.split(": ")[1].split("@")[0]
+        for line in subprocess.run(
+            ["ip", "-o", "link", "show"], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+    ]
     return all(n == "lo" or n.startswith(("ferrybr", "veth")) for n in names)
 
 
@@ -138,8 +142,12 @@ class Node:
         return self.workdir / "host" / top.strip("/").replace("/", "-") / os.path.relpath(path, top)
 
     def ctr(self, *args: str, timeout: float = 600) -> str:
-        proc = subprocess.run(["ctr", f"--address={self.socket}", "--namespace=k8s.io", *args],
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        proc = subprocess.run(
+            ["ctr", f"--address={self.socket}", "--namespace=k8s.io", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if proc.returncode != 0:
             raise ClusterError(f"ctr {' '.join(args)} on {self.name}: {proc.stderr.strip()}")
         return proc.stdout
@@ -157,16 +165,29 @@ class Node:
         d.mkdir(parents=True, exist_ok=True)
         cni = self.workdir / "cni"
         cni.mkdir(parents=True, exist_ok=True)
-        (cni / "10-ferry.conflist").write_text(json.dumps({
-            "cniVersion": "0.4.0",
-            "name": f"ferry-{self.name}",
-            "plugins": [{
-                "type": "bridge", "bridge": f"ferrybr{self.index}", "isGateway": True, "ipMasq": False,
-                "hairpinMode": True,
-                "ipam": {"type": "host-local", "ranges": [[{"subnet": self.pod_cidr}]],
-                         "routes": [{"dst": "0.0.0.0/0"}], "dataDir": str(self.workdir / "cni-ipam")},
-            }],
-        }))  # fmt: skip
+        (cni / "10-ferry.conflist").write_text(
+            json.dumps(
+                {
+                    "cniVersion": "0.4.0",
+                    "name": f"ferry-{self.name}",
+                    "plugins": [
+                        {
+                            "type": "bridge",
+                            "bridge": f"ferrybr{self.index}",
+                            "isGateway": True,
+                            "ipMasq": False,
+                            "hairpinMode": True,
+                            "ipam": {
+                                "type": "host-local",
+                                "ranges": [[{"subnet": self.pod_cidr}]],
+                                "routes": [{"dst": "0.0.0.0/0"}],
+                                "dataDir": str(self.workdir / "cni-ipam"),
+                            },
+                        }
+                    ],
+                }
+            )
+        )
         cri = '[plugins."io.containerd.grpc.v1.cri"]'
         config = f"""version = 2
 root = "{d / "root"}"
@@ -208,22 +229,36 @@ state = "{d / "state"}"
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",
             # This VM: cgroup v1, no systemd as PID 1, swap allowed, no CAP_SYS_RESOURCE for kernel tunables.
-            "failCgroupV1": False, "cgroupDriver": "cgroupfs", "failSwapOn": False, "protectKernelDefaults": False,
+            "failCgroupV1": False,
+            "cgroupDriver": "cgroupfs",
+            "failSwapOn": False,
+            "protectKernelDefaults": False,
             "cgroupRoot": f"/{self.name}",
-            "address": self.ip, "port": 10250, "readOnlyPort": 0,
-            "healthzBindAddress": "127.0.0.1", "healthzPort": 0,
+            "address": self.ip,
+            "port": 10250,
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": 0,
             "containerRuntimeEndpoint": f"unix://{self.socket}",
-            "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False},
-                               "x509": {"clientCAFile": str(cluster.pki.ca_cert)}},
+            "authentication": {
+                "anonymous": {"enabled": True},
+                "webhook": {"enabled": False},
+                "x509": {"clientCAFile": str(cluster.pki.ca_cert)},
+            },
             "authorization": {"mode": "AlwaysAllow"},
-            "podCIDR": self.pod_cidr, "maxPods": 30, "resolvConf": "/etc/resolv.conf",
+            "podCIDR": self.pod_cidr,
+            "maxPods": 30,
+            "resolvConf": "/etc/resolv.conf",
             # Images exist only as imports (no registry): never garbage-collect them, and evict only when the disk
             # is really full (other helpers share it).
-            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
             "evictionHard": {"memory.available": "100Mi", "nodefs.available": "2%", "imagefs.available": "2%"},
-            "serializeImagePulls": False, "podLogsDir": str(self.workdir / "pod-logs"),
-            "nodeStatusUpdateFrequency": "4s", "syncFrequency": "10s",
-        }  # fmt: skip
+            "serializeImagePulls": False,
+            "podLogsDir": str(self.workdir / "pod-logs"),
+            "nodeStatusUpdateFrequency": "4s",
+            "syncFrequency": "10s",
+        }
         path = self.workdir / "kubelet.json"
         path.write_text(json.dumps(config, indent=1))
         return path
@@ -250,19 +285,33 @@ state = "{d / "state"}"
     def start_kubelet(self, cluster: LocalCluster) -> None:
         cert, key = self.workdir / "kubelet.crt", self.workdir / "kubelet.key"
         cluster.pki.issue_client_cert(f"system:node:{self.name}", ["system:nodes"], cert, key)
-        kubeconfig = write_kubeconfig(self.workdir / "kubeconfig", cluster.server, cluster.pki.ca_cert, cert=cert,
-                                      key=key, user=f"system:node:{self.name}")  # fmt: skip
+        kubeconfig = write_kubeconfig(
+            self.workdir / "kubeconfig",
+            cluster.server,
+            cluster.pki.ca_cert,
+            cert=cert,
+            key=key,
+            user=f"system:node:{self.name}",
+        )
         labels = ",".join(f"{k}={v}" for k, v in self.labels.items())
         self.kubelet = ManagedProcess(
             f"kubelet-{self.index}",
             [
-                "nsenter", f"--mount=/proc/{self.containerd.proc.pid}/ns/mnt", "--",
-                binary("kubelet"), f"--config={self._kubelet_config(cluster)}", f"--kubeconfig={kubeconfig}",
-                f"--root-dir={self.workdir / 'kubelet'}", f"--cert-dir={self.workdir / 'kubelet-pki'}",
-                f"--hostname-override={self.name}", f"--node-ip={self.ip}", f"--node-labels={labels}", "--v=1",
+                "nsenter",
+                f"--mount=/proc/{self.containerd.proc.pid}/ns/mnt",
+                "--",
+                binary("kubelet"),
+                f"--config={self._kubelet_config(cluster)}",
+                f"--kubeconfig={kubeconfig}",
+                f"--root-dir={self.workdir / 'kubelet'}",
+                f"--cert-dir={self.workdir / 'kubelet-pki'}",
+                f"--hostname-override={self.name}",
+                f"--node-ip={self.ip}",
+                f"--node-labels={labels}",
+                "--v=1",
             ],
             self.workdir / "kubelet.log",
-        ).start()  # fmt: skip
+        ).start()
 
     def stop(self) -> None:
         if self.kubelet:
@@ -321,8 +370,10 @@ class NodePool:
             raise ClusterError("kubelet nodes add addresses and bridges: run inside hack/netns.sh")
         for tool in ("containerd", "ctr", "runc", "socat", "nsenter", "unshare"):
             if shutil.which(tool) is None:
-                raise ClusterError(f"{tool} not found (apt-get install containerd runc containernetworking-plugins "
-                                   "socat; .ci/run does)")  # fmt: skip
+                raise ClusterError(
+                    f"{tool} not found (apt-get install containerd runc containernetworking-plugins "
+                    "socat; .ci/run does)"
+                )
         if not (CNI_BIN_DIR / "bridge").is_file():
             raise ClusterError(f"no CNI plugins in {CNI_BIN_DIR} (apt-get install containernetworking-plugins)")
         # Pod to pod between nodes crosses two bridges: route between them (this namespace's own sysctl).
@@ -358,8 +409,9 @@ class NodePool:
         return f"{HOST_IP}:{port}"
 
     def _ready(self, name: str) -> bool:
-        out = self.cluster.kubectl("get", "node", name, "-o",
-                                   "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False)  # fmt: skip
+        out = self.cluster.kubectl(
+            "get", "node", name, "-o", "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False
+        )
         return out.stdout.strip() == "True"
 
     def node(self, name: str) -> Node:

@@ -117,9 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     weights = seeded_weights(args.seed, args.tensors, args.tensor_bytes, args.device)
     peer = NixlPeer(args.agent_name)
     server = serve_resident(
-        weights, peer, rank=args.rank, instance_id=args.instance_id, port=args.port, lease_ttl_s=args.lease_ttl,
+        weights,
+        peer,
+        rank=args.rank,
+        instance_id=args.instance_id,
+        port=args.port,
+        lease_ttl_s=args.lease_ttl,
         guard=guard,
-    )  # fmt: skip
+    )
     identity = server.identity
 
     stop = threading.Event()

@@ -91,8 +91,9 @@ class Holder:
         `base_uid`), feed only the tensors whose bytes differ, and nothing when it holds the new version already;
         otherwise all of them. Without it, feed all (vLLM may have dropped the weights: sleep mode, reload)."""
         s = self.source
-        new = attach(s.model_load, s.namespace, timeout=s.timeout, version=version, rank=s.rank,
-                     socket_dir=s.socket_dir)  # fmt: skip
+        new = attach(
+            s.model_load, s.namespace, timeout=s.timeout, version=version, rank=s.rank, socket_dir=s.socket_dir
+        )
         result = self.last = LoadResult(new.version, new.version_uid)
         if only_changed and new.version_uid is not None and new.version_uid == self._loaded_uid:
             new.close()

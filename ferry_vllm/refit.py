@@ -35,8 +35,9 @@ class Engine:
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(self.url + path, data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            self.url + path, data=data, method="POST", headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=self.timeout) as reply:
             return json.loads(reply.read() or b"null")
 
@@ -61,8 +62,14 @@ class Engine:
         self.post("/resume")
 
 
-def follow(engine: Engine, versions: Iterable[str], init_info: dict[str, Any], *, pause_mode: str = "keep",
-           on_refit: Callable[[str], None] | None = None) -> None:  # fmt: skip
+def follow(
+    engine: Engine,
+    versions: Iterable[str],
+    init_info: dict[str, Any],
+    *,
+    pause_mode: str = "keep",
+    on_refit: Callable[[str], None] | None = None,
+) -> None:
     """Move `engine` to each of `versions` it does not already serve (its `weight_version`)."""
     engine.wait_ready()
     engine.post("/init_weight_transfer_engine", {"init_info": init_info})
@@ -91,10 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     init_info = {"model_load": args.model_load, "namespace": args.namespace, "socket_dir": args.socket_dir}
     follow(
-        Engine(args.engine), watch(args.model_load, args.namespace, socket_dir=args.socket_dir),
-        {k: v for k, v in init_info.items() if v is not None}, pause_mode=args.pause_mode,
+        Engine(args.engine),
+        watch(args.model_load, args.namespace, socket_dir=args.socket_dir),
+        {k: v for k, v in init_info.items() if v is not None},
+        pause_mode=args.pause_mode,
         on_refit=lambda v: print(json.dumps({"refit": v}), flush=True),
-    )  # fmt: skip
+    )
     return 0
 
 

@@ -14,8 +14,13 @@ from ferry_vllm._weights import Source, check_in_place, held, holder_for
 class FerryWorkerExtension:
     """Methods vLLM adds to each worker; `self.model_runner` and `self.vllm_config` are the worker's."""
 
-    def ferry_refit(self, version: str | None = None, only_changed: bool = True,
-                    model_load: str | None = None, namespace: str | None = None) -> dict[str, Any]:  # fmt: skip
+    def ferry_refit(
+        self,
+        version: str | None = None,
+        only_changed: bool = True,
+        model_load: str | None = None,
+        namespace: str | None = None,
+    ) -> dict[str, Any]:
         """Move this worker's model to `version` (the one the node serves now if None) in place, feeding only the
         changed tensors, then release the old version. `model_load`: only when not loaded by `--load-format
         ferry`. Returns what was fed, for the caller to log."""
@@ -25,8 +30,12 @@ class FerryWorkerExtension:
         holder = holder_for(model, source)
         result = holder.load(model, version, only_changed=only_changed)
         holder.finish()
-        return {"version": result.version, "versionUid": result.version_uid, "sent": len(result.sent),
-                "skipped": len(result.skipped)}  # fmt: skip
+        return {
+            "version": result.version,
+            "versionUid": result.version_uid,
+            "sent": len(result.sent),
+            "skipped": len(result.skipped),
+        }
 
     def ferry_version(self) -> str | None:
         """The Ferry version this worker's model holds (None if it holds none whole)."""

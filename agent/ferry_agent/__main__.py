@@ -29,8 +29,11 @@ def main(argv: list[str] | None = None) -> None:
     me = worker_tokens.identity
     logging.getLogger("ferry.agent").info(
         "worker readers: pod-bound tokens of %s for audience %s; own tokens: %s bound to Pod %s",
-        ", ".join(sorted(auth.allowed_identities)), worker_audience(config.node), me.username, me.pod_name,
-    )  # fmt: skip
+        ", ".join(sorted(auth.allowed_identities)),
+        worker_audience(config.node),
+        me.username,
+        me.pod_name,
+    )
     if config.metrics_port >= 0:
         port = metrics.serve(config.bind_address, config.metrics_port)
         logging.getLogger("ferry.agent").info("metrics on http://%s:%d/metrics", config.bind_address, port)

@@ -52,8 +52,9 @@ log = logging.getLogger("ferry.agent")
 class InProcessReplica:
     """A one-rank replica served from the agent's own process; `sealed` when it lives in the host store."""
 
-    def __init__(self, resident: ResidentWeights, server: WorkerServer, peer: NixlPeer,
-                 sealed: SealedVersion | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, resident: ResidentWeights, server: WorkerServer, peer: NixlPeer, sealed: SealedVersion | None = None
+    ) -> None:
         self.resident = resident
         self.server = server
         self._peer = peer
@@ -198,8 +199,9 @@ class NodeAgent:
             if wr is None:
                 self._unserve(key)
             elif failure is not None:  # a rank process died: the replica no longer holds the whole version
-                self._fail(key, self._served[key].version, wr["metadata"].get("generation"),
-                           ReplicaReason.RANK_EXITED, failure)  # fmt: skip
+                self._fail(
+                    key, self._served[key].version, wr["metadata"].get("generation"), ReplicaReason.RANK_EXITED, failure
+                )
                 self._unserve(key, drain_seconds=0)
         for key, wr in assigned.items():
             served = self._served.get(key)
@@ -232,8 +234,13 @@ class NodeAgent:
         said = (status.get("phase"), status.get("version")) == (ReplicaPhase.SERVING, served.version)
         if self.replicas.pending(key) or (said and not moot):
             return
-        log.info("%s/%s: status says %s %s, but %s is served; publishing it again", *key, status.get("phase"),
-                 status.get("version"), served.version)  # fmt: skip
+        log.info(
+            "%s/%s: status says %s %s, but %s is served; publishing it again",
+            *key,
+            status.get("phase"),
+            status.get("version"),
+            served.version,
+        )
         served.published_leases = served.handle.active_leases()
         self._patch_status(key, {**served.status, "activeLeases": served.published_leases})
 
@@ -246,13 +253,25 @@ class NodeAgent:
         generation = wr["metadata"].get("generation")
         previous = self._served.get(key)
         progress_fields = {
-            "startedTime": now_rfc3339(micro=True), "completedTime": None, "bytesDone": 0, "bytesTotal": None,
-            "source": None, "attempts": [], "reason": None, "observedGeneration": generation,
+            "startedTime": now_rfc3339(micro=True),
+            "completedTime": None,
+            "bytesDone": 0,
+            "bytesTotal": None,
+            "source": None,
+            "attempts": [],
+            "reason": None,
+            "observedGeneration": generation,
             "progress": None,
-        }  # fmt: skip
+        }
         if previous is None:
-            start = {"phase": ReplicaPhase.LOADING, "version": version, "loadingVersion": None, "ranks": None,
-                     "versionUid": None, "message": ""}  # fmt: skip
+            start = {
+                "phase": ReplicaPhase.LOADING,
+                "version": version,
+                "loadingVersion": None,
+                "ranks": None,
+                "versionUid": None,
+                "message": "",
+            }
         else:
             start = {"loadingVersion": version, "message": f"loading {version}; {previous.version} serves meanwhile"}
         self._patch_status(key, {**progress_fields, **start})
@@ -300,14 +319,22 @@ class NodeAgent:
         metrics.LOAD_SECONDS.labels(source_kind=kind).observe(seconds)
         on_ranks = f" on {len(loaded.ranks)} ranks" if len(loaded.ranks) > 1 else ""
         status = {
-            "phase": ReplicaPhase.SERVING, "version": version, "loadingVersion": None, "source": loaded.source,
-            "bytesDone": loaded.bytes_moved, "bytesTotal": loaded.bytes_moved,
-            "completedTime": now_rfc3339(micro=True), "lastProgressTime": now_rfc3339(micro=True),
-            "attempts": loaded.attempts, "activeLeases": 0, "ranks": loaded.ranks, "reason": None,
+            "phase": ReplicaPhase.SERVING,
+            "version": version,
+            "loadingVersion": None,
+            "source": loaded.source,
+            "bytesDone": loaded.bytes_moved,
+            "bytesTotal": loaded.bytes_moved,
+            "completedTime": now_rfc3339(micro=True),
+            "lastProgressTime": now_rfc3339(micro=True),
+            "attempts": loaded.attempts,
+            "activeLeases": 0,
+            "ranks": loaded.ranks,
+            "reason": None,
             "versionUid": loaded.version_uid,
             "progress": metrics.progress_text(loaded.bytes_moved, loaded.bytes_moved, seconds),
             "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
-        }  # fmt: skip
+        }
         if isinstance(loaded.handle, InProcessReplica) or loaded.shares:
             memory = self._memory(key)
             status.update(residentBytes=memory[0], residentVersions=memory[1])
@@ -317,8 +344,16 @@ class NodeAgent:
         # renewals retry the Lease and the outbox the status, until the apiserver takes them.
         self.leases.hold(key)
         self._patch_status(key, status)
-        log.info("%s/%s serving %s (%d bytes from %s in %.2fs%s)", namespace, name, version, loaded.bytes_moved,
-                 loaded.source, seconds, on_ranks)  # fmt: skip
+        log.info(
+            "%s/%s serving %s (%d bytes from %s in %.2fs%s)",
+            namespace,
+            name,
+            version,
+            loaded.bytes_moved,
+            loaded.source,
+            seconds,
+            on_ranks,
+        )
         if previous is not None:
             # Only now, with the new version published in place of the old: readers that picked the old one
             # before the switch finish (the drain), attached pods keep their sealed copy.
@@ -331,19 +366,29 @@ class NodeAgent:
             elif loaded.shares:
                 self._attach.serve_ranks(key, spec, loaded.shares, loaded.version_uid)
 
-    def _load_here(self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress,
-                   note: Callable[[str], None]) -> Loaded:  # fmt: skip
+    def _load_here(
+        self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress, note: Callable[[str], None]
+    ) -> Loaded:
         """A one-rank replica, in this process: the same cold start as a rank process, over a one-rank group."""
         group = SingleRank()
         ctx = rank_context(group, name, spec)
         label = f"{namespace}/{spec['modelName']}/{spec['version']}"
         try:
             result = load_rank(
-                group, ctx, sources=ApiSources(self._api, namespace, self._stopping), spec=spec,
-                configured=spec["version"], peer=self._peer, store=self._store, s3_endpoint=self._s3_endpoint,
-                seeds=self._seeds, progress=progress, note=note, credentials=self._worker_tokens,
+                group,
+                ctx,
+                sources=ApiSources(self._api, namespace, self._stopping),
+                spec=spec,
+                configured=spec["version"],
+                peer=self._peer,
+                store=self._store,
+                s3_endpoint=self._s3_endpoint,
+                seeds=self._seeds,
+                progress=progress,
+                note=note,
+                credentials=self._worker_tokens,
                 allocate=self._host.allocator((namespace, name), label),
-            )  # fmt: skip
+            )
             sealed = None
             if result.resident.host is not None:
                 # The READ's registration goes first: sealing needs no pinned, writable pages; serving registers the
@@ -353,9 +398,13 @@ class NodeAgent:
         except Exception as exc:
             raise LoadFailed(str(exc), [a.to_status() for a in ctx.attempts]) from exc
         server, entry = serve_rank(
-            result.resident, self._peer, rank=0, host=self._bind_address, spec=spec,
+            result.resident,
+            self._peer,
+            rank=0,
+            host=self._bind_address,
+            spec=spec,
             guard=read_guard(self._worker_auth, namespace, ctx),
-        )  # fmt: skip
+        )
         handle = InProcessReplica(result.resident, server, self._peer, sealed)
         attempts = [a.to_status() for a in ctx.attempts]
         return Loaded(handle, result.source_label, result.bytes_moved, attempts, [entry], ctx.version_uid)
@@ -374,20 +423,28 @@ class NodeAgent:
         if isinstance(total, int) and not self._host.versions(key):
             self._host.check_budget(total)
 
-    def _load_ranks(self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress,
-                    note: Callable[[str], None]) -> Loaded:  # fmt: skip
+    def _load_ranks(
+        self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress, note: Callable[[str], None]
+    ) -> Loaded:
         """A multi-rank replica: one process per rank, which agree on everything in a gloo group."""
         settings = TransferSettings.from_spec(spec.get("transfer") or {})
         launch = RankLaunch(
-            namespace=namespace, replica=name, world_size=spec["ranks"], version=spec["version"],
-            agent_name=self.agent_name, bind_address=self._bind_address,
+            namespace=namespace,
+            replica=name,
+            world_size=spec["ranks"],
+            version=spec["version"],
+            agent_name=self.agent_name,
+            bind_address=self._bind_address,
             checkpoint_dir=self._store.root if self._store else None,
             checkpoint_quota_gib=self._store.quota_bytes / 2**30 if self._store else 500.0,
-            s3_endpoint=self._s3_endpoint, seeds=self._seeds, timeout_s=self._rank_timeout_s,
-            node=self.node, reader=self._worker_tokens.identity if self._worker_tokens else None,
+            s3_endpoint=self._s3_endpoint,
+            seeds=self._seeds,
+            timeout_s=self._rank_timeout_s,
+            node=self.node,
+            reader=self._worker_tokens.identity if self._worker_tokens else None,
             worker_allowed_identities=tuple(sorted(self._worker_auth.allowed_identities)) if self._worker_auth else (),
             log_format=self._log_format,
-        )  # fmt: skip
+        )
         ranks = RankProcesses(launch, progress=progress, note=note, wake=self._wake.set)
         try:
             ranks.start()
@@ -407,8 +464,14 @@ class NodeAgent:
         shares = self._adopt_shares((namespace, name), spec, ranks, serving, uid)
         return Loaded(ranks, source, sum(e["bytes"] for e in serving), serving[0]["attempts"], entries, uid, shares)
 
-    def _adopt_shares(self, key: tuple[str, str], spec: Mapping[str, Any], ranks: RankProcesses,
-                      serving: list[dict[str, Any]], uid: str | None) -> list[SealedVersion]:  # fmt: skip
+    def _adopt_shares(
+        self,
+        key: tuple[str, str],
+        spec: Mapping[str, Any],
+        ranks: RankProcesses,
+        serving: list[dict[str, Any]],
+        uid: str | None,
+    ) -> list[SealedVersion]:
         """Each rank's sealed host memory, held by this agent too (accounting, attach). None when a rank has none
         (a device replica) or it cannot be opened: the ranks still serve peers."""
         if not all(e.get("memory") for e in serving):
@@ -417,8 +480,9 @@ class NodeAgent:
         try:
             for rank, event in enumerate(serving):
                 label = f"{key[0]}/{spec['modelName']}/{spec['version']}#{rank}"
-                shares.append(adopt_rank(self._host, key, label, spec["version"], uid, ranks.pid(rank),
-                                         event["memory"]))  # fmt: skip
+                shares.append(
+                    adopt_rank(self._host, key, label, spec["version"], uid, ranks.pid(rank), event["memory"])
+                )
         except Exception:
             log.exception("%s/%s: the rank processes' memory cannot be adopted; not offered for attach", *key)
             for share in shares:
@@ -432,20 +496,34 @@ class NodeAgent:
         self._note_failure(key, version)
         self._patch_status(
             key,
-            {"phase": ReplicaPhase.FAILED, "version": version, "loadingVersion": None, "reason": str(reason),
-             "message": message[:4096], "attempts": attempts or [], "observedGeneration": generation},
-        )  # fmt: skip
+            {
+                "phase": ReplicaPhase.FAILED,
+                "version": version,
+                "loadingVersion": None,
+                "reason": str(reason),
+                "message": message[:4096],
+                "attempts": attempts or [],
+                "observedGeneration": generation,
+            },
+        )
 
-    def _fail_next(self, key: tuple[str, str], served: Served, version: str, reason: ReplicaReason, message: str,
-                   attempts: list[dict[str, Any]]) -> None:  # fmt: skip
+    def _fail_next(
+        self,
+        key: tuple[str, str],
+        served: Served,
+        version: str,
+        reason: ReplicaReason,
+        message: str,
+        attempts: list[dict[str, Any]],
+    ) -> None:
         """Loading `version` next to the served one failed: the served one stays (its Lease and status too), the
         failure is reported beside it, and the load is retried with backoff like a first load."""
         log.error("%s/%s failed to load %s (still serving %s): %s", *key, version, served.version, message)
         self._note_failure(key, version)
         self._patch_status(
-            key, {"loadingVersion": version, "reason": str(reason), "message": message[:4096],
-                  "attempts": attempts or []},
-        )  # fmt: skip
+            key,
+            {"loadingVersion": version, "reason": str(reason), "message": message[:4096], "attempts": attempts or []},
+        )
 
     def _note_failure(self, key: tuple[str, str], version: str) -> None:
         previous = self._failed.get(key)

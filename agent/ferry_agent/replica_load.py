@@ -50,9 +50,13 @@ def serve_rank(
     timeout_s = TransferSettings.from_spec(spec.get("transfer") or {}).timeout_s
     server = serve_resident(resident, peer, rank=rank, host=host, transfer_timeout_s=timeout_s, guard=guard)
     entry = {
-        "rank": rank, "agentName": peer.name, "grpcEndpoint": server.endpoint,
-        "tensorCount": resident.tensor_count, "manifestDigest": resident.digest, "state": RankState.READY,
-    }  # fmt: skip
+        "rank": rank,
+        "agentName": peer.name,
+        "grpcEndpoint": server.endpoint,
+        "tensorCount": resident.tensor_count,
+        "manifestDigest": resident.digest,
+        "state": RankState.READY,
+    }
     return server, entry
 
 
@@ -67,9 +71,13 @@ def rank_context(group: RankGroup, replica: str, spec: Mapping[str, Any]) -> Loa
     if spec.get("ranks", 1) != world:
         raise ValueError(f"{replica} has {spec.get('ranks', 1)} ranks but the rank group has {world}")
     return LoadContext(
-        model=spec["modelName"], version="", rank=group.rank, target_id=replica,
-        device=rank_device(spec.get("device", "cpu"), group.rank), world_size=world,
-    )  # fmt: skip
+        model=spec["modelName"],
+        version="",
+        rank=group.rank,
+        target_id=replica,
+        device=rank_device(spec.get("device", "cpu"), group.rank),
+        world_size=world,
+    )
 
 
 def load_rank(
@@ -95,20 +103,32 @@ def load_rank(
     version = configured or ""
     strategies: dict[str, LoadStrategy] = {
         SourceKind.PEER: PeerStrategy(
-            peer=peer, candidates=sources.candidates(version, replica, settings.timeout_s, note, progress),
-            settings=settings, progress=progress, credentials=credentials, allocate=allocate,
+            peer=peer,
+            candidates=sources.candidates(version, replica, settings.timeout_s, note, progress),
+            settings=settings,
+            progress=progress,
+            credentials=credentials,
+            allocate=allocate,
         ),
-    }  # fmt: skip
+    }
     if store is not None:
         strategies[SourceKind.OBJECT_STORAGE] = ObjectStorageStrategy(
-            namespace=sources.namespace, fetch_version=sources.version, credentials=sources.credentials,
-            store=store, default_endpoint=s3_endpoint, progress=progress, timeout_s=settings.timeout_s,
+            namespace=sources.namespace,
+            fetch_version=sources.version,
+            credentials=sources.credentials,
+            store=store,
+            default_endpoint=s3_endpoint,
+            progress=progress,
+            timeout_s=settings.timeout_s,
             allocate=allocate,
-        )  # fmt: skip
+        )
     local = LocalFileStrategy(seeds, sources.namespace, sources.version, allocate)
     return run_cold_start(
-        group, ctx, configured=configured,
+        group,
+        ctx,
+        configured=configured,
         source_order=spec.get("sourceOrder") or DEFAULT_SOURCE_ORDER,
-        strategies=strategies, exact=[local],
+        strategies=strategies,
+        exact=[local],
         release=lambda r: peer.deregister(r.resident),
-    )  # fmt: skip
+    )

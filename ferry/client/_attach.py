@@ -138,9 +138,12 @@ class Attachment:
         )
         shapes = [n for n in source if n in targets and tuple(targets[n].shape) != tuple(source[n].shape)]
         if shapes:
-            raise AttachError("ShapeMismatch", ", ".join(
-                f"{n}: module {tuple(targets[n].shape)} vs version {tuple(source[n].shape)}" for n in sorted(shapes)
-            ))  # fmt: skip
+            raise AttachError(
+                "ShapeMismatch",
+                ", ".join(
+                    f"{n}: module {tuple(targets[n].shape)} vs version {tuple(source[n].shape)}" for n in sorted(shapes)
+                ),
+            )
         if strict and (result.missing or result.unexpected):
             raise AttachError(
                 "Mismatch", f"missing from the version: {result.missing}; not in the module: {result.unexpected}"
@@ -249,8 +252,9 @@ def _connect(path: Path, deadline: float) -> socket.socket:
             time.sleep(_RETRY_S)
 
 
-def request(message: dict[str, Any], *, socket_dir: str | os.PathLike[str] | None = None,
-            timeout: float = 0) -> dict[str, Any]:  # fmt: skip
+def request(
+    message: dict[str, Any], *, socket_dir: str | os.PathLike[str] | None = None, timeout: float = 0
+) -> dict[str, Any]:
     """One request on a fresh connection (`hello`, `list`): the agent's reply."""
     with _connect(socket_path(socket_dir), time.monotonic() + timeout) as sock:
         reply, fds = _request(sock, message)

@@ -142,9 +142,15 @@ def publish(opts: PublishOptions, *, progress: TextIO | None = None) -> PublishR
     api = None
     if opts.apply:
         body = weight_version_body(
-            name=opts.version, model=opts.model or "", base_version=opts.base, uri=uri, endpoint=opts.endpoint,
-            region=opts.region, credentials_secret=opts.credentials_secret, layout_signature=opts.layout_signature,
-        )  # fmt: skip
+            name=opts.version,
+            model=opts.model or "",
+            base_version=opts.base,
+            uri=uri,
+            endpoint=opts.endpoint,
+            region=opts.region,
+            credentials_secret=opts.credentials_secret,
+            layout_signature=opts.layout_signature,
+        )
         with kube_errors("checking the WeightVersion before the upload"):
             api = kube_client(opts.kubeconfig)
             existing = read_weight_version(api, opts.namespace, opts.version)

@@ -105,9 +105,13 @@ def retire_version(namespace: str, name: str, uid: str, annotations: dict[str, s
         body = {"metadata": {"uid": uid, "annotations": annotations}}  # a uid in a patch is a precondition
         _objects().patch_namespaced_custom_object(GROUP, VERSION, namespace, "weightversions", name, body)
         _objects().delete_namespaced_custom_object(
-            GROUP, VERSION, namespace, "weightversions", name,
+            GROUP,
+            VERSION,
+            namespace,
+            "weightversions",
+            name,
             body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
-        )  # fmt: skip
+        )
     except ApiException as exc:
         # 404: gone; 409 (delete precondition) or 422 (a patch may not change the uid): the name is another object.
         if exc.status in (404, 409, 422):

@@ -148,8 +148,9 @@ class Elector:
             duration = float(spec.get("leaseDurationSeconds") or self.config.lease_duration)
             if self.clock() < self._seen[1] + duration:
                 return False  # held, and renewed within its duration as far as this process has seen
-            log.info("the Lease %s/%s of %s expired; taking it over", self.config.namespace, self.config.name,
-                     self.holder)  # fmt: skip
+            log.info(
+                "the Lease %s/%s of %s expired; taking it over", self.config.namespace, self.config.name, self.holder
+            )
         transitions = int(spec.get("leaseTransitions") or 0)
         acquire_time = spec.get("acquireTime") if mine else _micro(now)
         lease["spec"] = self._spec(now, acquire_time or _micro(now), transitions if mine else transitions + 1)
@@ -163,9 +164,12 @@ class Elector:
                 )
             else:  # carries the resourceVersion read: a concurrent writer makes this a 409
                 response = self.api.replace_namespaced_lease(
-                    self.config.name, self.config.namespace, body, _preload_content=False,
+                    self.config.name,
+                    self.config.namespace,
+                    body,
+                    _preload_content=False,
                     _request_timeout=self._timeout(),
-                )  # fmt: skip
+                )
         except ApiException as exc:
             if exc.status == 409:
                 return False
@@ -235,8 +239,7 @@ class Leadership:
             if health is not None:
                 await health.cleanup()  # frees the port for kopf's own liveness endpoint
         LEADER.set(1)
-        log.info("leader election: %s holds the Lease %s/%s; starting", config.identity, config.namespace,
-                 config.name)  # fmt: skip
+        log.info("leader election: %s holds the Lease %s/%s; starting", config.identity, config.namespace, config.name)
         self._renewer = threading.Thread(target=self._renew, name="lease-renewer", daemon=True)
         self._renewer.start()
 
@@ -269,8 +272,9 @@ class Leadership:
             elif self.elector.holder not in ("", config.identity):
                 return self.on_lost(f"the Lease {config.namespace}/{config.name} is held by {self.elector.holder}")
             elif time.monotonic() - renewed > config.renew_deadline:
-                return self.on_lost(f"the Lease {config.namespace}/{config.name} was not renewed for "
-                                    f"{config.renew_deadline:g}s")  # fmt: skip
+                return self.on_lost(
+                    f"the Lease {config.namespace}/{config.name} was not renewed for {config.renew_deadline:g}s"
+                )
 
     def release(self) -> None:
         self._stop.set()

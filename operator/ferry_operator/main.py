@@ -168,9 +168,15 @@ def _attached_digest(status: kopf.Status) -> str:
 
 @kopf.on.event(*WR)
 async def replica_changed(
-    event: dict, namespace: str, name: str, body: kopf.Body, spec: kopf.Spec, status: kopf.Status,
-    memo: kopf.Memo, **_: Any,
-) -> None:  # fmt: skip
+    event: dict,
+    namespace: str,
+    name: str,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
     """A replica changed what its ModelLoad's status is made of (phase, the version it serves or loads next to it,
     a failure, a fallback, who is attached) or went away: wake the ModelLoad now. Progress within a load changes
     nothing there."""
@@ -179,12 +185,18 @@ async def replica_changed(
         memo.stalled.discard(key)
     else:
         state = (
-            status.get("phase"), status.get("version"), status.get("versionUid"), spec.get("version"),
-            status.get("loadingVersion"), status.get("reason"),
-            spec.get("nodeName"), fell_back(body), bool(body["metadata"].get("deletionTimestamp")),
+            status.get("phase"),
+            status.get("version"),
+            status.get("versionUid"),
+            spec.get("version"),
+            status.get("loadingVersion"),
+            status.get("reason"),
+            spec.get("nodeName"),
+            fell_back(body),
+            bool(body["metadata"].get("deletionTimestamp")),
             status.get("lastProgressTime") if key in memo.stalled else None,
             _attached_digest(status),
-        )  # fmt: skip
+        )
         if memo.get("state") == state:
             return
         memo["state"] = state

@@ -359,9 +359,11 @@ def warm_label_changes(
     want = {
         r["spec"]["nodeName"]: label_value((r.get("status") or {})["version"])
         for r in replicas
-        if not r["metadata"].get("deletionTimestamp") and _phase(r) == ReplicaPhase.SERVING
-        and (r.get("status") or {}).get("version") and r["metadata"]["name"] not in stale
-    }  # fmt: skip
+        if not r["metadata"].get("deletionTimestamp")
+        and _phase(r) == ReplicaPhase.SERVING
+        and (r.get("status") or {}).get("version")
+        and r["metadata"]["name"] not in stale
+    }
     changes = {}
     for node in nodes:
         name = node["metadata"]["name"]
@@ -566,9 +568,14 @@ def live_conditions(
         if (recorded.get("status"), recorded.get("reason")) == (str(now_live.live), now_live.reason):
             continue
         updates[r["metadata"]["name"]] = set_condition(
-            status.get("conditions"), ReplicaConditionType.LIVE, now_live.live, now_live.reason, now_live.message,
-            generation=r["metadata"].get("generation"), now=now_text,
-        )  # fmt: skip
+            status.get("conditions"),
+            ReplicaConditionType.LIVE,
+            now_live.live,
+            now_live.reason,
+            now_live.message,
+            generation=r["metadata"].get("generation"),
+            now=now_text,
+        )
     return updates
 
 
@@ -591,9 +598,10 @@ class Attached:
             return True, EnginesAttachedReason.ATTACHED, f"{_pods(self.on_desired)} attached to {desired}{rest}{stale}"
         if self.pods:
             return (
-                False, EnginesAttachedReason.ON_OLDER_VERSION,
+                False,
+                EnginesAttachedReason.ON_OLDER_VERSION,
                 f"{_pods(self.pods)} attached, none to {desired} yet (they hold {', '.join(self.versions)}){stale}",
-            )  # fmt: skip
+            )
         return False, EnginesAttachedReason.NO_ENGINES, f"no pod is attached to a replica of this ModelLoad{stale}"
 
 
@@ -668,8 +676,12 @@ def aggregate_status(
     elif problem:
         put(READY, False, problem.reason, problem.message)
     elif pool > nodes_available:
-        put(READY, False, ModelLoadReadyReason.INSUFFICIENT_NODES,
-            f"{pool} replicas requested but only {nodes_available} nodes match spec.nodeSelector")  # fmt: skip
+        put(
+            READY,
+            False,
+            ModelLoadReadyReason.INSUFFICIENT_NODES,
+            f"{pool} replicas requested but only {nodes_available} nodes match spec.nodeSelector",
+        )
     elif failed:
         r = failed[0]
         put(

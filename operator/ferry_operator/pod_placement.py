@@ -88,9 +88,12 @@ class NamespacePods:
                 self._replace({p.metadata.uid: _facts(api, p) for p in listed.items})
                 failures = 0
                 for event in watch.Watch().stream(
-                    core.list_namespaced_pod, self.namespace, resource_version=listed.metadata.resource_version,
-                    timeout_seconds=WATCH_SECONDS, _request_timeout=(REQUEST_TIMEOUT_S[0], WATCH_SECONDS + 30),
-                ):  # fmt: skip
+                    core.list_namespaced_pod,
+                    self.namespace,
+                    resource_version=listed.metadata.resource_version,
+                    timeout_seconds=WATCH_SECONDS,
+                    _request_timeout=(REQUEST_TIMEOUT_S[0], WATCH_SECONDS + 30),
+                ):
                     if self._stopping.is_set():
                         return
                     obj = event["object"]
@@ -170,8 +173,13 @@ def announce_held(body: Mapping[str, Any], held: Iterable[str], announced: set[s
     announced.update(now)
 
 
-async def sync_warm_labels(namespace: str, name: str, replicas: Iterable[Mapping[str, Any]],
-                           nodes: Iterable[Mapping[str, Any]], stale: Iterable[str]) -> None:  # fmt: skip
+async def sync_warm_labels(
+    namespace: str,
+    name: str,
+    replicas: Iterable[Mapping[str, Any]],
+    nodes: Iterable[Mapping[str, Any]],
+    stale: Iterable[str],
+) -> None:
     """Set and remove the ModelLoad's warm-node label where it differs. A refusal (e.g. a chart older than the
     operator, without `patch nodes`) is logged and leaves placement and status alone."""
     key = warm_node_label(namespace, name)
@@ -179,8 +187,14 @@ async def sync_warm_labels(namespace: str, name: str, replicas: Iterable[Mapping
         try:
             await asyncio.to_thread(kubeapi.label_node, node, key, value)
         except ApiException as exc:
-            log.warning("could not %s label %s on node %s: %s %s", "set" if value else "remove", key, node,
-                        exc.status, exc.reason)  # fmt: skip
+            log.warning(
+                "could not %s label %s on node %s: %s %s",
+                "set" if value else "remove",
+                key,
+                node,
+                exc.status,
+                exc.reason,
+            )
 
 
 @kopf.on.event(*ML)

@@ -259,15 +259,22 @@ def test_kubectl_explain_tells_what_to_write(cluster, field, says):
 
 def test_phases_are_the_api_vocabulary(cluster, namespace):
     """status.phase takes only the values of the phase enums: not Loaded, which nothing ever wrote."""
-    apply(cluster, namespace, {
-        "apiVersion": models.API_VERSION, "kind": "WeightReplica", "metadata": {"name": "wr-phase"},
-        "spec": {"modelLoad": "ml", "modelName": "m", "version": "v1", "nodeName": "node-a"},
-    })  # fmt: skip
+    apply(
+        cluster,
+        namespace,
+        {
+            "apiVersion": models.API_VERSION,
+            "kind": "WeightReplica",
+            "metadata": {"name": "wr-phase"},
+            "spec": {"modelLoad": "ml", "modelName": "m", "version": "v1", "nodeName": "node-a"},
+        },
+    )
 
     def set_phase(kind: str, name: str, phase: str):
         patch = json.dumps({"status": {"phase": phase}})
-        return cluster.kubectl("patch", kind, name, "-n", namespace, "--subresource=status", "--type=merge",
-                               "-p", patch, check=False)  # fmt: skip
+        return cluster.kubectl(
+            "patch", kind, name, "-n", namespace, "--subresource=status", "--type=merge", "-p", patch, check=False
+        )
 
     assert set_phase("wr", "wr-phase", models.ReplicaPhase.SERVING).returncode == 0
     refused = set_phase("wr", "wr-phase", "Loaded")

@@ -176,11 +176,19 @@ def test_crds_render_behind_crds_enabled_and_keep(helm_env):
 def test_rendered_objects(helm_env):
     docs = by_kind(render(helm_env))
     assert {k: len(v) for k, v in docs.items()} == {
-        "CustomResourceDefinition": 3, "ServiceAccount": 2, "ClusterRole": 4, "ClusterRoleBinding": 2, "Role": 2,
-        "RoleBinding": 2, "Service": 1,
-        "Deployment": 1, "DaemonSet": 1, "ValidatingAdmissionPolicy": 2, "ValidatingAdmissionPolicyBinding": 2,
+        "CustomResourceDefinition": 3,
+        "ServiceAccount": 2,
+        "ClusterRole": 4,
+        "ClusterRoleBinding": 2,
+        "Role": 2,
+        "RoleBinding": 2,
+        "Service": 1,
+        "Deployment": 1,
+        "DaemonSet": 1,
+        "ValidatingAdmissionPolicy": 2,
+        "ValidatingAdmissionPolicyBinding": 2,
         "NetworkPolicy": 2,
-    }  # fmt: skip
+    }
     for obj in (o for objs in docs.values() for o in objs):
         labels = obj["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == "ferry" and labels["app.kubernetes.io/managed-by"] == "Helm"
@@ -189,8 +197,17 @@ def test_rendered_objects(helm_env):
     (deploy,) = docs["Deployment"]
     assert deploy["spec"]["replicas"] == 1
     (op,) = deploy["spec"]["template"]["spec"]["containers"]
-    assert op["command"][:9] == ["python", "-m", "kopf", "run", "--standalone", "--all-namespaces", "-m",
-                                 "ferry_operator.main", "--log-format=json"]  # fmt: skip
+    assert op["command"][:9] == [
+        "python",
+        "-m",
+        "kopf",
+        "run",
+        "--standalone",
+        "--all-namespaces",
+        "-m",
+        "ferry_operator.main",
+        "--log-format=json",
+    ]
     assert "--liveness=http://0.0.0.0:8081/healthz" in op["command"]
     assert op["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     env = {e["name"]: e.get("value") or e["valueFrom"] for e in op["env"]}
@@ -222,9 +239,11 @@ def test_rendered_objects(helm_env):
     # Worker tokens: minted per source (TokenRequest) for the Pod the downward API names; no shared token volume.
     fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in agent["env"] if "valueFrom" in e}
     assert {k: fields[k] for k in ("POD_NAMESPACE", "SERVICE_ACCOUNT", "POD_NAME", "POD_UID")} == {
-        "POD_NAMESPACE": "metadata.namespace", "SERVICE_ACCOUNT": "spec.serviceAccountName",
-        "POD_NAME": "metadata.name", "POD_UID": "metadata.uid",
-    }  # fmt: skip
+        "POD_NAMESPACE": "metadata.namespace",
+        "SERVICE_ACCOUNT": "spec.serviceAccountName",
+        "POD_NAME": "metadata.name",
+        "POD_UID": "metadata.uid",
+    }
     # Engine pods' attach sockets: a hostPath directory, the same path inside (`--socket-dir` defaults to it).
     assert volumes["attach"]["hostPath"] == {"path": "/run/ferry", "type": "DirectoryOrCreate"}
     assert {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}["attach"] == "/run/ferry"
@@ -318,9 +337,13 @@ def test_two_operator_replicas_elect_a_leader(helm_env):
     assert role["metadata"]["namespace"] == "ferry-system"
     assert role["rules"] == [
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
-        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["ferry-operator"],
-         "verbs": ["get", "update"]},
-    ]  # fmt: skip
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": ["ferry-operator"],
+            "verbs": ["get", "update"],
+        },
+    ]
     (binding,) = [b for b in docs["RoleBinding"] if b["roleRef"]["name"] == role["metadata"]["name"]]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ferry-operator", "namespace": "ferry-system"}]
 
@@ -332,8 +355,16 @@ def test_without_leader_election_one_operator_runs(helm_env):
     (op,) = deploy["spec"]["template"]["spec"]["containers"]
     assert not any(e["name"].startswith("FERRY_LEADER_ELECTION") for e in op["env"])
     assert all(r["metadata"]["name"] != "ferry-operator-leader-election" for r in docs["Role"])
-    proc = helm(helm_env, "template", "ferry", str(CHART), "--kube-version", KUBE_VERSION,
-                *sets(operator__leaderElection__enabled="false", operator__replicas="2"), check=False)  # fmt: skip
+    proc = helm(
+        helm_env,
+        "template",
+        "ferry",
+        str(CHART),
+        "--kube-version",
+        KUBE_VERSION,
+        *sets(operator__leaderElection__enabled="false", operator__replicas="2"),
+        check=False,
+    )
     assert proc.returncode != 0 and "operator.replicas > 1 needs operator.leaderElection.enabled" in proc.stderr
 
 
@@ -346,20 +377,28 @@ def test_cluster_scoped_names_include_the_release(helm_env):
 
 def test_tenant_namespaces_get_role_bindings_and_nothing_reads_secrets_cluster_wide(helm_env):
     docs = by_kind(render(helm_env, "--set", "tenantNamespaces={team-a,team-b}", "--set", "agent.secretNames={s3}"))
-    bindings = {(b["metadata"]["namespace"], b["metadata"]["name"]): b for b in docs["RoleBinding"]
-                if b["roleRef"]["kind"] == "ClusterRole"}  # fmt: skip
+    bindings = {
+        (b["metadata"]["namespace"], b["metadata"]["name"]): b
+        for b in docs["RoleBinding"]
+        if b["roleRef"]["kind"] == "ClusterRole"
+    }
     assert set(bindings) == {(ns, f"ferry-{c}") for ns in ("team-a", "team-b") for c in ("agent", "operator")}
     for (_, name), binding in bindings.items():
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                      "name": f"{name}-tenant"}  # fmt: skip
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": f"{name}-tenant",
+        }
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": "ferry-system"}]
     roles = {r["metadata"]["name"]: r["rules"] for r in docs["ClusterRole"]}
     bound_cluster_wide = {b["roleRef"]["name"] for b in docs["ClusterRoleBinding"]}
     assert bound_cluster_wide == {"ferry-agent", "ferry-operator"}
     for name in bound_cluster_wide:
         writes = {"create", "update", "patch", "delete"}
-        assert not any("secrets" in r["resources"] or ("leases" in r["resources"] and writes & set(r["verbs"]))
-                       for r in roles[name]), f"{name} reads Secrets or writes Leases cluster-wide"  # fmt: skip
+        assert not any(
+            "secrets" in r["resources"] or ("leases" in r["resources"] and writes & set(r["verbs"]))
+            for r in roles[name]
+        ), f"{name} reads Secrets or writes Leases cluster-wide"
     assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": ["s3"]} in roles[
         "ferry-agent-tenant"
     ]
@@ -383,19 +422,33 @@ def test_a_tenant_namespace_may_list_its_own_secret_names(helm_env, tmp_path):
     """`{name, secretNames}`: a Role per component in that namespace, Secrets limited to those names for the agent and
     the operator; a plain name keeps the shared ClusterRole (any Secret, or the deprecated agent.secretNames)."""
     values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump({"tenantNamespaces": [
-        "team-a", {"name": "team-b", "secretNames": ["s3-b"]}, {"name": "team-c", "secretNames": ["s3-c", "s3-c2"]},
-    ]}))  # fmt: skip
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "tenantNamespaces": [
+                    "team-a",
+                    {"name": "team-b", "secretNames": ["s3-b"]},
+                    {"name": "team-c", "secretNames": ["s3-c", "s3-c2"]},
+                ]
+            }
+        )
+    )
     docs = by_kind(render(helm_env, "-f", str(values)))
     refs = {(b["metadata"]["namespace"], b["metadata"]["name"]): b["roleRef"] for b in docs["RoleBinding"]}
     for component in ("agent", "operator"):
         assert refs[("team-a", f"ferry-{component}")]["kind"] == "ClusterRole"
         for ns in ("team-b", "team-c"):
-            assert refs[(ns, f"ferry-{component}")] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                                        "name": f"ferry-{component}-tenant"}  # fmt: skip
+            assert refs[(ns, f"ferry-{component}")] == {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
+                "name": f"ferry-{component}-tenant",
+            }
     own = ("ferry-agent-worker-token", "ferry-operator-leader-election")  # in the release namespace
-    roles = {(r["metadata"]["namespace"], r["metadata"]["name"]): r["rules"] for r in docs["Role"]
-             if r["metadata"]["name"] not in own}  # fmt: skip
+    roles = {
+        (r["metadata"]["namespace"], r["metadata"]["name"]): r["rules"]
+        for r in docs["Role"]
+        if r["metadata"]["name"] not in own
+    }
     assert set(roles) == {(ns, f"ferry-{c}-tenant") for ns in ("team-b", "team-c") for c in ("agent", "operator")}
     cluster_roles = {r["metadata"]["name"]: r["rules"] for r in docs["ClusterRole"]}
     for component in ("agent", "operator"):
@@ -435,8 +488,9 @@ def test_admission_policy_names_the_agent_and_the_api_constants(helm_env):
     docs = by_kind(render(helm_env, namespace="ferry-system", release="blue"))
     policies = {p["metadata"]["name"]: p for p in docs["ValidatingAdmissionPolicy"]}
     assert set(policies) == {"blue-ferry-agent-node-scope", "blue-ferry-operator-node-labels"}
-    bindings = sorted((b["spec"]["policyName"], b["spec"]["validationActions"])
-                      for b in docs["ValidatingAdmissionPolicyBinding"])  # fmt: skip
+    bindings = sorted(
+        (b["spec"]["policyName"], b["spec"]["validationActions"]) for b in docs["ValidatingAdmissionPolicyBinding"]
+    )
     assert bindings == [(name, ["Deny"]) for name in sorted(policies)]
 
     # The operator's: Nodes, only warm-node labels (ferry/api/models.py), only for its ServiceAccount.
@@ -467,15 +521,24 @@ def test_admission_policy_names_the_agent_and_the_api_constants(helm_env):
     "values",
     [
         [],
-        [*sets(agent__rdma__enabled="true", agent__hostNetwork="true", agent__ucx__tls="rc\\,tcp",
-               agent__secretNames="{s3-creds,other}", operator__s3CredentialsSecret="s3-creds",
-               operator__config__s3Endpoint="http://s3.example:8333"), "--set", "imagePullSecrets[0].name=regcred"],
+        [
+            *sets(
+                agent__rdma__enabled="true",
+                agent__hostNetwork="true",
+                agent__ucx__tls="rc\\,tcp",
+                agent__secretNames="{s3-creds,other}",
+                operator__s3CredentialsSecret="s3-creds",
+                operator__config__s3Endpoint="http://s3.example:8333",
+            ),
+            "--set",
+            "imagePullSecrets[0].name=regcred",
+        ],
         sets(operator__metrics__enabled="false", agent__enabled="false"),
         sets(operator__replicas="2"),
         sets(agent__metrics__service__enabled="true", grafana__dashboards__enabled="true"),
     ],
     ids=["defaults", "rdma-and-options", "operator-only", "two-operators", "metrics-service-and-dashboards"],
-)  # fmt: skip
+)
 def test_rendered_objects_pass_server_dry_run(cluster, namespace, helm_env, values):
     values = [*values, "--set", f"tenantNamespaces={{{namespace}}}"]
     docs = render(helm_env, *values, namespace=namespace, release=f"dry-{namespace}")
@@ -507,8 +570,14 @@ def test_install_then_uninstall_keeps_crds_and_resources(cluster, namespace, hel
             assert meta["annotations"]["meta.helm.sh/release-name"] == name, crd
             assert meta["annotations"]["helm.sh/resource-policy"] == "keep", crd
         explain = "/spec/versions/0/schema/openAPIV3Schema/properties/spec/properties/storage/description"
-        cluster.kubectl("patch", "crd", "weightversions.ferry.dev", "--type=json",
-                        "-p", json.dumps([{"op": "replace", "path": explain, "value": "older"}]))  # fmt: skip
+        cluster.kubectl(
+            "patch",
+            "crd",
+            "weightversions.ferry.dev",
+            "--type=json",
+            "-p",
+            json.dumps([{"op": "replace", "path": explain, "value": "older"}]),
+        )
         helm(helm_env, "upgrade", name, str(CHART), *kube, "--reuse-values")
         live = json.loads(cluster.kubectl("get", "crd", "weightversions.ferry.dev", "-o", "json").stdout)
         spec = live["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
@@ -516,10 +585,12 @@ def test_install_then_uninstall_keeps_crds_and_resources(cluster, namespace, hel
         assert spec["properties"]["storage"]["description"] == generated["properties"]["storage"]["description"]
 
         for kind, obj in [
-            ("deployment", f"{name}-operator"), ("daemonset", f"{name}-agent"),
-            ("serviceaccount", f"{name}-operator"), ("serviceaccount", f"{name}-agent"),
+            ("deployment", f"{name}-operator"),
+            ("daemonset", f"{name}-agent"),
+            ("serviceaccount", f"{name}-operator"),
+            ("serviceaccount", f"{name}-agent"),
             ("service", f"{name}-operator-metrics"),
-        ]:  # fmt: skip
+        ]:
             assert exists(cluster, kind, obj, namespace), f"{kind}/{obj} missing after install"
         for kind in ("clusterrole", "clusterrolebinding"):
             for component in ("operator", "agent"):
@@ -532,16 +603,23 @@ def test_install_then_uninstall_keeps_crds_and_resources(cluster, namespace, hel
             "apiVersion": models.API_VERSION,
             "kind": "WeightVersion",
             "metadata": {"name": "keep-me"},
-            "spec": {"modelName": "m", "format": "FullCheckpoint",
-                     "storage": {"uri": "s3://models/m/keep-me/model.safetensors.index.json"}},
-        }  # fmt: skip
+            "spec": {
+                "modelName": "m",
+                "format": "FullCheckpoint",
+                "storage": {"uri": "s3://models/m/keep-me/model.safetensors.index.json"},
+            },
+        }
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(wv))
 
         proc = helm(helm_env, "uninstall", name, *kube)
         assert "uninstalled" in proc.stdout
 
-        for kind, obj in [("deployment", f"{name}-operator"), ("daemonset", f"{name}-agent"),
-                          ("serviceaccount", f"{name}-agent"), ("service", f"{name}-operator-metrics")]:  # fmt: skip
+        for kind, obj in [
+            ("deployment", f"{name}-operator"),
+            ("daemonset", f"{name}-agent"),
+            ("serviceaccount", f"{name}-agent"),
+            ("service", f"{name}-operator-metrics"),
+        ]:
             assert not exists(cluster, kind, obj, namespace), f"{kind}/{obj} survived uninstall"
         for component in ("operator", "agent"):
             assert not exists(cluster, "clusterrole", f"{name}-{component}")
@@ -561,25 +639,40 @@ def test_install_then_uninstall_keeps_crds_and_resources(cluster, namespace, hel
 
 
 AGENT_ALLOWED = [
-    ("get", "weightreplicas.ferry.dev"), ("list", "weightreplicas.ferry.dev"), ("watch", "weightreplicas.ferry.dev"),
-    ("patch", "weightreplicas.ferry.dev/status"), ("update", "weightreplicas.ferry.dev/status"),
-    ("get", "weightversions.ferry.dev"), ("list", "weightversions.ferry.dev"), ("watch", "weightversions.ferry.dev"),
-    ("get", "secrets/s3-creds"), ("create", "tokenreviews.authentication.k8s.io"),
-    ("list", "pods"), ("watch", "pods"),  # attach sockets for the node's pods
+    ("get", "weightreplicas.ferry.dev"),
+    ("list", "weightreplicas.ferry.dev"),
+    ("watch", "weightreplicas.ferry.dev"),
+    ("patch", "weightreplicas.ferry.dev/status"),
+    ("update", "weightreplicas.ferry.dev/status"),
+    ("get", "weightversions.ferry.dev"),
+    ("list", "weightversions.ferry.dev"),
+    ("watch", "weightversions.ferry.dev"),
+    ("get", "secrets/s3-creds"),
+    ("create", "tokenreviews.authentication.k8s.io"),
+    ("list", "pods"),
+    ("watch", "pods"),  # attach sockets for the node's pods
     *[(verb, "leases.coordination.k8s.io") for verb in ("create", "get", "list", "watch", "update", "patch", "delete")],
-]  # fmt: skip
+]
 AGENT_DENIED = [
     *[(verb, "weightversions.ferry.dev") for verb in ("create", "update", "patch", "delete", "deletecollection")],
     ("patch", "weightversions.ferry.dev/status"),
     *[(verb, "weightreplicas.ferry.dev") for verb in ("create", "update", "patch", "delete")],
     *[(verb, "modelloads.ferry.dev") for verb in ("get", "list", "create", "update", "patch", "delete")],
     ("patch", "modelloads.ferry.dev/status"),
-    ("get", "secrets/other-secret"), ("list", "secrets"), ("watch", "secrets"), ("create", "secrets"),
-    ("create", "events"), ("get", "pods"), ("create", "pods"), ("delete", "pods"),
-    ("list", "nodes"), ("patch", "nodes"),
+    ("get", "secrets/other-secret"),
+    ("list", "secrets"),
+    ("watch", "secrets"),
+    ("create", "secrets"),
+    ("create", "events"),
+    ("get", "pods"),
+    ("create", "pods"),
+    ("delete", "pods"),
+    ("list", "nodes"),
+    ("patch", "nodes"),
     ("create", "deployments.apps"),
-    ("list", "customresourcedefinitions.apiextensions.k8s.io"), ("create", "rolebindings.rbac.authorization.k8s.io"),
-]  # fmt: skip
+    ("list", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("create", "rolebindings.rbac.authorization.k8s.io"),
+]
 
 
 def can_i(cluster: LocalCluster, namespace: str, user: str, verb: str, resource: str) -> bool:
@@ -608,8 +701,11 @@ def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
         assert not denied, f"agent may {denied}"
         # The agent watches replicas cluster-wide, but Secrets and Leases only in tenant namespaces.
         assert can_i(cluster, "kube-system", agent_sa, "list", "weightreplicas.ferry.dev")
-        for verb, resource in [("get", "secrets/s3-creds"), ("create", "leases.coordination.k8s.io"),
-                               ("delete", "leases.coordination.k8s.io")]:  # fmt: skip
+        for verb, resource in [
+            ("get", "secrets/s3-creds"),
+            ("create", "leases.coordination.k8s.io"),
+            ("delete", "leases.coordination.k8s.io"),
+        ]:
             assert not can_i(cluster, "kube-system", agent_sa, verb, resource), f"agent may {verb} {resource}"
         # The operator's role is broader than the agent's; it too reads Secrets only in tenant namespaces (only the
         # listed ones), and deletes Leases only there (a replica's Lease written for another node). It writes only
@@ -644,8 +740,12 @@ def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
         # Warm-node labels: it patches Nodes (the admission policy allows warm.ferry.dev/* labels alone,
         # test_rbac.py); it creates, updates, deletes none and writes no Node status.
         assert can_i(cluster, namespace, operator_sa, "patch", "nodes")
-        for verb, resource in [("create", "nodes"), ("update", "nodes"), ("delete", "nodes"),
-                               ("patch", "nodes/status")]:  # fmt: skip
+        for verb, resource in [
+            ("create", "nodes"),
+            ("update", "nodes"),
+            ("delete", "nodes"),
+            ("patch", "nodes/status"),
+        ]:
             assert not can_i(cluster, namespace, operator_sa, verb, resource), (verb, resource)
 
         # Real requests, authenticated as the agent's ServiceAccount with a TokenRequest token.
@@ -655,8 +755,11 @@ def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
         def as_agent(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
             return subprocess.run(
                 [binary("kubectl"), f"--kubeconfig={agent_cfg}", "-n", namespace, *args],
-                capture_output=True, text=True, input=input, timeout=60,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                input=input,
+                timeout=60,
+            )
 
         who = json.loads(as_agent("auth", "whoami", "-o", "json").stdout)
         assert who["status"]["userInfo"]["username"] == agent_sa
@@ -665,9 +768,12 @@ def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
             "apiVersion": models.API_VERSION,
             "kind": "WeightVersion",
             "metadata": {"name": "v1"},
-            "spec": {"modelName": "m", "format": "FullCheckpoint",
-                     "storage": {"uri": "s3://models/m/v1/model.safetensors.index.json"}},
-        }  # fmt: skip
+            "spec": {
+                "modelName": "m",
+                "format": "FullCheckpoint",
+                "storage": {"uri": "s3://models/m/v1/model.safetensors.index.json"},
+            },
+        }
         wr = {
             "apiVersion": models.API_VERSION,
             "kind": "WeightReplica",
@@ -698,7 +804,7 @@ def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
             ("patch", "ModelLoad", as_agent("patch", "modelload", "m", *label)),
             ("delete", "ModelLoad", as_agent("delete", "modelload", "m", "--wait=false")),
             ("list", "Secrets", as_agent("get", "secrets")),
-        ]  # fmt: skip
+        ]
         for verb, what, proc in forbidden:
             assert proc.returncode != 0 and "Forbidden" in proc.stderr, f"agent could {verb} {what}: {proc.stdout}"
 

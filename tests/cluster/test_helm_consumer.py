@@ -53,13 +53,17 @@ def test_the_library_chart_lints(helm_env):
     ("values", "host_path", "attaching"),
     [
         ([], "/run/ferry", ["vllm"]),
-        ([*sets(refit__enabled="true", ferry__hostPath="/var/run/ferry-attach", ferry__mountPath="/ferry")],
-         "/var/run/ferry-attach", ["vllm", "ferry-refit"]),
+        (
+            [*sets(refit__enabled="true", ferry__hostPath="/var/run/ferry-attach", ferry__mountPath="/ferry")],
+            "/var/run/ferry-attach",
+            ["vllm", "ferry-refit"],
+        ),
     ],
     ids=["defaults", "refit-sidecar-and-paths"],
-)  # fmt: skip
-def test_each_attaching_container_mounts_only_its_own_pod_directory(helm_env, engine_chart, values, host_path,
-                                                                    attaching):  # fmt: skip
+)
+def test_each_attaching_container_mounts_only_its_own_pod_directory(
+    helm_env, engine_chart, values, host_path, attaching
+):
     spec = pod_spec(helm_env, engine_chart, *values)
     host_volumes = [v for v in spec["volumes"] if "hostPath" in v]
     assert host_volumes == [{"name": "ferry", "hostPath": {"path": host_path, "type": "Directory"}}]
@@ -86,7 +90,16 @@ def test_each_attaching_container_mounts_only_its_own_pod_directory(helm_env, en
 
 
 def test_the_engine_pod_spec_passes_server_dry_run(cluster, namespace, helm_env, engine_chart):
-    out = helm(helm_env, "template", "engine", str(engine_chart), "--kube-version", KUBE_VERSION, "-n", namespace,
-               *sets(refit__enabled="true")).stdout  # fmt: skip
+    out = helm(
+        helm_env,
+        "template",
+        "engine",
+        str(engine_chart),
+        "--kube-version",
+        KUBE_VERSION,
+        "-n",
+        namespace,
+        *sets(refit__enabled="true"),
+    ).stdout
     proc = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=out, check=False)
     assert proc.returncode == 0 and "deployment.apps/engine created (server dry run)" in proc.stdout, proc.stderr

@@ -24,6 +24,14 @@ def test_the_budget_is_unlimited_by_default_and_set_when_given(helm_env):
 
 @pytest.mark.parametrize("value", ["64GB", "1.5Gi", "-1", "lots"])
 def test_a_budget_that_is_not_a_byte_quantity_is_refused(helm_env, value):
-    proc = helm(helm_env, "template", "ferry", str(CHART), "--kube-version", KUBE_VERSION,
-                *sets(agent__hostMemoryBudget=value), check=False)  # fmt: skip
+    proc = helm(
+        helm_env,
+        "template",
+        "ferry",
+        str(CHART),
+        "--kube-version",
+        KUBE_VERSION,
+        *sets(agent__hostMemoryBudget=value),
+        check=False,
+    )
     assert proc.returncode != 0 and "hostMemoryBudget" in proc.stderr

@@ -25,10 +25,17 @@ def modelload(name: str, selector: dict) -> dict:
     [
         ({}, True),  # every pod of the namespace
         ({"matchLabels": {"app.kubernetes.io/name": "vllm", "tier": ""}}, True),
-        ({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["a", "b"]},
-                               {"key": "canary", "operator": "DoesNotExist"},
-                               {"key": "gpu", "operator": "Exists"},
-                               {"key": "zone", "operator": "NotIn", "values": ["x"]}]}, True),
+        (
+            {
+                "matchExpressions": [
+                    {"key": "tier", "operator": "In", "values": ["a", "b"]},
+                    {"key": "canary", "operator": "DoesNotExist"},
+                    {"key": "gpu", "operator": "Exists"},
+                    {"key": "zone", "operator": "NotIn", "values": ["x"]},
+                ]
+            },
+            True,
+        ),
         ({"matchExpressions": [{"key": "tier", "operator": "In"}]}, False),  # In without values
         ({"matchExpressions": [{"key": "tier", "operator": "In", "values": []}]}, False),
         ({"matchExpressions": [{"key": "gpu", "operator": "Exists", "values": ["1"]}]}, False),
@@ -39,11 +46,12 @@ def modelload(name: str, selector: dict) -> dict:
         ({"matchLabels": {"app": "v" * 64}}, False),
         ({"matchLabels": {"app": "x"}, "podNames": ["p"]}, False),  # no other field
     ],
-)  # fmt: skip
+)
 def test_pod_selector_is_a_label_selector(cluster, namespace, selector, accepted):
     body = modelload("follow", selector)
-    result = cluster.kubectl("create", "-n", namespace, "-f", "-", "--validate=strict", input=json.dumps(body),
-                             check=False)  # fmt: skip
+    result = cluster.kubectl(
+        "create", "-n", namespace, "-f", "-", "--validate=strict", input=json.dumps(body), check=False
+    )
     assert (result.returncode == 0) == accepted, result.stderr
     if accepted:
         stored = json.loads(cluster.kubectl("get", "ml", "follow", "-n", namespace, "-o", "json").stdout)

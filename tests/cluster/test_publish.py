@@ -64,9 +64,12 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
 
 def common(s3: S3Server, cluster: LocalCluster, namespace: str, prefix: str) -> list[str]:
     return [
-        f"--uri-prefix={prefix}", f"--endpoint={s3.endpoint}", f"--kubeconfig={cluster.kubeconfig}",
-        f"--namespace={namespace}", f"--model={MODEL}",
-    ]  # fmt: skip
+        f"--uri-prefix={prefix}",
+        f"--endpoint={s3.endpoint}",
+        f"--kubeconfig={cluster.kubeconfig}",
+        f"--namespace={namespace}",
+        f"--model={MODEL}",
+    ]
 
 
 def objects(s3: S3Server, prefix: str) -> dict[str, bytes]:
@@ -244,9 +247,12 @@ def test_if_none_match_race(s3, env, size: int) -> None:
 def set_status(cluster: LocalCluster, namespace: str, name: str, phase: str, ready: str, reason: str) -> None:
     """Play the operator (not running in these tests): write the status it would."""
     condition = {
-        "type": "Ready", "status": ready, "reason": reason, "message": f"{reason} for the test",
+        "type": "Ready",
+        "status": ready,
+        "reason": reason,
+        "message": f"{reason} for the test",
         "lastTransitionTime": "2026-01-01T00:00:00Z",
-    }  # fmt: skip
+    }
     patch = json.dumps({"status": {"phase": phase, "conditions": [condition]}})
     cluster.kubectl("patch", "wv", name, "-n", namespace, "--subresource=status", "--type=merge", "-p", patch)
 

@@ -29,8 +29,9 @@ def _rank_load(registry: Registry, roots: list[Path], version: str, configured: 
         strategy = registry.strategy(store)
         ctx = LoadContext(model=MODEL, version="", rank=group.rank, target_id="replica-0", world_size=group.world_size)
         mine = configured[group.rank] if configured else version
-        result = run_cold_start(group, ctx, configured=mine, source_order=["ObjectStorage"],
-                                strategies={"ObjectStorage": strategy})  # fmt: skip
+        result = run_cold_start(
+            group, ctx, configured=mine, source_order=["ObjectStorage"], strategies={"ObjectStorage": strategy}
+        )
         state = store.state(KEY)
         return shas(result.resident.tensors), result.bytes_downloaded, result.reused, (state.version, state.chain)
 

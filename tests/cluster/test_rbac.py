@@ -43,8 +43,15 @@ from tests.support.helm import render
 
 pytestmark = pytest.mark.cluster
 
-APPLIED_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
-                 "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}  # fmt: skip
+APPLIED_KINDS = {
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+}
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 SECRET = "s3-creds"
 UNLISTED = "other-creds"
@@ -148,9 +155,17 @@ def setup(cluster: LocalCluster, kube: client.ApiClient, helm_env, tmp_path_fact
         for ns in (release_ns, tenant, restricted, restricted2, other):
             core.create_namespace({"metadata": {"name": ns}})
         values = tmp_path_factory.mktemp("values") / "values.yaml"
-        values.write_text(yaml.safe_dump({"tenantNamespaces": [
-            tenant, {"name": restricted, "secretNames": [SECRET]}, {"name": restricted2, "secretNames": [UNLISTED]},
-        ]}))  # fmt: skip
+        values.write_text(
+            yaml.safe_dump(
+                {
+                    "tenantNamespaces": [
+                        tenant,
+                        {"name": restricted, "secretNames": [SECRET]},
+                        {"name": restricted2, "secretNames": [UNLISTED]},
+                    ]
+                }
+            )
+        )
         docs = render(helm_env, "-f", str(values), namespace=release_ns, release=release)
         rbac = [d for d in docs if d["kind"] in APPLIED_KINDS]
         assert {d["kind"] for d in rbac} == APPLIED_KINDS
@@ -168,9 +183,12 @@ def setup(cluster: LocalCluster, kube: client.ApiClient, helm_env, tmp_path_fact
             core.create_node({"metadata": {"name": node}})
             pod = {
                 "metadata": {"name": f"{label}-{suffix}"},
-                "spec": {"serviceAccountName": agent_sa, "nodeName": node,
-                         "containers": [{"name": "agent", "image": "ferry:0.1.0"}]},
-            }  # fmt: skip
+                "spec": {
+                    "serviceAccountName": agent_sa,
+                    "nodeName": node,
+                    "containers": [{"name": "agent", "image": "ferry:0.1.0"}],
+                },
+            }
             pods[label] = pod = kube.sanitize_for_serialization(core.create_namespaced_pod(release_ns, pod))
             tokens[label] = pod_bound_token(kube, release_ns, agent_sa, pod)
             audience = models.worker_audience(node_a)  # what a reader mints for a source on node a
@@ -181,14 +199,28 @@ def setup(cluster: LocalCluster, kube: client.ApiClient, helm_env, tmp_path_fact
             tokens[label] = core.create_namespaced_service_account_token(sa, release_ns, plain).status.token
         clients = {label: bearer_client(cluster, token) for label, token in tokens.items() if "worker" not in label}
 
-        s = Setup(cluster, release_ns, tenant, restricted, restricted2, other, node_a, node_b, release, agent_sa,
-                  clients, tokens, pods)  # fmt: skip
+        s = Setup(
+            cluster,
+            release_ns,
+            tenant,
+            restricted,
+            restricted2,
+            other,
+            node_a,
+            node_b,
+            release,
+            agent_sa,
+            clients,
+            tokens,
+            pods,
+        )
         # RBAC and the policy take effect once the apiserver's informers see them: wait for an allowed read and for
         # the first denial of a write that RBAC alone allows (a probe replica of the other node).
         wait_until(lambda: s.core("agent-a").read_namespaced_secret(SECRET, tenant) is not None, 30, "RBAC")
         objects = client.CustomObjectsApi(kube)
-        objects.create_namespaced_custom_object(models.GROUP, models.VERSION, tenant, "weightreplicas",
-                                                replica("probe", node_b))  # fmt: skip
+        objects.create_namespaced_custom_object(
+            models.GROUP, models.VERSION, tenant, "weightreplicas", replica("probe", node_b)
+        )
 
         def probe_denied() -> bool:
             try:
@@ -418,12 +450,20 @@ def test_agent_mints_worker_tokens_only_bound_to_its_own_pod(setup, kube):
     """What a reader does before it calls a source (`worker_auth.ReaderTokens`), with the agent's own API token."""
     ns, agent_sa = setup.release_ns, setup.agent_sa
 
-    def mint(pod: dict | None, audiences: list[str], *, who: str = "agent-a", sa: str = agent_sa, where: str = ns,
-             uid: str | None = None) -> str:  # fmt: skip
+    def mint(
+        pod: dict | None,
+        audiences: list[str],
+        *,
+        who: str = "agent-a",
+        sa: str = agent_sa,
+        where: str = ns,
+        uid: str | None = None,
+    ) -> str:
         ref = None
         if pod is not None:
-            ref = client.V1BoundObjectReference(kind="Pod", api_version="v1", name=pod["metadata"]["name"],
-                                                uid=uid or pod["metadata"]["uid"])  # fmt: skip
+            ref = client.V1BoundObjectReference(
+                kind="Pod", api_version="v1", name=pod["metadata"]["name"], uid=uid or pod["metadata"]["uid"]
+            )
         spec = client.V1TokenRequestSpec(audiences=audiences, bound_object_ref=ref, expiration_seconds=600)
         body = client.AuthenticationV1TokenRequest(spec=spec)
         return setup.core(who).create_namespaced_service_account_token(sa, where, body).status.token
@@ -470,8 +510,15 @@ def test_a_namespace_enabled_later_by_the_documented_role_bindings(setup, kube):
         assert by_rbac(forbidden(lambda: agent.read_namespaced_secret(SECRET, ns)))
         for component in ("agent", "operator"):
             name = f"{setup.release}-{component}"
-            setup.cluster.kubectl("-n", ns, "create", "rolebinding", name, f"--clusterrole={name}-tenant",
-                                  f"--serviceaccount={setup.release_ns}:{name}")  # fmt: skip
+            setup.cluster.kubectl(
+                "-n",
+                ns,
+                "create",
+                "rolebinding",
+                name,
+                f"--clusterrole={name}-tenant",
+                f"--serviceaccount={setup.release_ns}:{name}",
+            )
         wait_until(lambda: agent.read_namespaced_secret(SECRET, ns) is not None, 30, "the agent's RoleBinding")
         wait_until(lambda: operator.read_namespaced_secret(SECRET, ns) is not None, 30, "the operator's RoleBinding")
         lease = lease_body("late-a", "agent-a-1", now(), 15, node=setup.node_a)

@@ -118,10 +118,11 @@ def test_watched_assignments_follow_the_replicas(cluster, kube, namespace) -> No
     assert assignments.assigned("n1", served) is False  # nothing assigned yet
 
     body = {
-        "apiVersion": API_VERSION, "kind": "WeightReplica",
+        "apiVersion": API_VERSION,
+        "kind": "WeightReplica",
         "metadata": {"name": "wr-1", "namespace": namespace, "labels": {LABEL_NODE: "n1"}},
         "spec": {"modelLoad": "ml", "modelName": "m", "version": "v1", "nodeName": "n1", "device": "cpu"},
-    }  # fmt: skip
+    }
     cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
     _eventually(lambda: assignments.assigned("n1", served), "the new replica in the watched view")
     calls = len(direct_calls)

@@ -31,9 +31,14 @@ def build_model(seed: int):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -79,12 +84,16 @@ def main(name: str, mode: str) -> None:
     with attach(name, timeout=120, verify=True) as w:
         result = w.load_into(model)
         out = {
-            "version": w.version, "versionUid": w.version_uid, "loaded": len(result.loaded),
-            "sha256": tensors_sha256(model_tensors(model)), "served_sha256": tensors_sha256(dict(w.tensors())),
-            "tokens_before": before, "tokens": greedy(model),
+            "version": w.version,
+            "versionUid": w.version_uid,
+            "loaded": len(result.loaded),
+            "sha256": tensors_sha256(model_tensors(model)),
+            "served_sha256": tensors_sha256(dict(w.tensors())),
+            "tokens_before": before,
+            "tokens": greedy(model),
             "in_place": ptrs == {n: t.data_ptr() for n, t in model_tensors(model).items()},
             "blocked_loaded": sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED),
-        }  # fmt: skip
+        }
         print(json.dumps(out), flush=True)
         if mode == "hold":
             while True:
@@ -101,10 +110,15 @@ def refit(name: str, model, before: list[int], ptrs: dict) -> None:
     new = attach(name, version=next(versions), timeout=120, verify=True)  # make before break
     result = new.load_into(model, only_changed=True)
     out = {
-        "version": new.version, "baseUid": new.base_uid, "oldUid": old.version_uid, "loaded": result.loaded,
-        "skipped": len(result.skipped), "tokens": greedy(model), "sha256": tensors_sha256(model_tensors(model)),
+        "version": new.version,
+        "baseUid": new.base_uid,
+        "oldUid": old.version_uid,
+        "loaded": result.loaded,
+        "skipped": len(result.skipped),
+        "tokens": greedy(model),
+        "sha256": tensors_sha256(model_tensors(model)),
         "in_place": ptrs == {n: t.data_ptr() for n, t in model_tensors(model).items()},
-    }  # fmt: skip
+    }
     print(json.dumps(out), flush=True)
     sys.stdin.readline()
     old.close()

@@ -89,8 +89,9 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
         cluster.kubectl("delete", "wr", "wr-b", "-n", namespace)
         wait_for(
             lambda: cluster.kubectl("get", "lease", lease_name("wr-b"), "-n", namespace, check=False).returncode != 0,
-            20, "wr-b lease deleted",
-        )  # fmt: skip
+            20,
+            "wr-b lease deleted",
+        )
     finally:
         agent_b.stop()
         agent_a.stop()

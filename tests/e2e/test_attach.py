@@ -30,8 +30,9 @@ def attached(pod_dir: Path) -> list[int]:
     return [v["attached"] for v in request({"op": "list"}, socket_dir=pod_dir, timeout=5)["versions"]]
 
 
-def test_engine_pod_attaches_loads_and_its_lease_follows_the_process(cluster, namespace, operator, tmp_path,
-                                                                     socket_root):  # fmt: skip
+def test_engine_pod_attaches_loads_and_its_lease_follows_the_process(
+    cluster, namespace, operator, tmp_path, socket_root
+):
     original = build_model(seed=0)
     served = {n: t.detach().contiguous() for n, t in model_tensors(original).items()}
     checkpoint = tmp_path / "llama-tiny.safetensors"
@@ -128,15 +129,21 @@ def test_refit_in_place_to_the_next_version_make_before_break(cluster, namespace
 
     try:
         pod_dir = socket_root / "pods" / engine_pod(cluster, namespace, node_name)
-        apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"), wv_body(namespace, "v2", fmt="PeerOnly"),
-              ml_body(namespace, "v1", 1))  # fmt: skip
+        apply(
+            cluster,
+            namespace,
+            wv_body(namespace, "v1", fmt="PeerOnly"),
+            wv_body(namespace, "v2", fmt="PeerOnly"),
+            ml_body(namespace, "v1", 1),
+        )
         wait_for(lambda: (pod_dir / "ferry.sock").exists(), 30, "the pod's socket", describe)
         proc = consumer(pod_dir, "refit")
         first = line_of(proc, describe)
         assert first["version"] == "v1" and first["tokens"] == v1_tokens != first["tokens_before"]
 
-        cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p",
-                        '{"spec":{"desiredVersion":"v2"}}')  # fmt: skip
+        cluster.kubectl(
+            "patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"desiredVersion":"v2"}}'
+        )
         second = line_of(proc, describe)
         assert second["version"] == "v2" and second["baseUid"] == second["oldUid"]
         assert second["loaded"] == changed and second["skipped"] == len(v1) - len(changed)
@@ -148,8 +155,12 @@ def test_refit_in_place_to_the_next_version_make_before_break(cluster, namespace
         proc.stdin.write("\n")
         proc.stdin.flush()
         assert line_of(proc, describe) == {"released": "v1"}
-        wait_for(lambda: [v["attached"] for v in request({"op": "list"}, socket_dir=pod_dir)["versions"]] == [1],
-                 5, "v1 freed", describe)  # fmt: skip
+        wait_for(
+            lambda: [v["attached"] for v in request({"op": "list"}, socket_dir=pod_dir)["versions"]] == [1],
+            5,
+            "v1 freed",
+            describe,
+        )
         proc.stdin.write("\n")
         proc.stdin.flush()
         assert proc.wait(30) == 0, proc.stderr.read()

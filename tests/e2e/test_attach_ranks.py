@@ -20,8 +20,9 @@ from tests.support.objects import apply, ml_body, wait_for, wv_body
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
-def test_a_consumer_attaches_one_ranks_share_or_all_of_a_two_rank_replica(cluster, namespace, operator, tmp_path,
-                                                                           socket_root):  # fmt: skip
+def test_a_consumer_attaches_one_ranks_share_or_all_of_a_two_rank_replica(
+    cluster, namespace, operator, tmp_path, socket_root
+):
     served = {n: t.detach().clone().contiguous() for n, t in model_tensors(build_model(seed=0)).items()}
     checkpoint = tmp_path / "v1.safetensors"
     save_file(served, str(checkpoint))
@@ -39,8 +40,9 @@ def test_a_consumer_attaches_one_ranks_share_or_all_of_a_two_rank_replica(cluste
 
     try:
         pod_dir = socket_root / "pods" / engine_pod(cluster, namespace, node_name)
-        apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"),
-              ml_body(namespace, "v1", 1, ranksPerReplica=2))  # fmt: skip
+        apply(
+            cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"), ml_body(namespace, "v1", 1, ranksPerReplica=2)
+        )
         wait_for(lambda: status().get("phase") == "Serving", 180, "the two-rank replica serves", describe)
         assert len(status()["ranks"]) == 2
         total = sum(t.numel() * t.element_size() for t in served.values())

@@ -59,12 +59,13 @@ def checkpoints(tmp_path, versions: tuple[str, ...]) -> dict:
 
 def test_attached_pod_is_counted_and_blocks_the_release_of_its_version_until_killed(
     cluster, namespace, operator, tmp_path, socket_root
-):  # fmt: skip
+):
     paths = checkpoints(tmp_path, ("v1", "v2"))
     node_name = f"{namespace}-n0"
     node(cluster, node_name, {"ferry.dev/pool": namespace})
-    agent = start_agent(cluster, tmp_path, node_name, *(seed_arg(namespace, v, p) for v, p in paths.items()),
-                        socket_dir=socket_root)  # fmt: skip
+    agent = start_agent(
+        cluster, tmp_path, node_name, *(seed_arg(namespace, v, p) for v, p in paths.items()), socket_dir=socket_root
+    )
     holder: subprocess.Popen | None = None
 
     def describe() -> str:
@@ -74,8 +75,13 @@ def test_attached_pod_is_counted_and_blocks_the_release_of_its_version_until_kil
     try:
         uid = engine_pod(cluster, namespace, node_name, name="llama-0")
         pod_dir = socket_root / "pods" / uid
-        apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"), wv_body(namespace, "v2", fmt="PeerOnly"),
-              ml_body(namespace, "v1", 1))  # fmt: skip
+        apply(
+            cluster,
+            namespace,
+            wv_body(namespace, "v1", fmt="PeerOnly"),
+            wv_body(namespace, "v2", fmt="PeerOnly"),
+            ml_body(namespace, "v1", 1),
+        )
         wait_for(lambda: ml_status(cluster, namespace).get("ready") == "1/1", 90, "1/1 ready", describe)
         assert held(cluster, namespace) == [] and engines(cluster, namespace)[:2] == ("False", "NoEngines")
 
@@ -91,19 +97,30 @@ def test_attached_pod_is_counted_and_blocks_the_release_of_its_version_until_kil
         assert printed_column(cluster, namespace, "wr", "ATTACHED") == "1"
 
         # The node moves to v2; the engine has not refit and keeps v1 (the agent no longer offers it).
-        cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p",
-                        '{"spec":{"desiredVersion":"v2"}}')  # fmt: skip
+        cluster.kubectl(
+            "patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"desiredVersion":"v2"}}'
+        )
         wait_for(lambda: ml_status(cluster, namespace).get("loadedVersion") == "v2", 90, "v2 loaded", describe)
         assert replica_status(cluster, namespace)["version"] == "v2"
         assert held(cluster, namespace) == [("llama-0", uid, "v1")]
-        wait_for(lambda: engines(cluster, namespace) == ("False", "EnginesOnOlderVersion", 1), 30,
-                 "engines on the older version", describe)  # fmt: skip
+        wait_for(
+            lambda: engines(cluster, namespace) == ("False", "EnginesOnOlderVersion", 1),
+            30,
+            "engines on the older version",
+            describe,
+        )
 
         # Nothing desires v1 and no replica serves it, but a pod holds it: its release waits, naming the pod.
         cluster.kubectl("delete", "wv", "v1", "-n", namespace, "--wait=false")
         blocker = f"attached: {namespace}/llama-0 on {node_name}"
-        wait_for(lambda: ((get(cluster, namespace, "wv", "v1") or {}).get("status") or {}).get("releaseBlockers")
-                 == [blocker], 30, "v1 blocked by llama-0", describe)  # fmt: skip
+        wait_for(
+            lambda: (
+                ((get(cluster, namespace, "wv", "v1") or {}).get("status") or {}).get("releaseBlockers") == [blocker]
+            ),
+            30,
+            "v1 blocked by llama-0",
+            describe,
+        )
         time.sleep(3)  # several release retries (FERRY_RELEASE_RETRY_SECONDS=1): still held
         v1 = get(cluster, namespace, "wv", "v1")
         assert v1 is not None and v1["status"]["phase"] == "Releasing", describe()
@@ -126,7 +143,7 @@ def test_attached_pod_is_counted_and_blocks_the_release_of_its_version_until_kil
 
 def test_attachments_outlive_an_apiserver_outage_and_a_restarted_agent_clears_its_predecessors(
     cluster, namespace, operator, tmp_path, socket_root
-):  # fmt: skip
+):
     paths = checkpoints(tmp_path, ("v1",))
     node_name = f"{namespace}-n0"
     node(cluster, node_name, {"ferry.dev/pool": namespace})
@@ -152,8 +169,7 @@ def test_attachments_outlive_an_apiserver_outage_and_a_restarted_agent_clears_it
             assert agent.alive
         finally:
             cluster.start_apiserver()
-        wait_for(lambda: held(cluster, namespace) == [("llama-0", uid, "v1")], 60, "written after the outage",
-                 describe)  # fmt: skip
+        wait_for(lambda: held(cluster, namespace) == [("llama-0", uid, "v1")], 60, "written after the outage", describe)
         wait_for(lambda: engines(cluster, namespace) == ("True", "Attached", 1), 30, "EnginesAttached", describe)
 
         # The agent dies (its consumers' sockets with it); the status still names llama-0 until an agent says

@@ -14,8 +14,11 @@ pytestmark = pytest.mark.e2e
 def test_demo_runs_end_to_end():
     result = subprocess.run(
         [sys.executable, "-m", "ferry_dev.demo", "--no-wait", "--size-mib", "16"],
-        capture_output=True, text=True, timeout=400, env={**os.environ, "UCX_NET_DEVICES": "lo"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "UCX_NET_DEVICES": "lo"},
+    )
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     tables = [t.split("\n\n")[0] for t in out.split("replica  ")[1:]]

@@ -24,7 +24,7 @@ def nbytes(tensors: dict) -> int:
 
 def test_a_version_beyond_the_budget_fails_with_the_reason_and_loads_nothing(
     cluster, namespace, operator, tmp_path, socket_root, monkeypatch
-):  # fmt: skip
+):
     tensors = {n: t.detach().contiguous() for n, t in model_tensors(build_model(seed=0)).items()}
     checkpoint = tmp_path / "v1.safetensors"
     save_file(tensors, str(checkpoint))
@@ -41,8 +41,9 @@ def test_a_version_beyond_the_budget_fails_with_the_reason_and_loads_nothing(
     try:
         pod_dir = socket_root / "pods" / engine_pod(cluster, namespace, node_name)
         apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"), ml_body(namespace, "v1", 1))
-        wait_for(lambda: replica_status(cluster, namespace).get("phase") == "Failed", 90,
-                 "the replica Failed", describe)  # fmt: skip
+        wait_for(
+            lambda: replica_status(cluster, namespace).get("phase") == "Failed", 90, "the replica Failed", describe
+        )
         status = replica_status(cluster, namespace)
         assert status["reason"] == "MemoryBudgetExceeded", describe()
         assert (
@@ -60,7 +61,7 @@ def test_a_version_beyond_the_budget_fails_with_the_reason_and_loads_nothing(
 
 def test_resident_bytes_and_a_refit_that_shares_the_held_versions_chunks(
     cluster, namespace, operator, tmp_path, socket_root, monkeypatch
-):  # fmt: skip
+):
     v1 = {n: t.detach().clone().contiguous() for n, t in model_tensors(build_model(seed=0)).items()}
     changed = sorted(["lm_head.weight", "model.layers.1.mlp.down_proj.weight"])
     v2 = {n: (t + 0.25 if n in changed else t) for n, t in v1.items()}
@@ -83,16 +84,22 @@ def test_resident_bytes_and_a_refit_that_shares_the_held_versions_chunks(
 
     try:
         pod_dir = socket_root / "pods" / engine_pod(cluster, namespace, node_name)
-        apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"), wv_body(namespace, "v2", fmt="PeerOnly"),
-              ml_body(namespace, "v1", 1))  # fmt: skip
+        apply(
+            cluster,
+            namespace,
+            wv_body(namespace, "v1", fmt="PeerOnly"),
+            wv_body(namespace, "v2", fmt="PeerOnly"),
+            ml_body(namespace, "v1", 1),
+        )
         wait_for(lambda: status().get("phase") == "Serving", 90, "v1 served", describe)
         assert (status()["residentBytes"], status()["residentVersions"]) == (total, ["v1"]), describe()
 
         wait_for(lambda: (pod_dir / "ferry.sock").exists(), 30, "the pod's socket", describe)
         proc = consumer(pod_dir, "refit")
         assert line_of(proc, describe)["version"] == "v1"
-        cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p",
-                        '{"spec":{"desiredVersion":"v2"}}')  # fmt: skip
+        cluster.kubectl(
+            "patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"desiredVersion":"v2"}}'
+        )
         second = line_of(proc, describe)
         assert second["version"] == "v2" and second["sha256"] == tensors_sha256(v2), describe()
         assert second["loaded"] == changed

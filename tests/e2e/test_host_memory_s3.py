@@ -70,10 +70,12 @@ def test_a_delta_replays_on_the_held_base_in_host_memory(cluster, s3, namespace,
             assert stored == shards(folder)
             for shard in stored:
                 corrupt(shard)  # v1 on disk: a replay that read it would fail its adler32 and fetch v1 again
-            cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p",
-                            '{"spec":{"desiredVersion":"v2"}}')  # fmt: skip
-            wait_for(lambda: status().get("phase") == "Serving" and status()["version"] == "v2", 90, "v2 served",
-                     describe)  # fmt: skip
+            cluster.kubectl(
+                "patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"desiredVersion":"v2"}}'
+            )
+            wait_for(
+                lambda: status().get("phase") == "Serving" and status()["version"] == "v2", 90, "v2 served", describe
+            )
             assert status()["source"] == "s3"
             # Never read: still the bytes written over it (a failed replay discards and fetches the copy again).
             assert all(set(data_of(p)) == {0x5A} for p in stored), describe()

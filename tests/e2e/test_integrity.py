@@ -53,10 +53,13 @@ def replicas(cluster, namespace) -> list[dict]:
 def serving(cluster, namespace, describe) -> dict:
     """The ModelLoad's one replica, once it is Serving."""
     return wait_for(
-        lambda: next((r for r in replicas(cluster, namespace) if (r.get("status") or {}).get("phase") == "Serving"),
-                     None),
-        90, f"a Serving replica in {namespace}", describe,
-    )  # fmt: skip
+        lambda: next(
+            (r for r in replicas(cluster, namespace) if (r.get("status") or {}).get("phase") == "Serving"), None
+        ),
+        90,
+        f"a Serving replica in {namespace}",
+        describe,
+    )
 
 
 def publish(cluster, s3, namespace: str, weights: dict[str, np.ndarray]) -> dict:
@@ -126,10 +129,18 @@ def test_a_seed_is_used_only_for_its_own_weightversion(cluster, s3, namespace, o
 
     def phase_of(ns: str, ml: str, phase: str) -> dict:
         return wait_for(
-            lambda: next((r for r in replicas(cluster, ns)
-                          if r["spec"]["modelLoad"] == ml and (r.get("status") or {}).get("phase") == phase), None),
-            90, f"{ml} {phase} in {ns}", describe,
-        )  # fmt: skip
+            lambda: next(
+                (
+                    r
+                    for r in replicas(cluster, ns)
+                    if r["spec"]["modelLoad"] == ml and (r.get("status") or {}).get("phase") == phase
+                ),
+                None,
+            ),
+            90,
+            f"{ml} {phase} in {ns}",
+            describe,
+        )
 
     try:
         for ns in (namespace, other):
@@ -212,15 +223,20 @@ def test_a_frozen_s3_fails_the_load_in_bounded_time_and_the_stall_names_it(clust
 
         stalled = wait_for(
             lambda: (c := condition({"status": ml_status()}, "PeerStalled")).get("status") == "True" and c,
-            60, "PeerStalled", describe,
-        )  # fmt: skip
+            60,
+            "PeerStalled",
+            describe,
+        )
         assert uri(namespace, "v1") in stalled["message"], stalled["message"]
         # All tries of one S3 request fit in the 9 s transfer timeout; botocore's defaults took minutes.
         failed = wait_for(
-            lambda: next((r for r in replicas(cluster, namespace) if (r.get("status") or {}).get("phase") == "Failed"),
-                         None),
-            60, "the load failed", describe,
-        )  # fmt: skip
+            lambda: next(
+                (r for r in replicas(cluster, namespace) if (r.get("status") or {}).get("phase") == "Failed"), None
+            ),
+            60,
+            "the load failed",
+            describe,
+        )
         assert failed["status"]["reason"] == "LoadFailed" and uri(namespace, "v1") in failed["status"]["message"]
 
         os.kill(s3.process.proc.pid, signal.SIGCONT)

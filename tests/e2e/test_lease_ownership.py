@@ -34,8 +34,15 @@ from tests.support.objects import apply, get, ml_body, wait_for, wait_reason, wv
 pytestmark = pytest.mark.e2e
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "ferry"
-APPLIED_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
-                 "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}  # fmt: skip
+APPLIED_KINDS = {
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+}
 
 
 @dataclass
@@ -51,9 +58,11 @@ class Chart:
     def token(self, node_name: str) -> str:
         """A token of the agent's ServiceAccount for the apiserver, bound to an agent Pod on `node_name`."""
         path = self.cluster.pod_token(
-            node_name, f"https://127.0.0.1:{self.cluster.api_port}/", self.workdir / f"api-token-{node_name}",
+            node_name,
+            f"https://127.0.0.1:{self.cluster.api_port}/",
+            self.workdir / f"api-token-{node_name}",
             **self.pod(node_name),
-        )  # fmt: skip
+        )
         return path.read_text()
 
     def pod(self, node_name: str) -> dict[str, str]:
@@ -83,17 +92,32 @@ def chart(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> It
         for ns in (c.release_ns, c.tenant):
             cluster.kubectl("create", "namespace", ns)
         out = subprocess.run(
-            [binary("helm"), "template", c.release, str(CHART), "--kube-version", "1.36.3", "-n", c.release_ns,
-             "--set", f"tenantNamespaces={{{c.tenant}}}"],
-            capture_output=True, text=True, env=env, timeout=120, check=True,
-        ).stdout  # fmt: skip
+            [
+                binary("helm"),
+                "template",
+                c.release,
+                str(CHART),
+                "--kube-version",
+                "1.36.3",
+                "-n",
+                c.release_ns,
+                "--set",
+                f"tenantNamespaces={{{c.tenant}}}",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            check=True,
+        ).stdout
         docs = [d for d in yaml.safe_load_all(out) if d and d["kind"] in APPLIED_KINDS]
         cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
         yield c
     finally:
         kinds = "clusterrole,clusterrolebinding,validatingadmissionpolicy,validatingadmissionpolicybinding"
-        cluster.kubectl("delete", kinds, "-l", f"app.kubernetes.io/instance={c.release}", "--ignore-not-found",
-                        check=False)  # fmt: skip
+        cluster.kubectl(
+            "delete", kinds, "-l", f"app.kubernetes.io/instance={c.release}", "--ignore-not-found", check=False
+        )
         for ns in (c.release_ns, c.tenant):
             cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
 
@@ -134,13 +158,18 @@ def test_an_agent_replaces_a_lease_written_before_the_node_label(chart, cluster,
     take = {"metadata": {"labels": {LABEL_NODE: node_name}}, "spec": {"holderIdentity": "x"}}
     wait_for(
         lambda: policy_denies(chart, node_name, lambda api: api.patch_namespaced_lease(lease_name(name), ns, take)),
-        30, "the admission policy in force",
-    )  # fmt: skip
+        30,
+        "the admission policy in force",
+    )
 
     agent = start_agent(
-        cluster, tmp_path, node_name, seed_arg(ns, "v1", seed_file(tmp_path)),
-        kubeconfig=chart.kubeconfig(node_name), pod=chart.pod(node_name),
-    )  # fmt: skip
+        cluster,
+        tmp_path,
+        node_name,
+        seed_arg(ns, "v1", seed_file(tmp_path)),
+        kubeconfig=chart.kubeconfig(node_name),
+        pod=chart.pod(node_name),
+    )
     try:
         replica(cluster, ns, name, node_name, "v1")
         serving = wait_phase(cluster, ns, name, "Serving", agent)
@@ -159,9 +188,11 @@ def test_an_agent_replaces_a_lease_written_before_the_node_label(chart, cluster,
         assert "had no ferry.dev/node label" in agent.log_tail(200)
         # And it keeps renewing it, under the policy.
         wait_for(
-            lambda: (lease := ours()) and lease["spec"]["renewTime"] > first["spec"]["renewTime"], 30, "a renewal",
+            lambda: (lease := ours()) and lease["spec"]["renewTime"] > first["spec"]["renewTime"],
+            30,
+            "a renewal",
             describe,
-        )  # fmt: skip
+        )
     finally:
         agent.stop()
         cluster.kubectl("delete", "node", node_name, "--ignore-not-found", check=False)
@@ -184,9 +215,13 @@ def test_the_operator_deletes_a_lease_squatted_by_another_node(chart, cluster, o
     assert policy_denies(chart, rightful, lambda api: api.patch_namespaced_lease(lease_name(name), ns, take))
 
     agent = start_agent(
-        cluster, tmp_path, rightful, seed_arg(ns, "v2", seed_file(tmp_path)),
-        kubeconfig=chart.kubeconfig(rightful), pod=chart.pod(rightful),
-    )  # fmt: skip
+        cluster,
+        tmp_path,
+        rightful,
+        seed_arg(ns, "v2", seed_file(tmp_path)),
+        kubeconfig=chart.kubeconfig(rightful),
+        pod=chart.pod(rightful),
+    )
 
     def describe() -> str:
         return json.dumps([get(cluster, ns, "wr", name), read_lease(cluster, ns, name)], indent=1) + agent.log_tail(30)
@@ -207,8 +242,10 @@ def test_the_operator_deletes_a_lease_squatted_by_another_node(chart, cluster, o
         assert lease["metadata"]["labels"][LABEL_NODE] == rightful and lease["spec"]["holderIdentity"] == holder
         ml = wait_for(
             lambda: (m := get(cluster, ns, "ml", "serve")) and (m.get("status") or {}).get("phase") == "Ready" and m,
-            30, "the ModelLoad Ready", describe,
-        )  # fmt: skip
+            30,
+            "the ModelLoad Ready",
+            describe,
+        )
         assert ml["status"]["ready"] == "1/1"
         selector = f"involvedObject.kind=ModelLoad,involvedObject.name=serve,reason={LEASE_OF_OTHER_NODE_DELETED}"
         events = json.loads(

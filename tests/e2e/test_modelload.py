@@ -69,13 +69,19 @@ def test_modelload_lifecycle(cluster, namespace, operator, tmp_path):
         agents[victim["spec"]["nodeName"]].kill()
         wait_for(
             lambda: condition({"status": ml_status(cluster, namespace)}, "Degraded").get("reason") == "ReplicaStale",
-            30, "ReplicaStale", describe,
-        )  # fmt: skip
+            30,
+            "ReplicaStale",
+            describe,
+        )
         wait_for(
-            lambda: condition(get(cluster, namespace, "wr", victim["metadata"]["name"]), "Live").get("reason")
-            == "LeaseExpired",
-            30, "Live=False", describe,
-        )  # fmt: skip
+            lambda: (
+                condition(get(cluster, namespace, "wr", victim["metadata"]["name"]), "Live").get("reason")
+                == "LeaseExpired"
+            ),
+            30,
+            "Live=False",
+            describe,
+        )
         dead = get(cluster, namespace, "wr", victim["metadata"]["name"])
         assert dead["status"]["phase"] == "Serving" and condition(dead, "Live")["status"] == "False"
         assert ml_status(cluster, namespace)["ready"] == "1/2"

@@ -30,9 +30,15 @@ def ready(cluster, namespace, name="serve") -> dict:
 
 def events(cluster, namespace, name="serve") -> list[dict]:
     out = cluster.kubectl(
-        "get", "events", "-n", namespace, "-o", "json",
-        "--field-selector", f"involvedObject.kind=ModelLoad,involvedObject.name={name}",
-    ).stdout  # fmt: skip
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "-o",
+        "json",
+        "--field-selector",
+        f"involvedObject.kind=ModelLoad,involvedObject.name={name}",
+    ).stdout
     return json.loads(out)["items"]
 
 
@@ -93,10 +99,13 @@ def test_a_failed_replica_has_a_reason(cluster, namespace, operator, tmp_path):
     try:
         apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"), modelload(namespace, "v1"))
         failed = wait_for(
-            lambda: next((r for r in replicas(cluster, namespace) if (r.get("status") or {}).get("phase") == "Failed"),
-                         None),
-            60, "a Failed replica", agent.log_tail,
-        )  # fmt: skip
+            lambda: next(
+                (r for r in replicas(cluster, namespace) if (r.get("status") or {}).get("phase") == "Failed"), None
+            ),
+            60,
+            "a Failed replica",
+            agent.log_tail,
+        )
         assert failed["status"]["reason"] == "LoadFailed", failed["status"]
         assert failed["status"]["message"]
         wait_for(lambda: ready(cluster, namespace).get("reason") == "ReplicaFailed", 30, "ReplicaFailed")

@@ -134,8 +134,7 @@ def test_two_rank_replicas_from_s3_then_peers_then_a_delta(cluster, s3, namespac
 def test_rank_processes_configured_with_different_versions_both_fail(cluster, namespace, tmp_path):
     node(cluster, f"{namespace}-n")
     replica(cluster, namespace, "wr-mixed", f"{namespace}-n", "v1", ranks=2)
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
-                          timeout=dt.timedelta(seconds=30))  # fmt: skip
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=30))
     env = {**os.environ, **cluster.env(), "UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo"}
     identity = cluster.agent_identity_args(f"{namespace}-n")
     procs = [

@@ -62,8 +62,9 @@ def test_a_normal_create_posts_normal_events_once(cluster, s3, namespace, operat
             cluster.kubectl("annotate", "--overwrite", "ml", "serve", "-n", namespace, f"test.ferry.dev/poke={i}")
         wait_for(
             lambda: counted(operator, "ferry_reconciles_total", 'kind="ModelLoad"') >= done + 3,
-            30, "three more ModelLoad reconciles",
-        )  # fmt: skip
+            30,
+            "three more ModelLoad reconciles",
+        )
 
         version_events = events_of(cluster, namespace, wv["metadata"]["uid"])
         assert_ours_and_unique(version_events)
@@ -71,8 +72,10 @@ def test_a_normal_create_posts_normal_events_once(cluster, s3, namespace, operat
         load_events = events_of(cluster, namespace, ml["metadata"]["uid"])
         assert_ours_and_unique(load_events)
         assert sorted((t, r) for t, r, _ in summary(load_events)) == [
-            ("Normal", "AllReplicasReady"), ("Normal", "ReplicaCreated"), ("Normal", "ReplicaCreated"),
-        ], summary(load_events)  # fmt: skip
+            ("Normal", "AllReplicasReady"),
+            ("Normal", "ReplicaCreated"),
+            ("Normal", "ReplicaCreated"),
+        ], summary(load_events)
     finally:
         for a in agents:
             a.stop()
@@ -86,8 +89,9 @@ def test_missing_objects_are_one_warning(cluster, namespace, operator):
     tried = counted(operator, "ferry_storage_verifications_total", missing)
     wait_for(
         lambda: counted(operator, "ferry_storage_verifications_total", missing) >= tried + 3,
-        60, "three more verifications",
-    )  # fmt: skip
+        60,
+        "three more verifications",
+    )
     events = events_of(cluster, namespace, wv["metadata"]["uid"])
     assert_ours_and_unique(events)
     assert [(t, r) for t, r, _ in summary(events)] == [("Warning", "ObjectMissing")], summary(events)

@@ -139,8 +139,10 @@ def test_standby_takes_over_mid_rollout(cluster, s3, namespace, candidates, tmp_
         took_lease = time.monotonic() - killed
         wait_for(b.reconciled, 30, "b reconciles", describe)
         first_reconcile = time.monotonic() - killed
-        print(f"\ntakeover after kill -9: Lease held by b after {took_lease:.1f}s, first reconcile at "
-              f"{first_reconcile:.1f}s")  # fmt: skip
+        print(
+            f"\ntakeover after kill -9: Lease held by b after {took_lease:.1f}s, first reconcile at "
+            f"{first_reconcile:.1f}s"
+        )
         b_id = holder(cluster, namespace)
         # The standby's liveness endpoint gave way to kopf's own on the same port.
         assert "standby" not in urllib.request.urlopen(b.healthz, timeout=5).read().decode()
@@ -150,8 +152,10 @@ def test_standby_takes_over_mid_rollout(cluster, s3, namespace, candidates, tmp_
 
         wait_for(
             lambda: (s := ml_status(cluster, namespace)).get("loadedVersion") == "v2" and s.get("ready") == "3/3",
-            120, "3/3 on v2 after the takeover", describe,
-        )  # fmt: skip
+            120,
+            "3/3 on v2 after the takeover",
+            describe,
+        )
         wait_for(lambda: all(phase(cluster, namespace, v) == "Ready" for v in batch), 60, "the batch Ready", describe)
         # No duplicate replica, no lost status.
         final = replicas(cluster, namespace)

@@ -146,9 +146,13 @@ def test_chain_longer_than_64_fails(cluster, s3, namespace, operator):
 
 @pytest.mark.parametrize(
     ("case", "reason"),
-    [("missing-index", "ObjectMissing"), ("missing-shard", "ObjectMissing"), ("corrupt-index", "IndexInvalid"),
-     ("truncated-shard", "SizeMismatch")],
-)  # fmt: skip
+    [
+        ("missing-index", "ObjectMissing"),
+        ("missing-shard", "ObjectMissing"),
+        ("corrupt-index", "IndexInvalid"),
+        ("truncated-shard", "SizeMismatch"),
+    ],
+)
 def test_storage_failures_are_reported(cluster, s3, namespace, operator, case, reason):
     files = cf.build_full_checkpoint(tensors(1), shard_bytes=4 << 10)
     shard = next(f for f in sorted(files) if f.endswith(".safetensors"))
@@ -195,11 +199,12 @@ def test_credentials_from_secret(cluster, s3, namespace, operator):
     _secret(cluster, namespace, "good", s3.access_key, s3.secret_key)
     _secret(cluster, namespace, "bad", s3.access_key, "wrong-secret")
     apply(
-        cluster, namespace,
+        cluster,
+        namespace,
         wv_body(namespace, "v1", secret="good", endpoint=s3.endpoint),
         wv_body(namespace, "v2", base="v1", secret="bad", endpoint=s3.endpoint),
         wv_body(namespace, "v3", base="v1", secret="absent", endpoint=s3.endpoint),
-    )  # fmt: skip
+    )
     wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified")
     wait_reason(cluster, namespace, "v2", "StorageVerified", "False", "AccessDenied")
     obj = wait_reason(cluster, namespace, "v3", "StorageVerified", "False", "CredentialsMissing")
@@ -227,8 +232,9 @@ def test_release_waits_for_dependents_and_modelloads(cluster, s3, namespace, ope
     cluster.kubectl("delete", "wv", "v1", "-n", namespace, "--wait=false")
     obj = wait_for(
         lambda: (o := get(cluster, namespace, "wv", "v1")) and o["status"].get("phase") == "Releasing" and o,
-        20, "v1 Releasing",
-    )  # fmt: skip
+        20,
+        "v1 Releasing",
+    )
     blocked = condition(obj, "Ready")
     assert blocked["reason"] == "ReleaseBlocked"
     assert "WeightVersion/v2" in blocked["message"] and "ModelLoad/serve" in blocked["message"]
@@ -237,8 +243,9 @@ def test_release_waits_for_dependents_and_modelloads(cluster, s3, namespace, ope
     cluster.kubectl("delete", "wv", "v2", "-n", namespace)
     wait_for(
         lambda: get(cluster, namespace, "wv", "v1")["status"].get("releaseBlockers") == ["ModelLoad/serve"],
-        20, "only the ModelLoad blocks",
-    )  # fmt: skip
+        20,
+        "only the ModelLoad blocks",
+    )
     assert get(cluster, namespace, "wv", "v1") is not None
     cluster.kubectl("delete", "ml", "serve", "-n", namespace)
     wait_for(lambda: get(cluster, namespace, "wv", "v1") is None, 20, "v1 released")

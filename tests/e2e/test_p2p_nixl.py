@@ -82,8 +82,19 @@ class Source:
     def __init__(self, name: str, logdir: Path, *, lease_ttl: float | None = None) -> None:
         self.name = name
         self.log_path = logdir / f"{name}.log"
-        cmd = [sys.executable, "-m", "ferry_dev.source_main", "--agent-name", name, "--tensors", str(TENSORS),
-               "--tensor-bytes", str(TENSOR_BYTES), "--seed", str(SEED)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "ferry_dev.source_main",
+            "--agent-name",
+            name,
+            "--tensors",
+            str(TENSORS),
+            "--tensor-bytes",
+            str(TENSOR_BYTES),
+            "--seed",
+            str(SEED),
+        ]
         if lease_ttl is not None:
             cmd += ["--lease-ttl", str(lease_ttl)]
         env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}

@@ -166,8 +166,9 @@ def test_only_agents_of_assigned_nodes_read(cluster, namespace, operator, tmp_pa
         idle = token("idle", "node-idle")
         wait_for(
             lambda: bare_calls(endpoint, identity.agent_name, idle())["prepare"] == grpc.StatusCode.PERMISSION_DENIED,
-            10, "node-idle refused again",
-        )  # fmt: skip
+            10,
+            "node-idle refused again",
+        )
     finally:
         agent.stop()
         cluster.kubectl("delete", "namespace", other_ns, "--wait=false", check=False)
@@ -215,8 +216,11 @@ def test_agent_without_a_pod_identity_exits_clearly(cluster, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("POD_NAMESPACE", "SERVICE_ACCOUNT", "POD_NAME", "POD_UID")}
     proc = subprocess.run(
         [sys.executable, "-m", "ferry_agent", "--node", "node-noid", "--pod-name", "ferry-agent-node-noid"],
-        env={**env, **cluster.env()}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env={**env, **cluster.env()},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "--pod-namespace, --service-account, --pod-uid missing" in proc.stderr, proc.stderr
     assert "POD_UID" in proc.stderr, proc.stderr

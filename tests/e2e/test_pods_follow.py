@@ -43,13 +43,18 @@ def pod(cluster, namespace: str, name: str, node_name: str | None, labels: dict[
     spec = {"automountServiceAccountToken": False, "containers": [{"name": "engine", "image": "engine:test"}]}
     if node_name:
         spec["nodeName"] = node_name
-    body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace, "labels": labels},
-            "spec": spec}  # fmt: skip
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": spec,
+    }
     # The namespace's default ServiceAccount may not exist yet (the controller makes it): admission waits for it.
     wait_for(
         lambda: cluster.kubectl("apply", "-f", "-", input=json.dumps(body), check=False).returncode == 0,
-        30, f"pod {name} created",
-    )  # fmt: skip
+        30,
+        f"pod {name} created",
+    )
     return get(cluster, namespace, "pod", name)["metadata"]["uid"]
 
 
@@ -70,8 +75,9 @@ def events(cluster, namespace: str, reason: str) -> list[str]:
 def set_attachments(cluster, namespace: str, replica: str, attachments: list[dict]) -> None:
     """What the replica's agent writes about the consumers attached on its node."""
     body = {"status": {"attachments": attachments, "attachedPods": len({a["podUid"] for a in attachments})}}
-    cluster.kubectl("patch", "wr", replica, "-n", namespace, "--subresource=status", "--type=merge",
-                    "-p", json.dumps(body))  # fmt: skip
+    cluster.kubectl(
+        "patch", "wr", replica, "-n", namespace, "--subresource=status", "--type=merge", "-p", json.dumps(body)
+    )
 
 
 @pytest.fixture
@@ -82,8 +88,9 @@ def socket_roots() -> Iterator[dict[str, Path]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_a_pod_on_a_second_node_makes_it_load_over_p2p_and_serve_its_consumer(cluster, namespace, operator,
-                                                                              tmp_path, socket_roots):  # fmt: skip
+def test_a_pod_on_a_second_node_makes_it_load_over_p2p_and_serve_its_consumer(
+    cluster, namespace, operator, tmp_path, socket_roots
+):
     served = {n: t.detach().contiguous() for n, t in model_tensors(build_model(seed=0)).items()}
     checkpoint = tmp_path / "llama-tiny.safetensors"
     save_file(served, str(checkpoint))
@@ -101,12 +108,20 @@ def test_a_pod_on_a_second_node_makes_it_load_over_p2p_and_serve_its_consumer(cl
     procs: list[subprocess.Popen] = []
 
     def describe() -> str:
-        return (json.dumps(ml_status(cluster, namespace), indent=1) + json.dumps(replicas_by_node(cluster, namespace),
-                indent=1)[-3000:] + agent_a.log_tail(15) + agent_b.log_tail(30))  # fmt: skip
+        return (
+            json.dumps(ml_status(cluster, namespace), indent=1)
+            + json.dumps(replicas_by_node(cluster, namespace), indent=1)[-3000:]
+            + agent_a.log_tail(15)
+            + agent_b.log_tail(30)
+        )
 
     try:
-        apply(cluster, namespace, wv_body(namespace, "v1", fmt="PeerOnly"),
-              ml_body(namespace, "v1", 1, podSelector={"matchLabels": ENGINE}))  # fmt: skip
+        apply(
+            cluster,
+            namespace,
+            wv_body(namespace, "v1", fmt="PeerOnly"),
+            ml_body(namespace, "v1", 1, podSelector={"matchLabels": ENGINE}),
+        )
         wait_for(lambda: ml_status(cluster, namespace).get("ready") == "1/1", 90, "the warm pool ready", describe)
         assert ml_status(cluster, namespace)["warmNodeLabel"] == key
         assert list(replicas_by_node(cluster, namespace)) == [node_a]
@@ -175,7 +190,8 @@ def test_a_pod_on_a_second_node_makes_it_load_over_p2p_and_serve_its_consumer(cl
                 proc.kill()
                 proc.wait()
         for name in ("engine-1", "engine-2", "other", "unscheduled"):
-            cluster.kubectl("delete", "pod", name, "-n", namespace, "--grace-period=0", "--force",
-                            "--ignore-not-found", check=False)  # fmt: skip
+            cluster.kubectl(
+                "delete", "pod", name, "-n", namespace, "--grace-period=0", "--force", "--ignore-not-found", check=False
+            )
         agent_a.stop()
         agent_b.stop()

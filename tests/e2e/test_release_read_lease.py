@@ -36,13 +36,20 @@ def test_a_released_read_lease_no_longer_blocks_the_release(cluster, namespace, 
     try:
         replica(cluster, namespace, "wr-read", node_name, "v1")  # no ModelLoad desires v1
         entry = wait_phase(cluster, namespace, "wr-read", "Serving", agent)["status"]["ranks"][0]
-        lease = prepare_tensor_read(entry["grpcEndpoint"], SourceIdentity(entry["agentName"]),
-                                    credentials=lambda: reader_tokens(cluster, node_name)(node_name))  # fmt: skip
+        lease = prepare_tensor_read(
+            entry["grpcEndpoint"],
+            SourceIdentity(entry["agentName"]),
+            credentials=lambda: reader_tokens(cluster, node_name)(node_name),
+        )
         wait_for(lambda: status("wr", "wr-read").get("activeLeases") == 1, 20, "the lease counted", describe)
 
         cluster.kubectl("delete", "wv", "v1", "-n", namespace, "--wait=false")
-        wait_for(lambda: status("wv", "v1").get("releaseBlockers") == ["WeightReplica/wr-read"], 20,
-                 "v1 blocked by the read lease", describe)  # fmt: skip
+        wait_for(
+            lambda: status("wv", "v1").get("releaseBlockers") == ["WeightReplica/wr-read"],
+            20,
+            "v1 blocked by the read lease",
+            describe,
+        )
         lease.close()
         wait_for(lambda: status("wr", "wr-read").get("activeLeases") == 0, 20, "the lease released", describe)
         wait_for(lambda: get(cluster, namespace, "wv", "v1") is None, 30, "v1 released", describe)

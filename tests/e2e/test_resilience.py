@@ -86,8 +86,9 @@ def ready(cluster, namespace, wanted: int) -> bool:
 
 def test_agents_outlive_an_apiserver_outage(cluster, s3, namespace, operator, tmp_path):
     tensors = weights(21, 8, (512, 512))  # 8 MiB, in 1 MiB shards: a load that takes a moment
-    put_files(s3, namespace, "v1", cf.build_full_checkpoint({k: v.numpy() for k, v in tensors.items()},
-                                                            shard_bytes=1 << 20))  # fmt: skip
+    put_files(
+        s3, namespace, "v1", cf.build_full_checkpoint({k: v.numpy() for k, v in tensors.items()}, shard_bytes=1 << 20)
+    )
     expected = content_sha256(tensors)
     names = [f"{namespace}-n{i}" for i in range(3)]
     for n in names:
@@ -233,10 +234,13 @@ def test_frozen_agent_is_live_and_a_source_again(cluster, namespace, operator, t
         os.kill(agents[frozen].proc.pid, signal.SIGSTOP)
         try:
             wait_for(
-                lambda: condition({"status": ml_status(cluster, namespace)}, "Degraded").get("reason")
-                == "ReplicaStale",
-                FREEZE_S, "ReplicaStale while frozen", describe,
-            )  # fmt: skip
+                lambda: (
+                    condition({"status": ml_status(cluster, namespace)}, "Degraded").get("reason") == "ReplicaStale"
+                ),
+                FREEZE_S,
+                "ReplicaStale while frozen",
+                describe,
+            )
             wr = replicas(cluster, namespace)[frozen]
             assert condition(wr, "Live")["status"] == "False" and wr["status"]["phase"] == "Serving"
             time.sleep(max(0.0, FREEZE_S - LEASE_S))

@@ -51,18 +51,28 @@ def versions(cluster, namespace: str) -> dict[str, dict]:
 
 def events(cluster, namespace: str, name: str, reason: str) -> list[str]:
     out = cluster.kubectl(
-        "get", "events", "-n", namespace, "-o", "json",
-        "--field-selector", f"involvedObject.name={name},reason={reason}",
-    ).stdout  # fmt: skip
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "-o",
+        "json",
+        "--field-selector",
+        f"involvedObject.name={name},reason={reason}",
+    ).stdout
     return sorted(e["message"] for e in json.loads(out)["items"])
 
 
 def test_retention_keeps_the_newest_their_bases_and_what_a_reader_holds(cluster, s3, namespace, operator, tmp_path):
     secret = {
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3"},
-        "data": {k: base64.b64encode(v.encode()).decode()
-                 for k, v in (("AWS_ACCESS_KEY_ID", s3.access_key), ("AWS_SECRET_ACCESS_KEY", s3.secret_key))},
-    }  # fmt: skip
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "s3"},
+        "data": {
+            k: base64.b64encode(v.encode()).decode()
+            for k, v in (("AWS_ACCESS_KEY_ID", s3.access_key), ("AWS_SECRET_ACCESS_KEY", s3.secret_key))
+        },
+    }
     apply(cluster, namespace, secret, *publish(s3, namespace))
     for name in NAMES:
         cluster.kubectl("wait", "--for=condition=Ready", f"wv/{name}", "-n", namespace, "--timeout=60s")
@@ -116,8 +126,9 @@ def test_objects_stay_without_the_namespaces_own_credentials(cluster, s3, namesp
     try:
         wait_for(lambda: get(cluster, namespace, "ml", "serve"), 10, "the ModelLoad")
         # Tightening the policy is a ModelLoad change: it runs the policy again.
-        cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge",
-                        "-p", '{"spec":{"retention":{"keepLast":1}}}')  # fmt: skip
+        cluster.kubectl(
+            "patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"retention":{"keepLast":1}}}'
+        )
         wait_for(lambda: sorted(versions(cluster, namespace)) == ["v3"], 30, "v1 and v2 retired")
         for name in ("v1", "v2"):
             why = wait_for(lambda n=name: events(cluster, namespace, n, "StorageNotDeleted"), 10, f"{name} warned")

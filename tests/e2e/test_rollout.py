@@ -65,16 +65,26 @@ class ReplicaWatch:
     @staticmethod
     def _state(wr: dict) -> State:
         status = wr.get("status") or {}
-        return (wr["spec"]["version"], status.get("phase"), status.get("version"), status.get("loadingVersion"),
-                status.get("reason"))  # fmt: skip
+        return (
+            wr["spec"]["version"],
+            status.get("phase"),
+            status.get("version"),
+            status.get("loadingVersion"),
+            status.get("reason"),
+        )
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 for event in watch.Watch().stream(
-                    self._objects.list_namespaced_custom_object, GROUP, VERSION, self._namespace, "weightreplicas",
-                    resource_version=self._version, timeout_seconds=2,
-                ):  # fmt: skip
+                    self._objects.list_namespaced_custom_object,
+                    GROUP,
+                    VERSION,
+                    self._namespace,
+                    "weightreplicas",
+                    resource_version=self._version,
+                    timeout_seconds=2,
+                ):
                     wr = event["object"]
                     self._version = wr["metadata"]["resourceVersion"]
                     if event["type"] == "DELETED":
@@ -141,8 +151,10 @@ def test_rolling_max_unavailable_one(cluster, s3, namespace, operator, tmp_path,
         set_desired(cluster, namespace, "v2")
         wait_for(
             lambda: (s := ml_status(cluster, namespace)).get("ready") == "3/3" and s.get("loadedVersion") == "v2",
-            180, "3/3 on v2", describe,
-        )  # fmt: skip
+            180,
+            "3/3 on v2",
+            describe,
+        )
         snapshots = watcher.stop()
 
         assert len(snapshots[0]) == 3 and all(s == ("v1", "Serving", "v1", None, None) for s in snapshots[0].values())
@@ -165,8 +177,7 @@ def test_rolling_max_unavailable_one(cluster, s3, namespace, operator, tmp_path,
             a.stop()
 
 
-def test_parallel_keeps_the_old_version_serving_until_the_new_one_is(cluster, s3, namespace, operator, tmp_path,
-                                                                      kube):  # fmt: skip
+def test_parallel_keeps_the_old_version_serving_until_the_new_one_is(cluster, s3, namespace, operator, tmp_path, kube):
     v1, v2 = publish_v1_v2(cluster, s3, namespace)
     agents = start_nodes(cluster, s3, namespace, tmp_path, 3)
     frozen = False
@@ -188,22 +199,31 @@ def test_parallel_keeps_the_old_version_serving_until_the_new_one_is(cluster, s3
 
         # Every replica moves at once, and loads v2 next to v1, which it still serves.
         wait_for(
-            lambda: all(r["spec"]["version"] == "v2" and r["status"].get("loadingVersion") == "v2"
-                        for r in replicas(cluster, namespace).values()),
-            60, "all three load v2", describe,
-        )  # fmt: skip
+            lambda: all(
+                r["spec"]["version"] == "v2" and r["status"].get("loadingVersion") == "v2"
+                for r in replicas(cluster, namespace).values()
+            ),
+            60,
+            "all three load v2",
+            describe,
+        )
         # Loading v2 fails (S3 frozen): the replica says so and still serves v1.
         failed = wait_for(
-            lambda: next((r for r in replicas(cluster, namespace).values()
-                          if r["status"].get("reason") == "LoadFailed"), None),
-            90, "a failed load of v2", describe,
-        )  # fmt: skip
+            lambda: next(
+                (r for r in replicas(cluster, namespace).values() if r["status"].get("reason") == "LoadFailed"), None
+            ),
+            90,
+            "a failed load of v2",
+            describe,
+        )
         status = failed["status"]
         assert (status["phase"], status["version"], status["loadingVersion"]) == ("Serving", "v1", "v2"), status
         wait_for(
             lambda: condition({"status": ml_status(cluster, namespace)}, "Degraded").get("reason") == "ReplicaFailed",
-            30, "Degraded=ReplicaFailed", describe,
-        )  # fmt: skip
+            30,
+            "Degraded=ReplicaFailed",
+            describe,
+        )
 
         # Mid-rollout, v1 is still a peer source: a replica of v1 on a fourth node (a reader assigned v1, which
         # cannot read S3 either) copies it from them, and reads of what each moving replica serves give v1.
@@ -212,10 +232,15 @@ def test_parallel_keeps_the_old_version_serving_until_the_new_one_is(cluster, s3
         agents[reader_node] = start_agent(cluster, tmp_path, reader_node, s3=s3, retry_seconds=1)
         replica(cluster, namespace, "reader", reader_node, "v1")
         reader = wait_for(
-            lambda: (r := get(cluster, namespace, "wr", "reader")) and (r.get("status") or {}).get("phase") == "Serving"
-            and r,
-            90, "the reader serves v1", describe,
-        )  # fmt: skip
+            lambda: (
+                (r := get(cluster, namespace, "wr", "reader"))
+                and (r.get("status") or {}).get("phase") == "Serving"
+                and r
+            ),
+            90,
+            "the reader serves v1",
+            describe,
+        )
         assert reader["status"]["source"].removeprefix("peer/") in replicas(cluster, namespace), reader["status"]
         assert read_back(reader["status"]["ranks"][0], "reader") == sha(v1)
         for name, r in replicas(cluster, namespace).items():
@@ -226,14 +251,18 @@ def test_parallel_keeps_the_old_version_serving_until_the_new_one_is(cluster, s3
         frozen = False
         wait_for(
             lambda: (s := ml_status(cluster, namespace)).get("ready") == "3/3" and s.get("loadedVersion") == "v2",
-            180, "3/3 on v2", describe,
-        )  # fmt: skip
+            180,
+            "3/3 on v2",
+            describe,
+        )
         snapshots = watcher.stop()
 
         for name, r in replicas(cluster, namespace).items():
             assert (r["status"]["version"], r["status"].get("loadingVersion"), r["status"].get("reason")) == (
-                "v2", None, None,
-            )  # fmt: skip
+                "v2",
+                None,
+                None,
+            )
             assert read_back(r["status"]["ranks"][0], name) == sha(v2), f"{name} serves v2's bytes"
         # Never a replica that served nothing once it had served: Serving throughout, v1 until v2.
         for name in replicas(cluster, namespace):

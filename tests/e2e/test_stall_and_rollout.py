@@ -101,18 +101,22 @@ def test_wedged_source_is_reported_and_the_target_completes_elsewhere(cluster, n
         newcomer_node = choose_nodes(spec, nodes, current, [], salt="serve")[2]
         newcomer = replica_name("serve", newcomer_node)
         now = dt.datetime.now(dt.UTC)
-        cands = source_candidates(serving.values(), leases(cluster, namespace), version="v1", rank=0,
-                                  self_replica=newcomer, now=now)  # fmt: skip
+        cands = source_candidates(
+            serving.values(), leases(cluster, namespace), version="v1", rank=0, self_replica=newcomer, now=now
+        )
         first = make_selector("rendezvousHash").order(cands, model="m", target_id=newcomer, target_rank=0)[0]
         stopped = agents[serving[first.replica]["spec"]["nodeName"]]
         os.kill(stopped.proc.pid, signal.SIGSTOP)  # wedged: connections open, nothing answers
 
         cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"replicas":3}}')
         stalled = wait_for(
-            lambda: (c := condition({"status": ml_status(cluster, namespace)}, "PeerStalled")).get("status") == "True"
-            and c,
-            30, "PeerStalled", describe,
-        )  # fmt: skip
+            lambda: (
+                (c := condition({"status": ml_status(cluster, namespace)}, "PeerStalled")).get("status") == "True" and c
+            ),
+            30,
+            "PeerStalled",
+            describe,
+        )
         assert newcomer in stalled["message"] and f"peer/{first.replica}" in stalled["message"]
         # What an alert sees meanwhile: the operator's PeerStalled gauge, and the newcomer's load in flight.
         ours = {"namespace": namespace, "modelload": "serve"}
@@ -129,8 +133,10 @@ def test_wedged_source_is_reported_and_the_target_completes_elsewhere(cluster, n
         assert series(text, "ferry_agent_inflight_last_progress_timestamp_seconds", **inflight)[0] > 0
         done = wait_for(
             lambda: (r := replicas(cluster, namespace).get(newcomer)) and r["status"].get("phase") == "Serving" and r,
-            60, f"{newcomer} Serving", describe,
-        )  # fmt: skip
+            60,
+            f"{newcomer} Serving",
+            describe,
+        )
         status = done["status"]
         assert status["source"].startswith("peer/") and status["source"] != f"peer/{first.replica}"
         failed = [a for a in status["attempts"] if a["source"] == f"peer/{first.replica}"]
@@ -140,8 +146,10 @@ def test_wedged_source_is_reported_and_the_target_completes_elsewhere(cluster, n
         assert not series(agent_metrics(agents[newcomer_node]), "ferry_agent_inflight_bytes", **inflight)
         wait_for(
             lambda: condition({"status": ml_status(cluster, namespace)}, "PeerStalled").get("status") == "False",
-            20, "stall cleared", describe,
-        )  # fmt: skip
+            20,
+            "stall cleared",
+            describe,
+        )
         assert "NoProgress" in events(cluster, namespace)
         wait_for(
             lambda: series(scrape(operator.metrics_url), "ferry_modelload_replicas", **ours, phase="Serving") == [3.0],
@@ -184,10 +192,14 @@ def test_operator_restart_mid_rollout_converges(cluster, namespace, operator, tm
         os.kill(frozen.proc.pid, signal.SIGCONT)
         operator.start()
         wait_for(
-            lambda: ml_status(cluster, namespace).get("loadedVersion") == "v2"
-            and ml_status(cluster, namespace).get("ready") == "3/3",
-            90, "3/3 on v2 after restart", describe,
-        )  # fmt: skip
+            lambda: (
+                ml_status(cluster, namespace).get("loadedVersion") == "v2"
+                and ml_status(cluster, namespace).get("ready") == "3/3"
+            ),
+            90,
+            "3/3 on v2 after restart",
+            describe,
+        )
         final = replicas(cluster, namespace)
         assert {r["status"]["version"] for r in final.values()} == {"v2"}
         assert {r["metadata"]["labels"]["ferry.dev/version"] for r in final.values()} == {"v2"}

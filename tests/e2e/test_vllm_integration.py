@@ -52,8 +52,7 @@ def expected(tensors: dict[str, torch.Tensor]) -> tuple[str, list[int]]:
     return tensors_sha256(tensors), greedy(model)
 
 
-def test_vllm_loader_refit_backend_sidecar_and_worker_extension(cluster, namespace, operator, tmp_path,
-                                                                 socket_root):  # fmt: skip
+def test_vllm_loader_refit_backend_sidecar_and_worker_extension(cluster, namespace, operator, tmp_path, socket_root):
     tensors = versions()
     want = {v: expected(t) for v, t in tensors.items()}
     assert len({tuple(tokens) for _, tokens in want.values()}) == 3  # each version generates its own tokens
@@ -71,16 +70,27 @@ def test_vllm_loader_refit_backend_sidecar_and_worker_extension(cluster, namespa
 
     try:
         pod_dir = socket_root / "pods" / engine_pod(cluster, namespace, node_name)
-        apply(cluster, namespace, *(wv_body(namespace, v, fmt="PeerOnly") for v in tensors),
-              ml_body(namespace, "v1", 1))  # fmt: skip
+        apply(
+            cluster, namespace, *(wv_body(namespace, v, fmt="PeerOnly") for v in tensors), ml_body(namespace, "v1", 1)
+        )
         wait_for(lambda: (pod_dir / "ferry.sock").exists(), 30, "the pod's socket", describe)
-        env = {**os.environ, "FERRY_SOCKET_DIR": str(pod_dir), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE / "vllm_stub"), str(HERE)])}  # fmt: skip
+        env = {
+            **os.environ,
+            "FERRY_SOCKET_DIR": str(pod_dir),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE / "vllm_stub"), str(HERE)]),
+        }
         engine_env = {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])} if REAL_VLLM else env
-        procs.append(engine := subprocess.Popen(
-            [REAL_VLLM or sys.executable, str(HERE / "vllm_consumer.py"), "serve"], env=engine_env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))  # fmt: skip
+        procs.append(
+            engine := subprocess.Popen(
+                [REAL_VLLM or sys.executable, str(HERE / "vllm_consumer.py"), "serve"],
+                env=engine_env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
 
         # 1. --load-format ferry: the loader feeds the served version to load_weights; the lease stays held.
         cold = line_of(engine, describe)
@@ -89,12 +99,18 @@ def test_vllm_loader_refit_backend_sidecar_and_worker_extension(cluster, namespa
         assert cold["in_place"] and cold["listed"] == [["v1", True, 1]]
 
         # 2. The sidecar follows the node's versions and drives vLLM's weight-update routes.
-        procs.append(sidecar := subprocess.Popen(
-            [sys.executable, "-m", "ferry_vllm.refit", "serve", "--engine", f"http://127.0.0.1:{cold['port']}"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))  # fmt: skip
-        cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p",
-                        '{"spec":{"desiredVersion":"v2"}}')  # fmt: skip
+        procs.append(
+            sidecar := subprocess.Popen(
+                [sys.executable, "-m", "ferry_vllm.refit", "serve", "--engine", f"http://127.0.0.1:{cold['port']}"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        cluster.kubectl(
+            "patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"desiredVersion":"v2"}}'
+        )
         second = line_of(engine, lambda: ((sidecar.poll() is not None and sidecar.stderr.read()) or "") + describe())
         assert second["version"] == "v2" and (second["sha256"], second["tokens"]) == want["v2"]
         assert second["in_place"] and sorted(second["sent"]) == sorted(CHANGES["v2"])
@@ -102,16 +118,21 @@ def test_vllm_loader_refit_backend_sidecar_and_worker_extension(cluster, namespa
         calls = second["calls"]
         assert calls[0] == "/init_weight_transfer_engine"
         assert calls[-7:] == [
-            "/pause?mode=keep", "/start_weight_update", "/update_weights",
+            "/pause?mode=keep",
+            "/start_weight_update",
+            "/update_weights",
             {"listed": [["v2", True, 1], ["v1", False, 1]]},  # make before break: both held
-            "/finish_weight_update", {"listed": [["v2", True, 1]]}, "/resume",
-        ]  # fmt: skip
+            "/finish_weight_update",
+            {"listed": [["v2", True, 1]]},
+            "/resume",
+        ]
         sidecar.terminate()
         sidecar.wait(10)
 
         # 3. collective_rpc's path: the worker extension refits to v3, changed tensors only.
-        cluster.kubectl("patch", "ml", "serve", "-n", namespace, "--type=merge", "-p",
-                        '{"spec":{"desiredVersion":"v3"}}')  # fmt: skip
+        cluster.kubectl(
+            "patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"desiredVersion":"v3"}}'
+        )
         engine.stdin.write("v3\n")
         engine.stdin.flush()
         third = line_of(engine, describe)

@@ -48,8 +48,12 @@ class LoadWeightsAdapter:
 
 
 def report(model, ptrs: dict, **extra) -> None:
-    out = {"sha256": tensors_sha256(model_tensors(model)), "tokens": greedy(model),
-           "in_place": ptrs == {n: t.data_ptr() for n, t in model_tensors(model).items()}, **extra}  # fmt: skip
+    out = {
+        "sha256": tensors_sha256(model_tensors(model)),
+        "tokens": greedy(model),
+        "in_place": ptrs == {n: t.data_ptr() for n, t in model_tensors(model).items()},
+        **extra,
+    }
     print(json.dumps(out), flush=True)
 
 
@@ -138,13 +142,21 @@ def main(name: str) -> None:
     loader.load_weights(model, model_config)
 
     vllm_config = SimpleNamespace(model_config=model_config, parallel_config=SimpleNamespace())
-    StandIn.engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="ferry"), vllm_config,
-                                                               torch.device("cpu"), model)  # fmt: skip
+    StandIn.engine = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="ferry"), vllm_config, torch.device("cpu"), model
+    )
     server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     StandIn.initial = held(model).version
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    report(module, ptrs, version=held(model).version, tokens_before=tokens_before, port=server.server_port,
-           listed=listed(), blocked_loaded=sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))  # fmt: skip
+    report(
+        module,
+        ptrs,
+        version=held(model).version,
+        tokens_before=tokens_before,
+        port=server.server_port,
+        listed=listed(),
+        blocked_loaded=sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED),
+    )
 
     StandIn.done.wait(300)
     last = held(model).last

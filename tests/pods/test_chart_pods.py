@@ -112,9 +112,17 @@ def release(pod_stack, tmp_path_factory):
     stack = pod_stack
     kubectl(stack, "create", "namespace", TENANT)
     kubectl(stack, "create", "namespace", NS)
-    kubectl(stack, "create", "secret", "generic", "s3-credentials", "-n", TENANT,
-            f"--from-literal=AWS_ACCESS_KEY_ID={stack.s3.access_key}",
-            f"--from-literal=AWS_SECRET_ACCESS_KEY={stack.s3.secret_key}")  # fmt: skip
+    kubectl(
+        stack,
+        "create",
+        "secret",
+        "generic",
+        "s3-credentials",
+        "-n",
+        TENANT,
+        f"--from-literal=AWS_ACCESS_KEY_ID={stack.s3.access_key}",
+        f"--from-literal=AWS_SECRET_ACCESS_KEY={stack.s3.secret_key}",
+    )
     for node in stack.nodes.nodes:
         kubectl(stack, "label", "node", node.name, f"ferry.dev/pool={TENANT}")
     values = values_file(stack, tmp_path_factory.mktemp("values"))
@@ -159,12 +167,36 @@ def publish(stack, tmp: Path, version: str, seed: int) -> dict[str, np.ndarray]:
     stack.s3.create_bucket(BUCKET)
     env = {**stack.s3.env(), "AWS_ENDPOINT_URL": stack.s3_endpoint, "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(
-        [sys.executable, "-m", "ferry.cli", "publish", str(source), "--version", version,
-         "--uri-prefix", f"s3://{BUCKET}/m", "--model", "m", "--endpoint", stack.s3_endpoint,
-         "--credentials-secret", "s3-credentials", "-n", TENANT, "--kubeconfig", str(stack.cluster.kubeconfig),
-         "--wait", "--timeout", "180", "-q"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ferry.cli",
+            "publish",
+            str(source),
+            "--version",
+            version,
+            "--uri-prefix",
+            f"s3://{BUCKET}/m",
+            "--model",
+            "m",
+            "--endpoint",
+            stack.s3_endpoint,
+            "--credentials-secret",
+            "s3-credentials",
+            "-n",
+            TENANT,
+            "--kubeconfig",
+            str(stack.cluster.kubeconfig),
+            "--wait",
+            "--timeout",
+            "180",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"{proc.stderr}\n{describe(stack)}"
     return weights
 
@@ -181,19 +213,29 @@ def completed_since(status: dict, since: datetime | None) -> bool:
 def loaded(stack, version: str, count: int, since: datetime | None = None) -> list[dict] | None:
     """The replicas Serving `version`, when there are `count` (each loaded at or after `since`)."""
     items = [
-        r for r in replicas(stack)
-        if (status := r.get("status") or {}).get("phase") == "Serving" and status.get("version") == version
+        r
+        for r in replicas(stack)
+        if (status := r.get("status") or {}).get("phase") == "Serving"
+        and status.get("version") == version
         and completed_since(status, since)
-    ]  # fmt: skip
+    ]
     return items if len(items) == count else None
 
 
 def modelload(stack, version: str, count: int) -> None:
     body = {
-        "apiVersion": "ferry.dev/v1alpha1", "kind": "ModelLoad", "metadata": {"name": "serve", "namespace": TENANT},
-        "spec": {"modelName": "m", "desiredVersion": version, "replicas": count, "device": "cpu",
-                 "nodeSelector": {"ferry.dev/pool": TENANT}, "transfer": {"timeoutSeconds": 60}},
-    }  # fmt: skip
+        "apiVersion": "ferry.dev/v1alpha1",
+        "kind": "ModelLoad",
+        "metadata": {"name": "serve", "namespace": TENANT},
+        "spec": {
+            "modelName": "m",
+            "desiredVersion": version,
+            "replicas": count,
+            "device": "cpu",
+            "nodeSelector": {"ferry.dev/pool": TENANT},
+            "transfer": {"timeoutSeconds": 60},
+        },
+    }
     kubectl(stack, "apply", "-f", "-", input=json.dumps(body))
 
 
@@ -250,34 +292,50 @@ def consumer_pod(image: str, node: str, other_uids: list[str]) -> dict:
     the container mounts only pods/$(POD_UID), read-only; from the agent's dev image (torch and ferry.client)."""
     dev = localimages.dev_chart_values()["agent"]
     return {
-        "apiVersion": "v1", "kind": "Pod",
+        "apiVersion": "v1",
+        "kind": "Pod",
         "metadata": {"name": "consumer", "namespace": TENANT, "labels": {"app": "consumer"}},
         "spec": {
             "nodeName": node,
             "restartPolicy": "Never",
             "securityContext": {"runAsNonRoot": True, "runAsUser": localimages.UID, "runAsGroup": localimages.GID},
-            "containers": [{
-                "name": "engine",
-                "image": image,
-                "imagePullPolicy": "Never",
-                "args": ["python", "-c", CONSUMER],
-                "env": [
-                    {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
-                    {"name": "FERRY_SOCKET_DIR", "value": "/run/ferry"},
-                    {"name": "OTHER_POD_UIDS", "value": " ".join(other_uids)},
-                ],
-                "volumeMounts": [
-                    {"name": "ferry", "mountPath": "/run/ferry", "subPathExpr": "pods/$(POD_UID)", "readOnly": True},
-                    *dev["extraVolumeMounts"],
-                ],
-                "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
-                "securityContext": {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
-                                    "capabilities": {"drop": ["ALL"]}},
-            }],
-            "volumes": [{"name": "ferry", "hostPath": {"path": "/run/ferry", "type": "Directory"}},
-                        *dev["extraVolumes"]],
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": image,
+                    "imagePullPolicy": "Never",
+                    "args": ["python", "-c", CONSUMER],
+                    "env": [
+                        {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                        {"name": "FERRY_SOCKET_DIR", "value": "/run/ferry"},
+                        {"name": "OTHER_POD_UIDS", "value": " ".join(other_uids)},
+                    ],
+                    "volumeMounts": [
+                        {
+                            "name": "ferry",
+                            "mountPath": "/run/ferry",
+                            "subPathExpr": "pods/$(POD_UID)",
+                            "readOnly": True,
+                        },
+                        *dev["extraVolumeMounts"],
+                    ],
+                    "resources": {
+                        "requests": {"cpu": "50m", "memory": "128Mi"},
+                        "limits": {"cpu": "1", "memory": "1Gi"},
+                    },
+                    "securityContext": {
+                        "readOnlyRootFilesystem": True,
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"]},
+                    },
+                }
+            ],
+            "volumes": [
+                {"name": "ferry", "hostPath": {"path": "/run/ferry", "type": "Directory"}},
+                *dev["extraVolumes"],
+            ],
         },
-    }  # fmt: skip
+    }
 
 
 def test_consumer_pod_attaches_through_its_own_hostpath_socket(pod_stack, release):
@@ -346,9 +404,12 @@ def test_deleted_agent_pod_comes_back_and_its_replica_recovers(pod_stack, releas
         holders = lease_holders(stack, node)
         # Loaded again after the deletion, its liveness Lease held by the new pod's agent.
         return (
-            status.get("phase") == "Serving" and status.get("version") == "v1" and completed_since(status, deleted_at)
-            and holders and not holders & old_holders
-        )  # fmt: skip
+            status.get("phase") == "Serving"
+            and status.get("version") == "v1"
+            and completed_since(status, deleted_at)
+            and holders
+            and not holders & old_holders
+        )
 
     wait_for(recovered, 240, f"the replica on {node} Ready under the new agent", lambda: describe(stack))
 

@@ -49,10 +49,15 @@ def replica(cluster, namespace: str, name: str, node_name: str, version: str, ra
             "labels": {LABEL_MODEL: "m", LABEL_VERSION: version, LABEL_NODE: node_name},
         },
         "spec": {
-            "modelLoad": "ml", "modelName": "m", "version": version, "nodeName": node_name, "device": "cpu",
-            "transfer": {"timeoutSeconds": 30}, "ranks": ranks,
+            "modelLoad": "ml",
+            "modelName": "m",
+            "version": version,
+            "nodeName": node_name,
+            "device": "cpu",
+            "transfer": {"timeoutSeconds": 30},
+            "ranks": ranks,
         },
-    }  # fmt: skip
+    }
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
 
 
@@ -139,9 +144,10 @@ def start_agent(
 def wait_phase(cluster, namespace, name, phase, proc, timeout=60):
     return wait_for(
         lambda: (o := get(cluster, namespace, "wr", name)) and (o.get("status") or {}).get("phase") == phase and o,
-        timeout, f"{name} {phase}",
+        timeout,
+        f"{name} {phase}",
         lambda: json.dumps((get(cluster, namespace, "wr", name) or {}).get("status"), indent=1) + proc.log_tail(),
-    )  # fmt: skip
+    )
 
 
 def read_back(rank_entry: dict, replica_name: str, reader_node: str | None = None) -> str:

@@ -81,11 +81,15 @@ def ml_body(
         "kind": "ModelLoad",
         "metadata": {"name": name},
         "spec": {
-            "modelName": model, "desiredVersion": version, "replicas": replicas, "device": "cpu",
-            "nodeSelector": {"ferry.dev/pool": pool or namespace}, "transfer": transfer or {"timeoutSeconds": 30},
+            "modelName": model,
+            "desiredVersion": version,
+            "replicas": replicas,
+            "device": "cpu",
+            "nodeSelector": {"ferry.dev/pool": pool or namespace},
+            "transfer": transfer or {"timeoutSeconds": 30},
             **spec,
         },
-    }  # fmt: skip
+    }
 
 
 def ml_status(cluster: LocalCluster, namespace: str, name: str = "serve") -> dict:
@@ -133,6 +137,8 @@ def wait_reason(
         return obj if c.get("status") == status and c.get("reason") == reason else None
 
     return wait_for(
-        check, timeout, f"{name} {type_}={status}/{reason}",
+        check,
+        timeout,
+        f"{name} {type_}={status}/{reason}",
         lambda: json.dumps((get(cluster, namespace, "wv", name) or {}).get("status"), indent=1),
-    )  # fmt: skip
+    )

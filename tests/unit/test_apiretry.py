@@ -171,8 +171,9 @@ def test_outbox_keeps_a_refused_patch():
 
 def test_bound_requests_sets_a_default_timeout():
     seen = []
-    api = SimpleNamespace(rest_client=SimpleNamespace(request=lambda *a, _request_timeout=None, **k: seen.append(
-        _request_timeout)))  # fmt: skip
+    api = SimpleNamespace(
+        rest_client=SimpleNamespace(request=lambda *a, _request_timeout=None, **k: seen.append(_request_timeout))
+    )
     apiretry.bound_requests(api, (1.0, 2.0))
     api.rest_client.request("GET", "/x")
     api.rest_client.request("GET", "/watch", _request_timeout=(1, 330))
@@ -246,8 +247,11 @@ def test_agent_publishes_its_phase_again_when_the_object_says_otherwise():
     a = fake_agent(objects, FakeLeases())
     handle = SimpleNamespace(active_leases=lambda: 2, failure=lambda: None)
     a._served[("ns", "wr")] = Served("v1", handle, {"phase": "Serving", "version": "v1", "source": "s3"})
-    listed = {"metadata": {"namespace": "ns", "name": "wr"}, "spec": {"nodeName": "n1", "version": "v1"},
-              "status": {"phase": "Stale", "version": "v1"}}  # fmt: skip
+    listed = {
+        "metadata": {"namespace": "ns", "name": "wr"},
+        "spec": {"nodeName": "n1", "version": "v1"},
+        "status": {"phase": "Stale", "version": "v1"},
+    }
     objects.items = [listed]
     a.reconcile_once()
     assert objects.patches == [{"phase": "Serving", "version": "v1", "source": "s3", "activeLeases": 2}]

@@ -37,8 +37,11 @@ def rank_memory(tensors: dict[str, torch.Tensor], rank: int) -> tuple[HostStore,
     for spec in mine:
         resident.tensors[spec.name].copy_(tensors[spec.name])
     sealed = store.seal(resident, f"ns/m/v1#{rank}", "v1", "uid-1")
-    memory = {"fds": sealed.fds, "chunks": sealed.chunk_sizes,
-              "tensors": [{**e.to_json(), "sha256": e.sha256} for e in sealed.entries]}  # fmt: skip
+    memory = {
+        "fds": sealed.fds,
+        "chunks": sealed.chunk_sizes,
+        "tensors": [{**e.to_json(), "sha256": e.sha256} for e in sealed.entries],
+    }
     return store, memory
 
 
@@ -101,9 +104,22 @@ def test_a_share_that_is_not_sealed_or_smaller_than_reported_is_refused():
     fd = os.memfd_create("ferry:unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, 4096)
-        memory = {"fds": [fd], "chunks": [4096],
-                  "tensors": [{"name": "w", "dtype": "float32", "shape": [4], "chunk": 0, "offset": 0, "nbytes": 16,
-                               "adler32": 1, "sha256": "0" * 64}]}  # fmt: skip
+        memory = {
+            "fds": [fd],
+            "chunks": [4096],
+            "tensors": [
+                {
+                    "name": "w",
+                    "dtype": "float32",
+                    "shape": [4],
+                    "chunk": 0,
+                    "offset": 0,
+                    "nbytes": 16,
+                    "adler32": 1,
+                    "sha256": "0" * 64,
+                }
+            ],
+        }
         with pytest.raises(ValueError, match="not sealed"):
             adopt_rank(store, KEY, "x", "v1", None, os.getpid(), memory)
         _, sealed = rank_memory(weights(), 0)

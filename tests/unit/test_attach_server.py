@@ -151,8 +151,12 @@ def test_scoping_and_bad_requests_get_error_replies(server):
     assert request({"op": "hello"}, socket_dir=pod)["pod"]["namespace"] == "ns"
     assert [v["version"] for v in request({"op": "list"}, socket_dir=other)["versions"]] == []
     sock = raw(pod)
-    for bad in ({"op": "explode"}, {"op": "attach", "name": 5}, {"op": "attach", "name": "ml", "rank": "x"},
-                {"op": "release", "lease": "nope"}):  # fmt: skip
+    for bad in (
+        {"op": "explode"},
+        {"op": "attach", "name": 5},
+        {"op": "attach", "name": "ml", "rank": "x"},
+        {"op": "release", "lease": "nope"},
+    ):
         p.send_frame(sock, bad)
         reply, _ = p.recv_frame(sock, max_bytes=p.MAX_REPLY_BYTES)
         assert reply["ok"] is False, bad

@@ -297,9 +297,16 @@ def test_from_body() -> None:
         },
     }
     assert VersionView.from_body(body) == VersionView(
-        "v2", "llama", "XorDelta", "v1", "sig", True, True, True,
+        "v2",
+        "llama",
+        "XorDelta",
+        "v1",
+        "sig",
+        True,
+        True,
+        True,
         storage_uri="s3://bucket/v2/model.safetensors.index.json",
-    )  # fmt: skip
+    )
 
 
 def test_from_body_minimal() -> None:

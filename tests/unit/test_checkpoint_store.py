@@ -168,8 +168,11 @@ def test_prepare_then_activate_or_release(store: CheckpointStore) -> None:
         update.commit(activate=False)
     state = store.state("ns/m")
     assert (state.status, state.version, state.target, state.target_chain) == (
-        StoreStatus.READY, "v1", "v2", ("v1", "v2"),
-    )  # fmt: skip
+        StoreStatus.READY,
+        "v1",
+        "v2",
+        ("v1", "v2"),
+    )
     assert ArtifactRef("ns/m", MAT, "v2") in store.protected()  # prepared: not evictable while the ranks load it
     assert store.prepared_head("ns/m", ("v1", "v2")) == store.path(ArtifactRef("ns/m", MAT, "v2"))
     assert store.prepared_head("ns/m", ("v1",)) is not None and store.prepared_head("ns/m", ("v1", "v3")) is None

@@ -12,8 +12,18 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-BLOCKED = ("kopf", "kubernetes", "boto3", "botocore", "grpc", "nixl", "safetensors", "pydantic",
-           "ferry_agent", "ferry_operator")  # fmt: skip
+BLOCKED = (
+    "kopf",
+    "kubernetes",
+    "boto3",
+    "botocore",
+    "grpc",
+    "nixl",
+    "safetensors",
+    "pydantic",
+    "ferry_agent",
+    "ferry_operator",
+)
 
 PROGRAM = f"""
 import importlib.abc, sys

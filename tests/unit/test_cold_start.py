@@ -85,9 +85,14 @@ def _all_miss_then_seed(group: TorchRankGroup) -> Any:
     reinits: list[int] = []
     ctx = _ctx(group)
     result = run_cold_start(
-        group, ctx, configured="v2", source_order=["Peer", "ObjectStorage"], strategies={"Peer": peer},
-        exact=[seed], reinit=lambda c: reinits.append(c.rank),
-    )  # fmt: skip
+        group,
+        ctx,
+        configured="v2",
+        source_order=["Peer", "ObjectStorage"],
+        strategies={"Peer": peer},
+        exact=[seed],
+        reinit=lambda c: reinits.append(c.rank),
+    )
     return result, [(a.source, str(a.outcome), a.reason) for a in ctx.attempts], reinits, peer.rollbacks
 
 
@@ -105,9 +110,14 @@ def _mixed_peer(group: TorchRankGroup) -> Any:
     peer = Fake("Peer", "loaded" if group.rank == 0 else "boom")
     try:
         run_cold_start(
-            group, _ctx(group), configured="v2", source_order=["Peer"], strategies={"Peer": peer},
-            exact=[Fake("LocalFile", "loaded")], release=released.append,
-        )  # fmt: skip
+            group,
+            _ctx(group),
+            configured="v2",
+            source_order=["Peer"],
+            strategies={"Peer": peer},
+            exact=[Fake("LocalFile", "loaded")],
+            release=released.append,
+        )
     except StrategyRecoveryError as exc:
         return str(exc), released, peer.rollbacks
     return None
@@ -126,8 +136,13 @@ def test_one_rank_loading_while_another_misses_is_fatal_and_the_loaded_rank_rele
 
 def _conflicting(group: TorchRankGroup) -> Any:
     peer = Fake("Peer", "loaded")
-    run_cold_start(group, _ctx(group), configured=["llama-v1", "llama-v2"][group.rank], source_order=["Peer"],
-                   strategies={"Peer": peer})  # fmt: skip
+    run_cold_start(
+        group,
+        _ctx(group),
+        configured=["llama-v1", "llama-v2"][group.rank],
+        source_order=["Peer"],
+        strategies={"Peer": peer},
+    )
     return peer.loads
 
 
@@ -140,8 +155,9 @@ def test_ranks_configured_with_different_versions_fail_naming_both(tmp_path: Pat
 def _no_desired_version(group: TorchRankGroup) -> Any:
     peer, agnostic = Fake("Peer", "loaded"), Fake("LocalFile", "loaded")
     ctx = _ctx(group)
-    result = run_cold_start(group, ctx, configured=None, source_order=["Peer"], strategies={"Peer": peer},
-                            version_agnostic=[agnostic])  # fmt: skip
+    result = run_cold_start(
+        group, ctx, configured=None, source_order=["Peer"], strategies={"Peer": peer}, version_agnostic=[agnostic]
+    )
     return result, peer.loads, ctx.version
 
 
@@ -154,8 +170,14 @@ def test_no_desired_version_runs_only_the_version_agnostic_path(tmp_path: Path) 
 def test_no_desired_version_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     ctx = LoadContext(model="m", version="", rank=0, target_id="r")
     with caplog.at_level(logging.WARNING):
-        run_cold_start(SingleRank(), ctx, configured=None, source_order=["Peer"], strategies={},
-                       version_agnostic=[Fake("LocalFile", "loaded")])  # fmt: skip
+        run_cold_start(
+            SingleRank(),
+            ctx,
+            configured=None,
+            source_order=["Peer"],
+            strategies={},
+            version_agnostic=[Fake("LocalFile", "loaded")],
+        )
     assert "no desired version, so only the version-agnostic strategies run (LocalFile)" in caplog.text
 
 
@@ -163,8 +185,9 @@ def _uneven_sources(group: TorchRankGroup) -> Any:
     strategies: dict[str, Any] = {"Peer": Fake("Peer", "miss")}
     if group.rank == 0:
         strategies["ObjectStorage"] = Fake("ObjectStorage", "loaded")  # rank 1 has no checkpoint store
-    return run_cold_start(group, _ctx(group), configured="v1", source_order=["Peer", "ObjectStorage"],
-                          strategies=strategies)  # fmt: skip
+    return run_cold_start(
+        group, _ctx(group), configured="v1", source_order=["Peer", "ObjectStorage"], strategies=strategies
+    )
 
 
 def test_a_rank_lacking_a_source_disagrees_on_the_order(tmp_path: Path) -> None:
@@ -185,8 +208,13 @@ def test_availability_must_agree(tmp_path: Path) -> None:
 
 def test_unknown_source_is_refused() -> None:
     with pytest.raises(ValueError, match=r"unknown source\(s\) \['Trainer'\]"):
-        run_cold_start(SingleRank(), LoadContext(model="m", version="", rank=0, target_id="r"), configured="v1",
-                       source_order=["Trainer"], strategies={})  # fmt: skip
+        run_cold_start(
+            SingleRank(),
+            LoadContext(model="m", version="", rank=0, target_id="r"),
+            configured="v1",
+            source_order=["Trainer"],
+            strategies={},
+        )
 
 
 class FailingRollback(Fake):
@@ -198,8 +226,14 @@ class FailingRollback(Fake):
 
 def _rollback_fails_on_one_rank(group: TorchRankGroup) -> Any:
     seed = Fake("LocalFile", "loaded")
-    run_cold_start(group, _ctx(group), configured="v1", source_order=["Peer"],
-                   strategies={"Peer": FailingRollback("Peer", "miss")}, exact=[seed])  # fmt: skip
+    run_cold_start(
+        group,
+        _ctx(group),
+        configured="v1",
+        source_order=["Peer"],
+        strategies={"Peer": FailingRollback("Peer", "miss")},
+        exact=[seed],
+    )
     return seed.loads
 
 
@@ -215,8 +249,9 @@ def test_a_rollback_failing_on_one_rank_stops_every_rank(tmp_path: Path) -> None
 def _rank_one_leaves(group: TorchRankGroup) -> Any:
     if group.rank == 1:
         return "left"  # its process ends: the group loses a member
-    return run_cold_start(group, _ctx(group), configured="v1", source_order=["Peer"],
-                          strategies={"Peer": Fake("Peer", "loaded")})  # fmt: skip
+    return run_cold_start(
+        group, _ctx(group), configured="v1", source_order=["Peer"], strategies={"Peer": Fake("Peer", "loaded")}
+    )
 
 
 def test_a_rank_that_leaves_the_group_is_fatal_for_the_rest(tmp_path: Path) -> None:

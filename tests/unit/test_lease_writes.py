@@ -42,8 +42,9 @@ class PolicyLeases:
         if name not in self.leases:
             raise ApiException(status=404)
         lease = self.leases[name]
-        meta = client.V1ObjectMeta(name=name, labels=dict(lease["metadata"]["labels"]),
-                                   resource_version=lease["metadata"]["resourceVersion"])  # fmt: skip
+        meta = client.V1ObjectMeta(
+            name=name, labels=dict(lease["metadata"]["labels"]), resource_version=lease["metadata"]["resourceVersion"]
+        )
         return client.V1Lease(metadata=meta)
 
     def patch_namespaced_lease(self, name: str, namespace: str, body: dict[str, Any]) -> None:

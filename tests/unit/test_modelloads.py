@@ -44,12 +44,19 @@ def node(name, gpu=True, unschedulable=False):
 
 
 def ml(replicas=3, version="v2", status=None):
-    return ModelLoad.from_body({
-        "metadata": {"name": "serve", "namespace": "ns", "uid": "u-1", "generation": 4},
-        "spec": {"modelName": "m", "desiredVersion": version, "replicas": replicas, "nodeSelector": {"gpu": "yes"},
-                 "transfer": {"stallSeconds": 30}},
-        "status": status or {},
-    })  # fmt: skip
+    return ModelLoad.from_body(
+        {
+            "metadata": {"name": "serve", "namespace": "ns", "uid": "u-1", "generation": 4},
+            "spec": {
+                "modelName": "m",
+                "desiredVersion": version,
+                "replicas": replicas,
+                "nodeSelector": {"gpu": "yes"},
+                "transfer": {"stallSeconds": 30},
+            },
+            "status": status or {},
+        }
+    )
 
 
 def wr(node_name, version="v2", phase="Serving", **status):

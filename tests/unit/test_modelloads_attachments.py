@@ -34,8 +34,11 @@ def wr(node: str, version: str = "v2", *attachments: dict, phase: str = "Serving
     status = {"phase": phase, "version": version}
     if attachments:
         status |= {"attachments": list(attachments), "attachedPods": len({a["podUid"] for a in attachments})}
-    return {"metadata": {"name": replica_name("serve", node)}, "spec": {"nodeName": node, "version": version},
-            "status": status}  # fmt: skip
+    return {
+        "metadata": {"name": replica_name("serve", node)},
+        "spec": {"nodeName": node, "version": version},
+        "status": status,
+    }
 
 
 def typed(replica: dict) -> WeightReplica:
@@ -93,8 +96,7 @@ def test_pods_on_the_old_version_only_are_not_engines_attached():
 
 
 def test_no_attachments_and_a_stale_replicas_attachments_count_nothing():
-    status = aggregate_status(ml(), [wr("a"), wr("b")], leases("a", "b"), nodes_available=2, now=NOW,
-                              now_text=NOW_TEXT)  # fmt: skip
+    status = aggregate_status(ml(), [wr("a"), wr("b")], leases("a", "b"), nodes_available=2, now=NOW, now_text=NOW_TEXT)
     assert status.attachedPods == 0
     assert (engines(status).status, engines(status).reason) == ("False", "NoEngines")
 
@@ -109,11 +111,18 @@ def test_no_attachments_and_a_stale_replicas_attachments_count_nothing():
 
 
 def test_the_condition_keeps_its_transition_time_while_the_counts_change():
-    one = aggregate_status(ml(), [wr("a", "v2", pod("e0", "v2"))], leases("a"), nodes_available=2, now=NOW,
-                           now_text=NOW_TEXT)  # fmt: skip
+    one = aggregate_status(
+        ml(), [wr("a", "v2", pod("e0", "v2"))], leases("a"), nodes_available=2, now=NOW, now_text=NOW_TEXT
+    )
     body = ml().model_copy(update={"status": one})
-    two = aggregate_status(body, [wr("a", "v2", pod("e0", "v2"), pod("e1", "v2"))], leases("a"), nodes_available=2,
-                           now=NOW, now_text="2026-01-01T12:05:00Z")  # fmt: skip
+    two = aggregate_status(
+        body,
+        [wr("a", "v2", pod("e0", "v2"), pod("e1", "v2"))],
+        leases("a"),
+        nodes_available=2,
+        now=NOW,
+        now_text="2026-01-01T12:05:00Z",
+    )
     assert engines(two).lastTransitionTime == NOW_TEXT and engines(two).message == "2 pods attached to v2"
 
 

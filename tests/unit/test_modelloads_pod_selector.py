@@ -34,8 +34,9 @@ pytestmark = pytest.mark.unit
 LABEL_NAME_MAX = 63
 
 
-def pod(name: str, node: str | None, labels: dict[str, str] | None = None, *, phase: str = "Running",
-        deleting: bool = False) -> PodFacts:  # fmt: skip
+def pod(
+    name: str, node: str | None, labels: dict[str, str] | None = None, *, phase: str = "Running", deleting: bool = False
+) -> PodFacts:
     meta = {"name": name, "uid": f"uid-{name}", "labels": labels if labels is not None else {"app": "engine"}}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
@@ -175,8 +176,9 @@ def test_followed_replicas_count_in_status_but_not_against_node_supply():
         "spec": {"renewTime": "2026-01-01T00:00:00Z", "leaseDurationSeconds": 15, "holderIdentity": "agent"},
     }
     leases = {replica_lease_name(replicas[0]["metadata"]["name"]): lease}
-    status = aggregate_status(ml, replicas, leases, nodes_available=1, now=now, now_text="2026-01-01T00:00:00Z",
-                              extra_replicas=1)  # fmt: skip
+    status = aggregate_status(
+        ml, replicas, leases, nodes_available=1, now=now, now_text="2026-01-01T00:00:00Z", extra_replicas=1
+    )
     assert status.ready == "1/2" and status.replicas == 2
     ready = next(c for c in status.conditions if c.type == "Ready")
     assert ready.reason == "ReplicasNotReady", ready  # not InsufficientNodes: the pool has its one node
@@ -207,13 +209,21 @@ def test_warm_labels_follow_serving_replicas():
 
 def test_pod_selector_schema():
     spec = ModelLoadSpec.model_validate(
-        {"modelName": "m", "desiredVersion": "v1",
-         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "vllm"},
-                         "matchExpressions": [{"key": "tier", "operator": "In", "values": ["a"]}]}}
-    )  # fmt: skip
+        {
+            "modelName": "m",
+            "desiredVersion": "v1",
+            "podSelector": {
+                "matchLabels": {"app.kubernetes.io/name": "vllm"},
+                "matchExpressions": [{"key": "tier", "operator": "In", "values": ["a"]}],
+            },
+        }
+    )
     assert isinstance(spec.podSelector, LabelSelector)
     with pytest.raises(ValidationError):
         ModelLoadSpec.model_validate(
-            {"modelName": "m", "desiredVersion": "v1",
-             "podSelector": {"matchExpressions": [{"key": "t", "operator": "Near"}]}}
-        )  # fmt: skip
+            {
+                "modelName": "m",
+                "desiredVersion": "v1",
+                "podSelector": {"matchExpressions": [{"key": "t", "operator": "Near"}]},
+            }
+        )

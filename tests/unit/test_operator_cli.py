@@ -29,9 +29,12 @@ def variables_read() -> set[str]:
 
 def test_help_lists_every_setting_with_its_default():
     out = subprocess.run(
-        [sys.executable, "-m", "ferry_operator", "--help"], capture_output=True, text=True, check=True,
+        [sys.executable, "-m", "ferry_operator", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
         env={**os.environ, "COLUMNS": "400"},
-    ).stdout  # fmt: skip
+    ).stdout
     names = variables_read()
     assert {"FERRY_VERIFY_CONCURRENCY", "FERRY_LEADER_ELECTION", "FERRY_LEADER_ELECTION_LEASE"} <= names  # scanned
     for name in names:
@@ -48,6 +51,16 @@ def test_a_run_is_kopf_run_with_the_flags_as_variables(monkeypatch):
     assert os.environ["FERRY_VERIFY_CONCURRENCY"] == "4"
     monkeypatch.delenv("FERRY_VERIFY_CONCURRENCY")
     assert ran == [
-        [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "-m", "ferry_operator.main",
-         "--log-format=json", "--liveness=http://0.0.0.0:8081/healthz"]
-    ]  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kopf",
+            "run",
+            "--standalone",
+            "--all-namespaces",
+            "-m",
+            "ferry_operator.main",
+            "--log-format=json",
+            "--liveness=http://0.0.0.0:8081/healthz",
+        ]
+    ]

@@ -20,9 +20,17 @@ pytestmark = pytest.mark.unit
 
 def view(name: str, namespace: str, base: str | None = None, uri: str = "") -> VersionView:
     return VersionView(
-        name, "m", "XorDelta" if base else "FullCheckpoint", base, None, True, False, bool(uri),
-        namespace=namespace, storage_uri=uri,
-    )  # fmt: skip
+        name,
+        "m",
+        "XorDelta" if base else "FullCheckpoint",
+        base,
+        None,
+        True,
+        False,
+        bool(uri),
+        namespace=namespace,
+        storage_uri=uri,
+    )
 
 
 class KeyedOnly(dict):

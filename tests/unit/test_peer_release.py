@@ -339,9 +339,19 @@ def test_each_candidate_is_fully_released_before_the_next_lease() -> None:
     peer = FakePeer(log, read_error=lambda name: OSError("reset") if name == "agent-a" else None)
     strategy(peer, FakeClient(log), [cand("a"), cand("b")]).load(ctx())
     assert kinds(log) == [
-        "lease", "register", "add", "transfer", "remove", "lease_release",
-        "lease", "add", "transfer", "sync", "remove", "lease_release",
-    ]  # fmt: skip
+        "lease",
+        "register",
+        "add",
+        "transfer",
+        "remove",
+        "lease_release",
+        "lease",
+        "add",
+        "transfer",
+        "sync",
+        "remove",
+        "lease_release",
+    ]
     assert [e[1] for e in log if e[0] == "remove"] == ["agent-a", "agent-b"]
 
 
@@ -601,13 +611,19 @@ def test_error_state_raises() -> None:
         lambda ts: ts[:-1],
         lambda ts: [*ts, RemoteTensor("extra", 1, 4, "torch.float32", (1,), "DRAM", 0)],
         lambda ts: [*ts, ts[0]],
-        lambda ts: [t if t.name != "layers.0.bias" else RemoteTensor(t.name, t.addr, t.nbytes, "torch.float16",
-                                                                     t.shape, "DRAM", 0) for t in ts],
-        lambda ts: [t if t.name != "layers.0.weight" else RemoteTensor(t.name, t.addr, t.nbytes, t.dtype,
-                                                                       (4, 3), "DRAM", 0) for t in ts],
+        lambda ts: [
+            t
+            if t.name != "layers.0.bias"
+            else RemoteTensor(t.name, t.addr, t.nbytes, "torch.float16", t.shape, "DRAM", 0)
+            for t in ts
+        ],
+        lambda ts: [
+            t if t.name != "layers.0.weight" else RemoteTensor(t.name, t.addr, t.nbytes, t.dtype, (4, 3), "DRAM", 0)
+            for t in ts
+        ],
     ],
     ids=["missing", "extra", "duplicate", "dtype", "shape"],
-)  # fmt: skip
+)
 def test_manifest_mismatch_is_refused_before_any_nixl_call(mutate: Callable[[list[RemoteTensor]], Any]) -> None:
     agent = FakeAgent()
     peer = NixlPeer("t", agent=agent)

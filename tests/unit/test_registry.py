@@ -29,11 +29,17 @@ def wr(name, *, phase="Serving", version="v1", rank=0, state="Ready", deleting=F
             "version": version,
             "activeLeases": leases,
             "ranks": [
-                {"rank": rank, "agentName": f"agent-{name}", "grpcEndpoint": f"127.0.0.1:{5000 + rank}",
-                 "tensorCount": 3, "manifestDigest": "abc", "state": state}
+                {
+                    "rank": rank,
+                    "agentName": f"agent-{name}",
+                    "grpcEndpoint": f"127.0.0.1:{5000 + rank}",
+                    "tensorCount": 3,
+                    "manifestDigest": "abc",
+                    "state": state,
+                }
             ],
         },
-    }  # fmt: skip
+    }
 
 
 def live(*names, age=1.0):
@@ -55,8 +61,10 @@ def test_only_live_serving_replicas_of_the_exact_version_and_rank():
         wr("deleting", deleting=True),
         wr("me"),
     ]
-    leases = {**live("good", "loading", "other-version", "other-rank", "draining", "deleting", "me"),
-              **live("stale-lease", age=60)}  # fmt: skip
+    leases = {
+        **live("good", "loading", "other-version", "other-rank", "draining", "deleting", "me"),
+        **live("stale-lease", age=60),
+    }
     cands = source_candidates(replicas, leases, version="v1", rank=0, self_replica="me", now=NOW)
     assert names(cands) == ["good"]
     c = cands[0]

@@ -90,6 +90,8 @@ def test_the_read_guard_serves_the_version_the_rank_loaded() -> None:
     c.version = "v9"  # what the ranks agreed on and loaded, whatever the spec says by now
     guard = read_guard(auth, "team-a", c)
     assert guard is not None and (guard.served.namespace, guard.served.model, guard.served.version) == (
-        "team-a", "org/m", "v9",
-    )  # fmt: skip
+        "team-a",
+        "org/m",
+        "v9",
+    )
     assert read_guard(None, "team-a", c) is None

@@ -24,12 +24,28 @@ from ferry_operator.retention import (
 pytestmark = pytest.mark.unit
 
 
-def wv(name: str, base: str | None = None, *, model: str = "m", ready: bool = True, deleting: bool = False,
-       created: str = "2026-01-01T00:00:00Z") -> VersionView:  # fmt: skip
+def wv(
+    name: str,
+    base: str | None = None,
+    *,
+    model: str = "m",
+    ready: bool = True,
+    deleting: bool = False,
+    created: str = "2026-01-01T00:00:00Z",
+) -> VersionView:
     return VersionView(
-        name, model, "XorDelta" if base else "FullCheckpoint", base, None, ready, deleting, True, uid=f"uid-{name}",
-        created=created, ready_time=created if ready else "",
-    )  # fmt: skip
+        name,
+        model,
+        "XorDelta" if base else "FullCheckpoint",
+        base,
+        None,
+        ready,
+        deleting,
+        True,
+        uid=f"uid-{name}",
+        created=created,
+        ready_time=created if ready else "",
+    )
 
 
 def ml(name: str, desired: str, keep: int | None = None, *, model: str = "m", storage: bool = False) -> LoadFacts:
@@ -157,8 +173,11 @@ def test_api_validates_the_policy():
     with pytest.raises(ValueError):
         ModelLoadSpec.model_validate({**spec, "retention": {"keepLast": 0}})
     assert [r.value for r in RetentionReason] == [
-        "VersionRetired", "RetirementFailed", "StorageDeleted", "StorageNotDeleted",
-    ]  # fmt: skip
+        "VersionRetired",
+        "RetirementFailed",
+        "StorageDeleted",
+        "StorageNotDeleted",
+    ]
 
 
 # ---------------------------------------------------------------- deleting one version's objects

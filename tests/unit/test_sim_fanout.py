@@ -12,8 +12,15 @@ MIB = 1 << 20
 
 
 def fleet(n: int, **kw) -> Fleet:
-    base = {"replicas": n, "model_bytes": 64 * MIB, "nic_gbps": 8.0, "s3_client_gbps": 4.0, "s3_latency_s": 0.0,
-            "peer_latency_s": 0.0, "chunks": 16}  # fmt: skip
+    base = {
+        "replicas": n,
+        "model_bytes": 64 * MIB,
+        "nic_gbps": 8.0,
+        "s3_client_gbps": 4.0,
+        "s3_latency_s": 0.0,
+        "peer_latency_s": 0.0,
+        "chunks": 16,
+    }
     return Fleet(**{**base, **kw})
 
 

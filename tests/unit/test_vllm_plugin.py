@@ -71,8 +71,18 @@ def test_only_the_vllm_modules_import_vllm():
     assert not any(top for _, top in importing["ferry_vllm/__init__.py"])  # only inside register()
 
 
-BLOCKED = ("vllm", "kopf", "kubernetes", "boto3", "botocore", "grpc", "nixl", "pydantic", "ferry_agent",
-           "ferry_operator")  # fmt: skip
+BLOCKED = (
+    "vllm",
+    "kopf",
+    "kubernetes",
+    "boto3",
+    "botocore",
+    "grpc",
+    "nixl",
+    "pydantic",
+    "ferry_agent",
+    "ferry_operator",
+)
 PROGRAM = f"""
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):

@@ -390,8 +390,9 @@ def test_assignments_answer_from_the_last_view_while_the_api_is_down_for_the_gra
     view = WatchedAssignments(client.ApiClient(), direct=Down(), outage_grace_s=600, clock=clock)
     ns_view = _NamespaceView.__new__(_NamespaceView)  # no watch thread: the test plays the watch
     ns_view._lock, ns_view._clock = threading.Lock(), clock
-    ns_view._items = {"wr": {"metadata": {"name": "wr"}, "spec": {"nodeName": "node-a", "modelName": "m",
-                                                                  "version": "v1"}}}  # fmt: skip
+    ns_view._items = {
+        "wr": {"metadata": {"name": "wr"}, "spec": {"nodeName": "node-a", "modelName": "m", "version": "v1"}}
+    }
     ns_view._lost_at = None
     view._views["ns"] = ns_view
     assert view.assigned("node-a", SERVED)

@@ -85,9 +85,14 @@ class Entry:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "name": self.name, "dtype": self.dtype, "shape": list(self.shape), "chunk": self.chunk,
-            "offset": self.offset, "nbytes": self.nbytes, "adler32": self.adler32,
-        }  # fmt: skip
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "chunk": self.chunk,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "adler32": self.adler32,
+        }
 
     def identity(self) -> tuple[str, tuple[int, ...], str]:
         return self.dtype, self.shape, self.sha256
@@ -224,8 +229,16 @@ class SealedVersion:
     """Sealed chunks and their manifest. Reference counted: the replica holds one while it serves it, the attach
     offer one, each lease one; at zero its chunks are let go (each closes when no other version uses it)."""
 
-    def __init__(self, label: str, chunks: list[Chunk], entries: list[Entry], *, key: Hashable = None,
-                 version: str = "", uid: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        label: str,
+        chunks: list[Chunk],
+        entries: list[Entry],
+        *,
+        key: Hashable = None,
+        version: str = "",
+        uid: str | None = None,
+    ) -> None:
         self.label = label
         self.key = key
         self.version = version
@@ -365,8 +378,15 @@ class HostStore:
         """Why the last load of `key` (through `allocator`) could not allocate, if the budget was why."""
         return self._refused.pop(key, None)
 
-    def allocate(self, key: Hashable, specs: Sequence[TensorSpec], label: str, share: Share | None = None, *,
-                 chunk_bytes: int | None = None) -> ResidentWeights:  # fmt: skip
+    def allocate(
+        self,
+        key: Hashable,
+        specs: Sequence[TensorSpec],
+        label: str,
+        share: Share | None = None,
+        *,
+        chunk_bytes: int | None = None,
+    ) -> ResidentWeights:
         """Host memory for `specs`, the result sealed with `seal`. Fresh writable chunks, except for the tensors
         `share` says a version of `key` still held has the very bytes of (`share(version)`: those names): those are
         views of that version's sealed chunks, read-only, listed in `ResidentWeights.shared`, and the loader must
@@ -439,12 +459,19 @@ class HostStore:
         resident.host = building
         weakref.finalize(resident, _drop_unsealed, building)
         if shared:
-            log.info("%s shares %d of %d tensors (%d bytes) with %s", label, len(shared), len(specs),
-                     sum(e.nbytes for e in shared.values()), base.label if base else "")  # fmt: skip
+            log.info(
+                "%s shares %d of %d tensors (%d bytes) with %s",
+                label,
+                len(shared),
+                len(specs),
+                sum(e.nbytes for e in shared.values()),
+                base.label if base else "",
+            )
         return resident
 
-    def _base(self, key: Hashable, specs: Sequence[TensorSpec], share: Share | None
-              ) -> tuple[SealedVersion | None, dict[str, Entry]]:  # fmt: skip
+    def _base(
+        self, key: Hashable, specs: Sequence[TensorSpec], share: Share | None
+    ) -> tuple[SealedVersion | None, dict[str, Entry]]:
         """The held version of `key` that shares the most bytes with the new one (held by the caller from here on:
         it unrefs it), and the entries it shares."""
         if share is None:
@@ -458,11 +485,14 @@ class HostStore:
                 continue
             names = set(share(version))
             entries = {
-                e.name: e for e in version.entries
-                if e.name in names and e.nbytes and e.name in wanted
-                and (f"torch.{e.dtype}", e.shape, e.nbytes) == (wanted[e.name].dtype, wanted[e.name].shape,
-                                                                wanted[e.name].nbytes)
-            }  # fmt: skip
+                e.name: e
+                for e in version.entries
+                if e.name in names
+                and e.nbytes
+                and e.name in wanted
+                and (f"torch.{e.dtype}", e.shape, e.nbytes)
+                == (wanted[e.name].dtype, wanted[e.name].shape, wanted[e.name].nbytes)
+            }
             if sum(e.nbytes for e in entries.values()) > sum(e.nbytes for e in best[1].values()):
                 if best[0] is not None:
                     best[0].unref()
@@ -490,8 +520,11 @@ class HostStore:
             shared = building.shared.get(spec.name)
             index, offset = building.places[spec.name]
             if shared is not None:
-                entries.append(Entry(spec.name, shared.dtype, shared.shape, index, offset, spec.nbytes,
-                                     shared.adler32, shared.sha256))  # fmt: skip
+                entries.append(
+                    Entry(
+                        spec.name, shared.dtype, shared.shape, index, offset, spec.nbytes, shared.adler32, shared.sha256
+                    )
+                )
                 continue
             with building.mappings[index].view(offset, spec.nbytes) as view:
                 checksum, digest = zlib.adler32(view), hashlib.sha256(view).hexdigest()
@@ -510,8 +543,16 @@ class HostStore:
 
 def entry_of(t: Mapping[str, Any]) -> Entry:
     """An entry as `ranks.worker` reports it: the manifest entry and its sha256."""
-    return Entry(str(t["name"]), str(t["dtype"]), tuple(int(d) for d in t["shape"]), int(t["chunk"]),
-                 int(t["offset"]), int(t["nbytes"]), int(t["adler32"]), str(t["sha256"]))  # fmt: skip
+    return Entry(
+        str(t["name"]),
+        str(t["dtype"]),
+        tuple(int(d) for d in t["shape"]),
+        int(t["chunk"]),
+        int(t["offset"]),
+        int(t["nbytes"]),
+        int(t["adler32"]),
+        str(t["sha256"]),
+    )
 
 
 def sealed_of(resident: ResidentWeights) -> SealedVersion | None:
@@ -520,8 +561,7 @@ def sealed_of(resident: ResidentWeights) -> SealedVersion | None:
     return building.sealed if isinstance(building, _Building) else None
 
 
-_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30,
-          "Ti": 2**40}  # fmt: skip
+_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
 
 def parse_bytes(text: str) -> int:
@@ -534,8 +574,9 @@ def parse_bytes(text: str) -> int:
     return int(number) * _UNITS[unit]
 
 
-def adopt_rank(store: HostStore, key: Hashable, label: str, version: str, uid: str | None, pid: int,
-               memory: Mapping[str, Any]) -> SealedVersion:  # fmt: skip
+def adopt_rank(
+    store: HostStore, key: Hashable, label: str, version: str, uid: str | None, pid: int, memory: Mapping[str, Any]
+) -> SealedVersion:
     """The sealed share a rank process `pid` serves (`memory`: its `fds`, `chunks` sizes and `tensors`), as a
     version of this store: the agent opens each chunk through `/proc/<pid>/fd/<n>`, so the memory stays while
     the agent holds it, whatever the rank process does later. Raises if a chunk is not sealed or too small."""
@@ -573,8 +614,10 @@ def combined(store: HostStore, label: str, shares: Sequence[SealedVersion]) -> S
         for chunk in share.chunks:
             chunk.ref()
             chunks.append(chunk)
-        entries.extend(Entry(e.name, e.dtype, e.shape, base + e.chunk, e.offset, e.nbytes, e.adler32, e.sha256)
-                       for e in share.entries)  # fmt: skip
+        entries.extend(
+            Entry(e.name, e.dtype, e.shape, base + e.chunk, e.offset, e.nbytes, e.adler32, e.sha256)
+            for e in share.entries
+        )
     if len(chunks) > MAX_FDS:
         for chunk in chunks:
             chunk.unref()
@@ -592,8 +635,15 @@ def _drop_unsealed(building: _Building) -> None:
             building.base.unref()
 
 
-def seal_tensors(tensors: Mapping[str, torch.Tensor], label: str, chunk_bytes: int = CHUNK_BYTES, *,
-                 store: HostStore | None = None, key: Hashable = None, version: str = "") -> SealedVersion:  # fmt: skip
+def seal_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    label: str,
+    chunk_bytes: int = CHUNK_BYTES,
+    *,
+    store: HostStore | None = None,
+    key: Hashable = None,
+    version: str = "",
+) -> SealedVersion:
     """Copy `tensors` (contiguous, any device) into new sealed memfd chunks (of `store`, counted for `key`)."""
     if not tensors:
         raise ValueError("a sealed version needs at least one tensor")

@@ -46,10 +46,12 @@ class PodWatcher:
                 self._server.sync_pods(pod for obj in listed.items if (pod := _pod(obj)) is not None)
                 backoff.reset()
                 for event in watch.Watch().stream(
-                    self._core.list_pod_for_all_namespaces, field_selector=selector,
-                    resource_version=listed.metadata.resource_version, timeout_seconds=300,
+                    self._core.list_pod_for_all_namespaces,
+                    field_selector=selector,
+                    resource_version=listed.metadata.resource_version,
+                    timeout_seconds=300,
                     _request_timeout=(REQUEST_TIMEOUT_S[0], 330),
-                ):  # fmt: skip
+                ):
                     if self._stopping.is_set():
                         return
                     obj = event["object"]

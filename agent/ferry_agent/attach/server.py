@@ -160,8 +160,15 @@ class AttachServer:
         with self._lock:
             self._offers[key] = offer
             self._changed.notify_all()
-        log.info("offering %s/%s %s (%d bytes, %d chunks) to pods of %s", offer.model_load, offer.model,
-                 offer.version, offer.sealed.total_bytes, len(offer.sealed.fds), offer.namespace)  # fmt: skip
+        log.info(
+            "offering %s/%s %s (%d bytes, %d chunks) to pods of %s",
+            offer.model_load,
+            offer.model,
+            offer.version,
+            offer.sealed.total_bytes,
+            len(offer.sealed.fds),
+            offer.namespace,
+        )
 
     def withdraw(self, key: tuple[str, str]) -> None:
         """No new attaches; held leases keep the memory until they go."""
@@ -183,12 +190,20 @@ class AttachServer:
             offers = list(self._offers.values())
             held = [o for o in self._held if o.leases]
         return [
-            {"namespace": o.namespace, "modelLoad": o.model_load, "model": o.model, "version": o.version,
-             "versionUid": o.version_uid, "bytes": o.sealed.total_bytes, "tensors": len(o.sealed.entries),
-             "attached": o.leases, "offered": offered}
+            {
+                "namespace": o.namespace,
+                "modelLoad": o.model_load,
+                "model": o.model,
+                "version": o.version,
+                "versionUid": o.version_uid,
+                "bytes": o.sealed.total_bytes,
+                "tensors": len(o.sealed.entries),
+                "attached": o.leases,
+                "offered": offered,
+            }
             for group, offered in ((offers, True), (held, False))
             for o in group
-        ]  # fmt: skip
+        ]
 
     def on_leases_changed(self, callback: Callable[[], None]) -> None:
         """`callback()` after every lease taken or let go (from the connection's thread: it must not block)."""
@@ -202,9 +217,12 @@ class AttachServer:
         found: dict[tuple[str, str], dict[tuple[str, str, int | None], dict[str, Any]]] = {}
         for lease in leases:
             entry: dict[str, Any] = {
-                "pod": lease.pod.name, "podNamespace": lease.pod.namespace, "podUid": lease.pod.uid,
-                "version": lease.offer.version, "since": lease.since,
-            }  # fmt: skip
+                "pod": lease.pod.name,
+                "podNamespace": lease.pod.namespace,
+                "podUid": lease.pod.uid,
+                "version": lease.offer.version,
+                "since": lease.since,
+            }
             if lease.rank is not None:
                 entry["rank"] = lease.rank
             per_replica = found.setdefault(lease.replica, {})
@@ -239,8 +257,9 @@ class AttachServer:
         directory = self.pods_dir / pod.uid
         path = directory / p.SOCKET_NAME
         if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
-            log.error("socket path %s is longer than a Unix socket allows; no socket for %s/%s", path, pod.namespace,
-                      pod.name)  # fmt: skip
+            log.error(
+                "socket path %s is longer than a Unix socket allows; no socket for %s/%s", path, pod.namespace, pod.name
+            )
             return
         try:
             directory.mkdir(mode=0o755, exist_ok=True)  # made by the kubelet, it is group-writable (start)
@@ -360,8 +379,12 @@ class AttachServer:
     def _handle(self, pod: Pod, request: dict[str, Any], leases: dict[str, _Lease]) -> tuple[dict[str, Any], list]:
         op = request.get("op")
         if op == "hello":
-            return {"ok": True, "proto": p.PROTOCOL, "agent": self._agent_name,
-                    "pod": {"namespace": pod.namespace, "name": pod.name, "uid": pod.uid}}, []  # fmt: skip
+            return {
+                "ok": True,
+                "proto": p.PROTOCOL,
+                "agent": self._agent_name,
+                "pod": {"namespace": pod.namespace, "name": pod.name, "uid": pod.uid},
+            }, []
         if op == "list":
             mine = [v for v in self.snapshot() if v.get("namespace") == pod.namespace]
             return {"ok": True, "versions": mine, "leases": sorted(leases)}, []
@@ -439,8 +462,9 @@ class AttachServer:
             offer = matches[0]
             world = len(offer.ranks) or 1
             if rank is not None and rank >= world:
-                return p.error(p.BAD_REQUEST, f"{offer.model_load} has {world} rank(s) here; rank {rank} does not "
-                               "exist"), []  # fmt: skip
+                return p.error(
+                    p.BAD_REQUEST, f"{offer.model_load} has {world} rank(s) here; rank {rank} does not exist"
+                ), []
             sealed = offer.ranks[rank] if rank is not None and offer.ranks else offer.sealed
             sealed.lease()  # under the lock: a concurrent withdraw cannot free it between lookup and lease
             replica = next(k for k, o in self._offers.items() if o is offer)
@@ -448,13 +472,26 @@ class AttachServer:
             self._leases[lease.id] = lease
         leases[lease.id] = lease
         self._leases_changed()
-        log.info("pod %s/%s attached %s %s (lease %s)", pod.namespace, pod.name, offer.model_load, offer.version,
-                 lease.id[:8])  # fmt: skip
+        log.info(
+            "pod %s/%s attached %s %s (lease %s)",
+            pod.namespace,
+            pod.name,
+            offer.model_load,
+            offer.version,
+            lease.id[:8],
+        )
         reply = {
-            "ok": True, "lease": lease.id, "namespace": offer.namespace, "modelLoad": offer.model_load,
-            "model": offer.model, "version": offer.version, "versionUid": offer.version_uid,
-            "rank": rank if offer.ranks else 0, "ranks": world, **sealed.manifest(),
-        }  # fmt: skip
+            "ok": True,
+            "lease": lease.id,
+            "namespace": offer.namespace,
+            "modelLoad": offer.model_load,
+            "model": offer.model,
+            "version": offer.version,
+            "versionUid": offer.version_uid,
+            "rank": rank if offer.ranks else 0,
+            "ranks": world,
+            **sealed.manifest(),
+        }
         return reply, list(sealed.fds)
 
 

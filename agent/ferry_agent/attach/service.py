@@ -26,9 +26,15 @@ log = logging.getLogger("ferry.agent.attach")
 
 class AttachService:
     def __init__(
-        self, api: client.ApiClient, node: str, socket_dir: Path, *, agent_name: str = "",
-        chunk_bytes: int = CHUNK_BYTES, store: HostStore | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        api: client.ApiClient,
+        node: str,
+        socket_dir: Path,
+        *,
+        agent_name: str = "",
+        chunk_bytes: int = CHUNK_BYTES,
+        store: HostStore | None = None,
+    ) -> None:
         self.server = AttachServer(socket_dir, agent_name=agent_name)
         self._pods = PodWatcher(api, node, self.server)
         self._chunk_bytes = chunk_bytes
@@ -45,8 +51,9 @@ class AttachService:
         self._pods.stop()
         self.server.stop()
 
-    def serve(self, key: tuple[str, str], spec: Mapping[str, Any], resident: ResidentWeights,
-              version_uid: str | None) -> None:  # fmt: skip
+    def serve(
+        self, key: tuple[str, str], spec: Mapping[str, Any], resident: ResidentWeights, version_uid: str | None
+    ) -> None:
         """Offer a served replica's tensors to the pods of its namespace. Never raises: a version that cannot be
         offered (no memory for the copy) is still served to peers."""
         namespace, _ = key
@@ -57,8 +64,9 @@ class AttachService:
                 sealed.ref()  # the offer's hold on the replica's own memory
             else:
                 t0 = time.monotonic()
-                sealed = seal_tensors(resident.tensors, label, self._chunk_bytes, store=self._store, key=key,
-                                      version=spec["version"])  # fmt: skip
+                sealed = seal_tensors(
+                    resident.tensors, label, self._chunk_bytes, store=self._store, key=key, version=spec["version"]
+                )
                 log.info("%s sealed for attach in %.2fs (a copy)", label, time.monotonic() - t0)
         except Exception:
             log.exception("%s cannot be offered for attach", label)
@@ -68,8 +76,9 @@ class AttachService:
         offer = Offer(namespace, spec.get("modelLoad", ""), spec["modelName"], spec["version"], version_uid, sealed)
         self.server.offer(key, offer)
 
-    def serve_ranks(self, key: tuple[str, str], spec: Mapping[str, Any], shares: Sequence[SealedVersion],
-                    version_uid: str | None) -> None:  # fmt: skip
+    def serve_ranks(
+        self, key: tuple[str, str], spec: Mapping[str, Any], shares: Sequence[SealedVersion], version_uid: str | None
+    ) -> None:
         """Offer a multi-rank replica: `attach(rank=r)` gets share r, `attach()` all of them. Never raises."""
         namespace, _ = key
         label = f"{namespace}/{spec['modelName']}/{spec['version']}"
@@ -82,8 +91,15 @@ class AttachService:
         for share in shares:
             share.ref()  # the offer's hold on each rank's share
         self._compare(key, whole, version_uid)
-        offer = Offer(namespace, spec.get("modelLoad", ""), spec["modelName"], spec["version"], version_uid, whole,
-                      ranks=list(shares))  # fmt: skip
+        offer = Offer(
+            namespace,
+            spec.get("modelLoad", ""),
+            spec["modelName"],
+            spec["version"],
+            version_uid,
+            whole,
+            ranks=list(shares),
+        )
         self.server.offer(key, offer)
 
     def _compare(self, key: tuple[str, str], sealed: SealedVersion, version_uid: str | None) -> None:

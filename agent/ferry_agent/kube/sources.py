@@ -75,9 +75,15 @@ class ApiSources:
         def once(ctx: LoadContext, uid: str) -> tuple[list, list]:
             replicas, leases = self._read(f"the sources of {version}", lambda: listed(ctx))
             found = source_candidates(
-                replicas, leases, version=version, rank=ctx.rank, self_replica=self_name,
-                now=dt.datetime.now(dt.UTC), world_size=ctx.world_size, version_uid=uid,
-            )  # fmt: skip
+                replicas,
+                leases,
+                version=version,
+                rank=ctx.rank,
+                self_replica=self_name,
+                now=dt.datetime.now(dt.UTC),
+                world_size=ctx.world_size,
+                version_uid=uid,
+            )
             return found, replicas
 
         def listing(ctx: LoadContext) -> list:

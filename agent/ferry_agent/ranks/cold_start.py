@@ -74,8 +74,9 @@ class _Agreed:
 class RankAgreedStrategy(_Agreed):
     """A version-exact strategy every rank runs for its own tensors; the outcome must be the same on all."""
 
-    def __init__(self, inner: LoadStrategy, group: RankGroup, *, pinned: str, configured: str | None,
-                 release: Release) -> None:  # fmt: skip
+    def __init__(
+        self, inner: LoadStrategy, group: RankGroup, *, pinned: str, configured: str | None, release: Release
+    ) -> None:
         super().__init__(inner, group, pinned=pinned, configured=configured)
         self._release = release
         self._held: LoadResult | None = None
@@ -138,8 +139,15 @@ class RankAgreedObjectStorage(_Agreed):
 
     inner: ObjectStorageStrategy
 
-    def __init__(self, inner: ObjectStorageStrategy, group: RankGroup, *, pinned: str, configured: str | None,
-                 local_rank: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        inner: ObjectStorageStrategy,
+        group: RankGroup,
+        *,
+        pinned: str,
+        configured: str | None,
+        local_rank: int | None = None,
+    ) -> None:
         super().__init__(inner, group, pinned=pinned, configured=configured)
         self._leader = (group.rank if local_rank is None else local_rank) == 0
         self._local_rank = local_rank
@@ -170,9 +178,12 @@ class RankAgreedObjectStorage(_Agreed):
             self._prepared = False
 
         s3_phases(
-            self._group, S3Steps(resolve, prepare, load, activate),
-            pinned=self._pinned, configured=self._configured, local_rank=self._local_rank,
-        )  # fmt: skip
+            self._group,
+            S3Steps(resolve, prepare, load, activate),
+            pinned=self._pinned,
+            configured=self._configured,
+            local_rank=self._local_rank,
+        )
         result, self._result = self._result, None
         assert result is not None
         return result
@@ -206,8 +217,9 @@ def run_cold_start(
     if desired is None:
         log.warning(
             "rank %d: no desired version, so only the version-agnostic strategies run (%s): no peer or S3 load",
-            group.rank, ", ".join(s.name for s in version_agnostic) or "none",
-        )  # fmt: skip
+            group.rank,
+            ", ".join(s.name for s in version_agnostic) or "none",
+        )
         ctx.version = ""
         return run_strategy_chain(version_agnostic, ctx, reinit=reinit, publish=publish)
     ctx.version = desired
@@ -224,8 +236,9 @@ def run_cold_start(
     for name in order:
         inner = strategies[name]
         if isinstance(inner, ObjectStorageStrategy):
-            chain.append(RankAgreedObjectStorage(inner, group, pinned=desired, configured=configured,
-                                                 local_rank=local_rank))  # fmt: skip
+            chain.append(
+                RankAgreedObjectStorage(inner, group, pinned=desired, configured=configured, local_rank=local_rank)
+            )
         else:
             chain.append(RankAgreedStrategy(inner, group, pinned=desired, configured=configured, release=release))
     chain.extend(RankAgreedStrategy(s, group, pinned=desired, configured=configured, release=release) for s in exact)

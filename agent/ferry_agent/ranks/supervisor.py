@@ -55,13 +55,34 @@ class RankLaunch:
 
     def argv(self, rank: int, store: str) -> list[str]:
         args = [
-            sys.executable, "-m", "ferry_agent.ranks.worker", "--namespace", self.namespace,
-            "--replica", self.replica, "--rank", str(rank), "--world-size", str(self.world_size),
-            "--store", store, "--desired-version", self.version, "--agent-name", self.agent_name,
-            "--bind-address", self.bind_address, "--timeout-seconds", str(self.timeout_s),
-            "--checkpoint-quota-gib", str(self.checkpoint_quota_gib), "--parent-pid", str(os.getpid()),
-            "--log-format", str(self.log_format),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "ferry_agent.ranks.worker",
+            "--namespace",
+            self.namespace,
+            "--replica",
+            self.replica,
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(self.world_size),
+            "--store",
+            store,
+            "--desired-version",
+            self.version,
+            "--agent-name",
+            self.agent_name,
+            "--bind-address",
+            self.bind_address,
+            "--timeout-seconds",
+            str(self.timeout_s),
+            "--checkpoint-quota-gib",
+            str(self.checkpoint_quota_gib),
+            "--parent-pid",
+            str(os.getpid()),
+            "--log-format",
+            str(self.log_format),
+        ]
         if self.checkpoint_dir is not None:
             args += ["--checkpoint-dir", str(self.checkpoint_dir)]
         if self.s3_endpoint:
@@ -72,8 +93,16 @@ class RankLaunch:
             args += ["--node", self.node]
         if self.reader is not None:
             me = self.reader
-            args += ["--pod-namespace", me.namespace, "--service-account", me.service_account,
-                     "--pod-name", me.pod_name, "--pod-uid", me.pod_uid]  # fmt: skip
+            args += [
+                "--pod-namespace",
+                me.namespace,
+                "--service-account",
+                me.service_account,
+                "--pod-name",
+                me.pod_name,
+                "--pod-uid",
+                me.pod_uid,
+            ]
         for identity in self.worker_allowed_identities:
             args += ["--worker-allowed-identity", identity]
         return args
@@ -123,8 +152,14 @@ class RankProcesses:
 
         n = self.launch.world_size
         # Port 0: the OS picks a free one, so concurrent replicas never collide. Closed once all ranks loaded.
-        self._tcp = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
-                                  timeout=dt.timedelta(seconds=self.launch.timeout_s))  # fmt: skip
+        self._tcp = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            n,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=dt.timedelta(seconds=self.launch.timeout_s),
+        )
         store = f"127.0.0.1:{self._tcp.port}"
         env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         for rank in range(n):
@@ -172,9 +207,10 @@ class RankProcesses:
                 progress[rank] = (int(event["done"]), int(event["total"]), str(event["source"]))
                 _report(
                     self._progress,
-                    sum(p[0] for p in progress.values()), sum(p[1] for p in progress.values()),
+                    sum(p[0] for p in progress.values()),
+                    sum(p[1] for p in progress.values()),
                     progress[min(progress)][2],
-                )  # fmt: skip
+                )
             elif kind == "note":
                 _report(self._note, str(event.get("message", "")))
             elif kind == "serving":

@@ -139,10 +139,12 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
         store = CheckpointStore(args.checkpoint_dir, int(args.checkpoint_quota_gib * 2**30))
     peer = NixlPeer(f"{args.agent_name}-r{args.rank}")
     host, _, port = args.store.rpartition(":")
-    tcp = dist.TCPStore(host, int(port), args.world_size, is_master=False,
-                        timeout=dt.timedelta(seconds=args.timeout_seconds))  # fmt: skip
-    group = TorchRankGroup.init(rank=args.rank, world_size=args.world_size, store=tcp,
-                                timeout=dt.timedelta(seconds=args.timeout_seconds))  # fmt: skip
+    tcp = dist.TCPStore(
+        host, int(port), args.world_size, is_master=False, timeout=dt.timedelta(seconds=args.timeout_seconds)
+    )
+    group = TorchRankGroup.init(
+        rank=args.rank, world_size=args.world_size, store=tcp, timeout=dt.timedelta(seconds=args.timeout_seconds)
+    )
 
     def progress(done: int, total: int, source: str) -> None:
         report("progress", done=done, total=total, source=source)
@@ -152,19 +154,29 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
     label = f"{args.namespace}/{spec['modelName']}/{args.desired_version}#{args.rank}"
     try:
         result = load_rank(
-            group, ctx, sources=sources, spec=spec, configured=args.desired_version or None,
-            peer=peer, store=store, s3_endpoint=args.s3_endpoint, seeds=dict(args.seed), progress=progress,
-            note=lambda text: report("note", message=text), credentials=tokens,
+            group,
+            ctx,
+            sources=sources,
+            spec=spec,
+            configured=args.desired_version or None,
+            peer=peer,
+            store=store,
+            s3_endpoint=args.s3_endpoint,
+            seeds=dict(args.seed),
+            progress=progress,
+            note=lambda text: report("note", message=text),
+            credentials=tokens,
             allocate=host.allocator((args.namespace, args.replica), label),
-        )  # fmt: skip
+        )
         memory = None
         if result.resident.host is not None:
             peer.deregister(result.resident)  # the READ's registration: sealing needs no pinned, writable pages
             sealed = host.seal(result.resident, label, ctx.version, ctx.version_uid)
             memory = {
-                "fds": sealed.fds, "chunks": sealed.chunk_sizes,
+                "fds": sealed.fds,
+                "chunks": sealed.chunk_sizes,
                 "tensors": [{**e.to_json(), "sha256": e.sha256} for e in sealed.entries],
-            }  # fmt: skip
+            }
     except Exception as exc:
         fatal = isinstance(exc, StrategyRecoveryError)
         log.error("rank %d of %s: load failed%s: %s", args.rank, args.replica, " (fatal)" if fatal else "", exc)
@@ -174,13 +186,24 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
     finally:
         group.close()
     server, entry = serve_rank(
-        result.resident, peer, rank=args.rank, host=args.bind_address, spec=spec,
+        result.resident,
+        peer,
+        rank=args.rank,
+        host=args.bind_address,
+        spec=spec,
         guard=read_guard(auth, args.namespace, ctx),
-    )  # fmt: skip
+    )
     report(
-        "serving", rank=args.rank, version=ctx.version, source=result.source_label, bytes=result.bytes_moved,
-        entry=entry, attempts=[a.to_status() for a in ctx.attempts], version_uid=ctx.version_uid, memory=memory,
-    )  # fmt: skip
+        "serving",
+        rank=args.rank,
+        version=ctx.version,
+        source=result.source_label,
+        bytes=result.bytes_moved,
+        entry=entry,
+        attempts=[a.to_status() for a in ctx.attempts],
+        version_uid=ctx.version_uid,
+        memory=memory,
+    )
     stop = threading.Event()
     threading.Thread(target=_watch_leases, args=(server, report, stop), daemon=True).start()
     try:

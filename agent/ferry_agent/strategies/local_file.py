@@ -73,9 +73,12 @@ class LocalFileStrategy:
     name = "LocalFile"
 
     def __init__(
-        self, seeds: Mapping[SeedKey, Path], namespace: str, fetch_version: Callable[[str], dict | None],
+        self,
+        seeds: Mapping[SeedKey, Path],
+        namespace: str,
+        fetch_version: Callable[[str], dict | None],
         allocate: Allocate = ResidentWeights.allocate,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._seeds = seeds
         self._namespace = namespace
         self._fetch_version = fetch_version

@@ -457,10 +457,15 @@ class _NamespaceView:
             self._items = {wr["metadata"]["name"]: wr for wr in listed["items"]}
             self._lost_at = None
         for event in watch.Watch().stream(
-            self._objects.list_namespaced_custom_object, GROUP, VERSION, self._namespace, PLURAL,
-            resource_version=listed["metadata"]["resourceVersion"], timeout_seconds=WATCH_SECONDS,
+            self._objects.list_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            self._namespace,
+            PLURAL,
+            resource_version=listed["metadata"]["resourceVersion"],
+            timeout_seconds=WATCH_SECONDS,
             _request_timeout=WATCH_READ_TIMEOUT_S,
-        ):  # fmt: skip
+        ):
             obj = event["object"]
             if event["type"] == "ERROR" or not isinstance(obj, Mapping) or "metadata" not in obj:
                 raise RuntimeError(f"watch error: {obj}")  # e.g. 410 Gone: relist
@@ -604,8 +609,11 @@ class ReaderArguments(Protocol):
 def from_arguments(args: ReaderArguments, api: client.ApiClient, node: str) -> tuple[ReaderTokens, WorkerAuth]:
     """The reader's credentials and the checks of the worker services on `node`; `ValueError` names what is
     missing."""
-    missing = [f"--{n.replace('_', '-')}" for n in ("pod_namespace", "service_account", "pod_name", "pod_uid")
-               if not getattr(args, n)]  # fmt: skip
+    missing = [
+        f"--{n.replace('_', '-')}"
+        for n in ("pod_namespace", "service_account", "pod_name", "pod_uid")
+        if not getattr(args, n)
+    ]
     if missing:
         raise ValueError(
             f"{', '.join(missing)} missing: worker tokens are minted for this agent's ServiceAccount, bound to its "

@@ -480,9 +480,14 @@ class TensorReadLease:
             return
         self._closed = True
         release_tensor_read(
-            self.endpoint, self.identity, self.lease_id, timeout_s=self._release_timeout_s,
-            credentials=self._credentials, retry=self._retry, connect=self._connect,
-        )  # fmt: skip
+            self.endpoint,
+            self.identity,
+            self.lease_id,
+            timeout_s=self._release_timeout_s,
+            credentials=self._credentials,
+            retry=self._retry,
+            connect=self._connect,
+        )
 
 
 def prepare_tensor_read(
@@ -512,13 +517,25 @@ def prepare_tensor_read(
         # A lease granted with a response we reject must not be left to expire.
         try:
             release_tensor_read(
-                endpoint, identity, response.lease_id, timeout_s=release_timeout_s,
-                credentials=credentials, retry=retry, connect=connect,
-            )  # fmt: skip
+                endpoint,
+                identity,
+                response.lease_id,
+                timeout_s=release_timeout_s,
+                credentials=credentials,
+                retry=retry,
+                connect=connect,
+            )
         except Exception as exc:
             log.warning("releasing rejected lease %s at %s failed: %s", response.lease_id, endpoint, exc)
         raise
     return TensorReadLease(
-        endpoint, identity, response.lease_id, response.ttl_seconds, manifest, release_timeout_s=release_timeout_s,
-        credentials=credentials, retry=retry, connect=connect,
-    )  # fmt: skip
+        endpoint,
+        identity,
+        response.lease_id,
+        response.ttl_seconds,
+        manifest,
+        release_timeout_s=release_timeout_s,
+        credentials=credentials,
+        retry=retry,
+        connect=connect,
+    )

@@ -195,10 +195,16 @@ def build(
             source = in_memory.get(name) or (sources[shard.name], offset)
             tasks.append(
                 partial(
-                    _build_tensor, name, tensor, info.nbytes, source, base.checksums[name],
-                    steps.get(name, ()), out,
+                    _build_tensor,
+                    name,
+                    tensor,
+                    info.nbytes,
+                    source,
+                    base.checksums[name],
+                    steps.get(name, ()),
+                    out,
                 )
-            )  # fmt: skip
+            )
         failure = next((f for f in run_tasks(pool, tasks) if f is not None), None)
         if failure is not None:
             raise _failure(plan, failure)

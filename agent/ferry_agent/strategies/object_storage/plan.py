@@ -107,10 +107,17 @@ class Planner:
             digest = (body.get("status") or {}).get("indexDigest") or None
             links.append(
                 Link(
-                    name, view.format, view.base_version, storage, bucket, key,
-                    self._namespace, str(metadata.get("uid") or ""), digest,
+                    name,
+                    view.format,
+                    view.base_version,
+                    storage,
+                    bucket,
+                    key,
+                    self._namespace,
+                    str(metadata.get("uid") or ""),
+                    digest,
                 )
-            )  # fmt: skip
+            )
         return links
 
     def plan(self, ctx: LoadContext, links: list[Link], pool: ThreadPoolExecutor, *, remote: bool = True) -> Plan:

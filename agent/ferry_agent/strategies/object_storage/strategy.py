@@ -223,9 +223,15 @@ class ObjectStorageStrategy:
         seconds = time.monotonic() - t0
         log.info(
             "rank %d/%d loaded %s (%d bytes, chain %s) from %s in %.2fs, %d bytes downloaded",
-            ctx.rank, ctx.world_size, ctx.version, resident.total_bytes, " → ".join(plan.chain),
-            plan.reused or "S3", seconds, downloaded,
-        )  # fmt: skip
+            ctx.rank,
+            ctx.world_size,
+            ctx.version,
+            resident.total_bytes,
+            " → ".join(plan.chain),
+            plan.reused or "S3",
+            seconds,
+            downloaded,
+        )
         return S3LoadResult(
             resident=resident,
             bytes_moved=resident.total_bytes,
