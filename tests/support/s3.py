@@ -87,7 +87,11 @@ def wv(
     return {
         "metadata": {"name": name, "namespace": NAMESPACE, "uid": str(uuid.uuid4())},
         "spec": spec,
-        "status": {"conditions": [{"type": "Ready", "status": status}]},
+        "status": {
+            "conditions": [
+                {"type": "Ready", "status": status, "reason": "Ready", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+            ]
+        },
     }
 
 
