@@ -69,6 +69,7 @@ def test_replay_equals_independent_full_checkpoints(
     assert r3.bytes_moved == sum(a.nbytes for a in w3.values()) and r3.bytes_downloaded > r3.bytes_moved
     assert reports and reports[-1][0] == reports[-1][1]
     assert reports[0][2] == registry.uri("v1") and registry.uri("v3").rpartition("/")[0] in reports[-1][2]
+    full_store.flush()  # its entries are written behind the load
     assert replay_store.state(KEY).version == "v3" and not debris(tmp_path)
 
     # v2 replays from what the store already holds (full/v1 and deltas/v2 came with v3): nothing downloaded.
