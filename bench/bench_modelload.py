@@ -36,6 +36,23 @@ from ferry_dev.localcluster import LocalCluster, ManagedProcess, local_stack, st
 MODEL = "bench"
 
 
+def modelload_body(n: int, tag: str, **spec: object) -> dict:
+    """ModelLoad `m` of MODEL at v1 on the `n` CPU nodes labelled `bench=<tag>`; `spec` adds fields."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ModelLoad",
+        "metadata": {"name": "m"},
+        "spec": {
+            "modelName": MODEL,
+            "desiredVersion": "v1",
+            "replicas": n,
+            "device": "cpu",
+            "nodeSelector": {"bench": tag},
+            **spec,
+        },
+    }
+
+
 def publish(cluster: LocalCluster, s3, root: Path, size_mib: int) -> None:
     gen = torch.Generator().manual_seed(0)
     weights = {f"layers.{i}.weight": torch.randn((1024, 1024), generator=gen) for i in range(size_mib // 4)}
@@ -114,20 +131,7 @@ def one_round(cluster: LocalCluster, s3, root: Path, n: int, order: list[str], r
     agents = start_agents(cluster, s3, root, n, tag)
     try:
         apply_v1(cluster, namespace)
-        ml = {
-            "apiVersion": API_VERSION,
-            "kind": "ModelLoad",
-            "metadata": {"name": "m"},
-            "spec": {
-                "modelName": MODEL,
-                "desiredVersion": "v1",
-                "replicas": n,
-                "device": "cpu",
-                "nodeSelector": {"bench": tag},
-                "sourceOrder": order,
-                "ranksPerReplica": ranks,
-            },
-        }
+        ml = modelload_body(n, tag, sourceOrder=order, ranksPerReplica=ranks)
         started, started_wall = time.monotonic(), time.time()
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(ml))
 
@@ -220,18 +224,7 @@ def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int, socket_dir: st
     rows = []
     try:
         apply_v1(cluster, namespace)
-        ml = {
-            "apiVersion": API_VERSION,
-            "kind": "ModelLoad",
-            "metadata": {"name": "m"},
-            "spec": {
-                "modelName": MODEL,
-                "desiredVersion": "v1",
-                "replicas": n,
-                "device": "cpu",
-                "nodeSelector": {"bench": tag},
-            },
-        }
+        ml = modelload_body(n, tag)
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(ml))
         wait_until(lambda: serving(objects, namespace, "v1") == n, 600, f"{n} replicas on v1")
         base = "v1"
