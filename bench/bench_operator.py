@@ -8,6 +8,10 @@ cluster: its apply → Ready beside its apply → watch event is the "single new
 verification of every version (index GET, one header GET per shard) and the status patch. Each row also reports
 the CPU seconds the operator and the apiserver + etcd spent during it.
 
+The floor (`--floor`, on by default): the same N versions applied the same way into a fresh stack with no operator,
+until the apiserver has delivered every one on the watch, with the apiserver + etcd's and this client's CPU
+seconds. No operator can make all of them Ready sooner than that on the same machine.
+
 Rows: `--rows 1,100,1000,10000,10000x100` (`NxM`: N versions over M namespaces). Writes bench/results/operator.json
 and operator.md.
 """
@@ -149,6 +153,44 @@ def run_row(api: client.ApiClient, n: int, spread: int, uri: str, timeout: float
     }
 
 
+def measure_floor(n: int, spread: int) -> dict:
+    """The apiserver alone: N creates with no operator running, until the watch has delivered every one."""
+    with local_stack() as (cluster, _s3):
+        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        api.configuration.connection_pool_maxsize = CREATE_THREADS
+        core, objects = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        namespaces = [f"floor-{i}" for i in range(spread)]
+        for ns in namespaces:
+            core.create_namespace({"metadata": {"name": ns}})
+        watcher = Watcher(api)
+        time.sleep(1.0)
+        keys = [(namespaces[i % spread], f"v{i}") for i in range(n)]
+        servers = [p.proc.pid for p in cluster.processes if p.name in ("etcd", "kube-apiserver") and p.proc]
+        server_cpu, client_cpu = sum(cpu_seconds(pid) for pid in servers), time.process_time()
+        start = time.monotonic()
+        uri = f"s3://{BUCKET}/m/{cf.INDEX_NAME}"
+        with ThreadPoolExecutor(CREATE_THREADS) as pool:
+            list(
+                pool.map(
+                    lambda k: objects.create_namespaced_custom_object(
+                        GROUP, VERSION, k[0], "weightversions", body(k[1], uri)
+                    ),
+                    keys,
+                )
+            )
+        applied = time.monotonic() - start
+        wait_until(lambda: all(k in watcher.seen for k in keys), 120 + 0.1 * n, f"{n} WeightVersions seen")
+        watcher.stop()
+        return {
+            "count": n,
+            "namespaces": spread,
+            "applied_in_s": round(applied, 2),
+            "all_seen_s": round(max(watcher.seen[k] for k in keys) - start, 2),
+            "apiserver_etcd_cpu_s": round(sum(cpu_seconds(pid) for pid in servers) - server_cpu, 2),
+            "client_cpu_s": round(time.process_time() - client_cpu, 2),
+        }
+
+
 def parse_rows(text: str) -> list[tuple[int, int]]:
     rows = []
     for item in text.split(","):
@@ -206,17 +248,39 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def floor_table(rows: list[dict], floors: list[dict]) -> str:
+    lines = [
+        "| versions | namespaces | apiserver alone: applied / all seen | its CPU s: apiserver+etcd / client "
+        "| ours: all Ready | ours / floor |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for f in floors:
+        ours = next((r for r in rows if (r["count"], r["namespaces"]) == (f["count"], f["namespaces"])), None)
+        ready = f"{ours['ready_all_s']:.1f} s" if ours else "-"
+        ratio = f"{ours['ready_all_s'] / max(f['all_seen_s'], 1e-3):.1f}x" if ours else "-"
+        lines.append(
+            f"| {f['count']} | {f['namespaces']} | {f['applied_in_s']:.1f} s / {f['all_seen_s']:.1f} s "
+            f"| {f['apiserver_etcd_cpu_s']:.1f} / {f['client_cpu_s']:.1f} | {ready} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="1,100,1000", help="comma-separated N or NxM (N versions over M namespaces)")
+    parser.add_argument("--no-floor", dest="floor", action="store_false", help="skip the apiserver-alone rows")
     args = parser.parse_args()
-    rows = []
+    rows, floors = [], []
     for n, spread in parse_rows(args.rows):
         row = measure(n, spread)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if args.floor:
+            floors.append(measure_floor(n, spread))
+            print(json.dumps({"floor": floors[-1]}), flush=True)
 
-    write_results("operator", rows, table(rows))
+    report = table(rows) + ("\n\nThe floor (no operator):\n\n" + floor_table(rows, floors) if floors else "")
+    write_results("operator", {"rows": rows, "floor": floors}, report)
 
 
 if __name__ == "__main__":
