@@ -6,6 +6,16 @@
   straight into a CPU ResidentWeights pool, adler32 of every tensor as its last range lands; the store entry is
   written behind, off the load's critical path) vs the same ranged GETs with plain boto3 into memory (same client
   settings, workers and range size). Also timed until the store entry is durable (`CheckpointStore.flush`).
+- full load vs purpose-built clients (the `bench` extra; `_s3_clients.py`), in the same rounds as the boto3
+  baseline and the full load (each round runs each once): obstore ranged GETs into memory (same workers and
+  ranges), and the Run:ai model streamer's `SafetensorsStreamer` reading the same shards from s3:// into CPU
+  tensors (same concurrency and request size; its C++ reader is the AWS CRT S3 client), once into fresh memory as
+  a serving process's first load does, once reusing the memory of its previous load, freed just before (on this
+  VM the streamer is ~4x faster and burns ~4x less CPU then). Every byte is sha256-checked; a client that is not
+  installed is a printed note and its rows are skipped. 2026-12-03, 256 MiB, 2-core VM, 4 runs: the full load
+  over obstore 0.86 / 1.31 / 1.17 / 0.97 and obstore over boto3 1.00 / 0.88 / 1.02 / 1.27 (no consistent win, so
+  the streaming path keeps boto3, reading straight into the pool); over the Run:ai streamer 5.1 / 4.9 into fresh
+  memory and 1.3 / 1.4 reusing memory (docs/benchmarks.md).
 - warm load: the same version again, now served from the store (no S3 data traffic).
 - full load, 2 ranks: the desired-version cold start of a two-rank replica (forked processes in a gloo group on
   one shared store): the local leader downloads, verifies and loads its share, the other rank then loads its
@@ -443,12 +453,12 @@ def markdown(report: dict[str, Any]) -> str:
         if name in r
     ]
     against_boto3 = ", ".join(f"{name} {ratio[f'{name}_vs_raw_gets']:.2f}" for name in labels if name in r)
-    versions = " · ".join(f"{dist} {v}" for dist, v in report["clients"].items() if v)
+    versions = "".join(f" · {dist} {v}" for dist, v in report["clients"].items() if v)
     return "\n".join(
         [
             "# S3 throughput (ObjectStorage strategy on local SeaweedFS, CPU target)",
             "",
-            f"{report['host']} · torch {report['torch']} · boto3 {report['boto3']} · {versions} · "
+            f"{report['host']} · torch {report['torch']} · boto3 {report['boto3']}{versions} · "
             f"reps {report['reps']} (+1 warm-up) · {report['bytes'] // MIB} MiB in {report['shards']} shards, "
             f"{report['tensors']} tensors of {report['tensor_mib']} MiB · {report['workers']} workers · "
             f"{report['range_mib']} MiB ranges · delta changes {report['delta_fraction']:.0%} of every tensor "
