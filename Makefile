@@ -67,8 +67,9 @@ demo: deps
 	$(VENV)/bin/pip install -q --no-deps -e .
 	$(PY) -m ferry_dev.demo $(DEMO_ARGS)
 
+# The bench extra: the purpose-built S3 clients bench_s3 compares against (not installed by `make test`).
 bench: deps
-	$(VENV)/bin/pip install -q --no-deps -e .
+	$(VENV)/bin/pip install -q -e ".[bench]"
 	bash hack/netns.sh $(PY) -m bench.run_all
 
 clean:

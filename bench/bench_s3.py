@@ -6,6 +6,16 @@
   straight into a CPU ResidentWeights pool, adler32 of every tensor as its last range lands; the store entry is
   written behind, off the load's critical path) vs the same ranged GETs with plain boto3 into memory (same client
   settings, workers and range size). Also timed until the store entry is durable (`CheckpointStore.flush`).
+- full load vs purpose-built clients (the `bench` extra; `_s3_clients.py`), in the same rounds as the boto3
+  baseline and the full load (each round runs each once): obstore ranged GETs into memory (same workers and
+  ranges), and the Run:ai model streamer's `SafetensorsStreamer` reading the same shards from s3:// into CPU
+  tensors (same concurrency and request size; its C++ reader is the AWS CRT S3 client), once into fresh memory as
+  a serving process's first load does, once reusing the memory of its previous load, freed just before (on this
+  VM the streamer is ~4x faster and burns ~4x less CPU then). Every byte is sha256-checked; a client that is not
+  installed is a printed note and its rows are skipped. 2026-12-03, 256 MiB, 2-core VM, 4 runs: the full load
+  over obstore 0.86 / 1.31 / 1.17 / 0.97 and obstore over boto3 1.00 / 0.88 / 1.02 / 1.27 (no consistent win, so
+  the streaming path keeps boto3, reading straight into the pool); over the Run:ai streamer 5.1 / 4.9 into fresh
+  memory and 1.3 / 1.4 reusing memory (docs/benchmarks.md).
 - warm load: the same version again, now served from the store (no S3 data traffic).
 - full load, 2 ranks: the desired-version cold start of a two-rank replica (forked processes in a gloo group on
   one shared store): the local leader downloads, verifies and loads its share, the other rank then loads its
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import multiprocessing as mp
 import os
@@ -40,6 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from _common import summary
+from _s3_clients import missing, obstore_ranged_gets, obstore_store, runai_streamer_load
 
 from ferry import checkpoint_format as ckpt
 from ferry import s3
@@ -127,6 +139,19 @@ def raw_ranged_gets(client: Any, objects: dict[str, int], workers: int, range_by
     return buffers
 
 
+def rounds(fns: dict[str, Callable[[], float | None]], reps: int) -> dict[str, list[float]]:
+    """Runs the functions in turn, reps+1 rounds (the first is a warm-up), so that each compared pair sees the same
+    machine load; a function may return its own measured seconds."""
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(reps + 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            inner = fn()
+            if round_:
+                out[name].append(inner if inner is not None else time.perf_counter() - start)
+    return out
+
+
 def ranked_load(make: Callable[[Path], ObjectStorageStrategy], root: Path, ranks: int) -> tuple[float, dict[str, str]]:
     """A cold start of `ranks` forked ranks into one empty store: the slower rank's seconds, and every tensor's
     sha256 across the ranks."""
@@ -208,6 +233,7 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
         versions[name] = version(name, fmt, f"s3://{BUCKET}/{name}/{ckpt.INDEX_NAME}", base)
         stored[name] = files
     full_objects = {f"v1/{f}": len(d) for f, d in stored["v1"].items() if f != ckpt.INDEX_NAME}
+    object_shas = {f"v1/{f}": hashlib.sha256(d).hexdigest() for f, d in stored["v1"].items()}
     delta_bytes = sum(len(d) for d in stored["v2"].values())
     del stored
     creds = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
@@ -270,6 +296,33 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
     def raw_gets() -> None:
         raw_ranged_gets(client, full_objects, args.workers, range_bytes)
 
+    # The purpose-built clients, on the same objects (their rows are skipped when the bench extra is absent).
+    notes = [note for note in (missing("obstore"), missing("runai_streamer")) if note]
+    references: dict[str, Callable[[], None]] = {}
+    got: dict[str, Any] = {}
+    if not missing("obstore"):
+        store = obstore_store(server.endpoint, creds, BUCKET, DEFAULT_TRANSFER_TIMEOUT_S)
+
+        def obstore_gets() -> None:
+            got["obstore"] = obstore_ranged_gets(store, full_objects, args.workers, range_bytes)
+
+        references["obstore_ranged_gets"] = obstore_gets
+    if not missing("runai_streamer"):
+        uris = [f"s3://{BUCKET}/{key}" for key in full_objects]
+
+        def runai_streamer() -> None:
+            # Into fresh memory, as the first load of a serving process: the previous load's tensors are still held.
+            got["runai"] = runai_streamer_load(server.endpoint, creds, uris, args.workers, range_bytes)
+
+        def runai_streamer_reusing() -> None:
+            # The previous load's tensors freed first: the streamer's allocations reuse that memory, which on this
+            # VM makes it several times faster (and less CPU-bound) than into fresh memory.
+            got.pop("runai_reusing", None)
+            got["runai_reusing"] = runai_streamer_load(server.endpoint, creds, uris, args.workers, range_bytes)
+
+        references["runai_streamer"] = runai_streamer
+        references["runai_streamer_reusing_memory"] = runai_streamer_reusing
+
     ranked_shas: list[dict[str, str]] = []
 
     def ranked_full_load() -> float:
@@ -277,8 +330,8 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
         ranked_shas.append(union)
         return seconds
 
-    raw = timed(raw_gets, args.reps)
-    full = timed(full_load, args.reps)
+    paired = rounds({"raw": raw_gets, **references, "full": full_load}, args.reps)
+    raw, full = paired["raw"], paired["full"]
     ranked = timed(ranked_full_load, args.reps)
     shutil.rmtree(work / "ranked", ignore_errors=True)
     warm = timed(warm_load, args.reps)
@@ -306,6 +359,12 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
         and shas(dict(last["warm"].resident.tensors)) == shas(w1)
         and shas(dict(last["delta"].resident.tensors)) == shas(w2)
         and all(union == shas(w1) for union in ranked_shas)
+        and (
+            "obstore" not in got
+            or {k: hashlib.sha256(v).hexdigest() for k, v in got["obstore"].items()}
+            == {k: object_shas[k] for k in full_objects}
+        )
+        and all(shas(got[k]) == shas(w1) for k in ("runai", "runai_reusing") if k in got)
     )
     results = {
         "strategy_full_load": summary(total, full),
@@ -318,12 +377,14 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
         "strategy_warm_build_phase": summary(total, [t["build"] for t in timings["warm"][1:]]),
         "decoder_in_memory": summary(total, decoder),
         "numpy_xor_in_memory": summary(total, xor),
+        **{name: summary(total, paired[name]) for name in references},
     }
     med = {k: v["gbps_median"] for k, v in results.items()}
     return {
         "host": f"{platform.node()} ({os.cpu_count()} cpus)",
         "torch": torch.__version__,
         "boto3": boto3.__version__,
+        "clients": {dist: _version(dist) for dist in ("obstore", "runai-model-streamer")},
         "reps": args.reps,
         "bytes": total,
         "shards": len(full_objects),
@@ -350,9 +411,19 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
             "warm_build_vs_numpy_xor": round(med["strategy_warm_build_phase"] / med["numpy_xor_in_memory"], 3),
             "decoder_vs_numpy_xor": round(med["decoder_in_memory"] / med["numpy_xor_in_memory"], 3),
             "delta_load_vs_numpy_xor": round(med["strategy_delta_load"] / med["numpy_xor_in_memory"], 3),
+            **{f"full_load_vs_{name}": round(med["strategy_full_load"] / med[name], 3) for name in references},
+            **{f"{name}_vs_raw_gets": round(med[name] / med["raw_boto3_ranged_gets"], 3) for name in references},
         },
+        "skipped": notes,
         "verified_sha256": verified,
     }
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _frame(files: dict[str, bytes], name: str) -> bytes:
@@ -369,20 +440,36 @@ def markdown(report: dict[str, Any]) -> str:
         return f"{r[key]['gbps_median']:.2f} ({r[key]['gbps_best']:.2f})"
 
     phases = report["phase_seconds_median"]
+    labels = {
+        "obstore_ranged_gets": "obstore ranged GETs into memory (same workers and ranges)",
+        "runai_streamer": "Run:ai model streamer, `SafetensorsStreamer` from s3:// into CPU tensors (same "
+        "concurrency and request size), into fresh memory",
+        "runai_streamer_reusing_memory": "same streamer, its previous load's memory freed just before (reused)",
+    }
+    clients = [
+        f"| full, empty store | {cell('strategy_full_load')} | {cell(name)} {label} | "
+        f"{ratio[f'full_load_vs_{name}']:.2f} |"
+        for name, label in labels.items()
+        if name in r
+    ]
+    against_boto3 = ", ".join(f"{name} {ratio[f'{name}_vs_raw_gets']:.2f}" for name in labels if name in r)
+    versions = "".join(f" · {dist} {v}" for dist, v in report["clients"].items() if v)
     return "\n".join(
         [
             "# S3 throughput (ObjectStorage strategy on local SeaweedFS, CPU target)",
             "",
-            f"{report['host']} · torch {report['torch']} · boto3 {report['boto3']} · reps {report['reps']} "
-            f"(+1 warm-up) · {report['bytes'] // MIB} MiB in {report['shards']} shards, {report['tensors']} tensors "
-            f"of {report['tensor_mib']} MiB · {report['workers']} workers · {report['range_mib']} MiB ranges · "
-            f"delta changes {report['delta_fraction']:.0%} of every tensor ({report['delta_stored_bytes'] // 1024} "
+            f"{report['host']} · torch {report['torch']} · boto3 {report['boto3']}{versions} · "
+            f"reps {report['reps']} (+1 warm-up) · {report['bytes'] // MIB} MiB in {report['shards']} shards, "
+            f"{report['tensors']} tensors of {report['tensor_mib']} MiB · {report['workers']} workers · "
+            f"{report['range_mib']} MiB ranges · delta changes {report['delta_fraction']:.0%} of every tensor "
+            f"({report['delta_stored_bytes'] // 1024} "
             "KiB stored) · median (best) GB/s over the checkpoint's tensor bytes",
             "",
             "| load | strategy | baseline | ratio |",
             "|---|---|---|---|",
             f"| full, empty store | {cell('strategy_full_load')} | {cell('raw_boto3_ranged_gets')} boto3 ranged GETs "
             f"into memory | {ratio['full_load_vs_raw_gets']:.2f} |",
+            *clients,
             f"| full, empty store, until the store entry is durable (write-behind done) | "
             f"{cell('strategy_full_load_until_stored')} | same boto3 baseline | "
             f"{ratio['full_load_until_stored_vs_raw_gets']:.2f} |",
@@ -399,6 +486,9 @@ def markdown(report: dict[str, Any]) -> str:
             f"{ratio['decoder_vs_numpy_xor']:.2f} |",
             f"| delta load, store holds v1 | {cell('strategy_delta_load')} | same numpy baseline | "
             f"{ratio['delta_load_vs_numpy_xor']:.2f} |",
+            "",
+            *([f"The purpose-built clients' throughput over boto3's: {against_boto3}."] if against_boto3 else []),
+            *report["skipped"],
             "",
             "The full load's download phase includes every tensor's adler32 check as its last range lands (the "
             "store is written behind); the delta build phase includes writing materialized/v2 and its fdatasync, "
