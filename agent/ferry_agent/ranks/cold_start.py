@@ -169,7 +169,7 @@ class RankAgreedObjectStorage(_Agreed):
 
         def prepare() -> dict[str, Any] | None:
             """The leader's step; what it returns tells the others where to load from."""
-            self._result = self.inner.prepare(ctx, activate=False)
+            self._result = self.inner.prepare(ctx, activate=False, land=True)
             if self._result.landed is not None:
                 return {"landing": self._result.landed.landing.descriptor(), "version_uid": ctx.version_uid}
             self._prepared = True

@@ -12,7 +12,10 @@ ModelExpress semantics, in four phases:
    tensor's adler32 before the rename. A one-rank load of a full checkpoint the store lacks streams instead
    (`stream`): the ranged GETs read straight into the new pool, each tensor checked as its last range lands, and
    the store entry is written behind the load (`CheckpointStore.write_behind`, still tmp + fsync + rename), so
-   the replica serves without waiting for the disk.
+   the replica serves without waiting for the disk. A multi-rank leader streams such a load too
+   (`prepare(activate=False)` returns it `landed`): the other ranks' tensors land in a sealed memfd
+   (`ranks.landing`) that they copy their shares from (`load_landed`), and the store entry is queued only once
+   every rank has loaded (`commit_landed`).
 4. Build the target in one pass per tensor, in parallel: read the base bytes straight into a freshly allocated
    `ResidentWeights` pool (CPU: the agent's host store; through a host buffer for other devices), from the store,
    or from the base version's sealed host memory when a pod still holds that very version (then the tensors no
@@ -159,10 +162,12 @@ class ObjectStorageStrategy:
         with self._failures():
             return tuple(link.name for link in self._planner.resolve(ctx))
 
-    def prepare(self, ctx: LoadContext, *, activate: bool) -> S3LoadResult:
+    def prepare(self, ctx: LoadContext, *, activate: bool, land: bool = False) -> S3LoadResult:
         """The local leader's step: fetch what the store lacks, replay the chain and load this rank's tensors
         in the same pass, materializing every rank's tensors in the store. With `activate=False` the store only
-        marks the version prepared; `activate()` follows once every rank has loaded it."""
+        marks the version prepared; `activate()` follows once every rank has loaded it. With `land` (and
+        `activate=False`), a full checkpoint the store lacks is streamed instead, the other ranks' tensors into
+        the result's `landed`, and nothing is stored until `commit_landed`."""
         t0 = time.monotonic()
         timings: dict[str, float] = {}
         with self._failures():
@@ -173,7 +178,7 @@ class ObjectStorageStrategy:
             ):
                 plan = self._planner.plan(ctx, links, pool)
                 timings["validate"] = time.monotonic() - t0
-                resident, downloaded, landed = self._execute(ctx, plan, pool, timings, activate=activate)
+                resident, downloaded, landed = self._execute(ctx, plan, pool, timings, activate=activate, land=land)
         ctx.version_uid = links[-1].uid
         return self._result(ctx, plan, resident, downloaded, t0, timings, landed)
 
@@ -315,7 +320,14 @@ class ObjectStorageStrategy:
         return s3.client(endpoint, region, creds, s3.bulk_download(self._workers, self._timeout_s))
 
     def _execute(
-        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], *, activate: bool
+        self,
+        ctx: LoadContext,
+        plan: Plan,
+        pool: ThreadPoolExecutor,
+        timings: dict[str, float],
+        *,
+        activate: bool,
+        land: bool = False,
     ) -> tuple[ResidentWeights, int, Landed | None]:
         fetch = [c for c in (plan.base, *plan.deltas) if c.path is None]
         downloaded = sum(c.stored_bytes for c in fetch)
@@ -325,7 +337,7 @@ class ObjectStorageStrategy:
             resident, streamed = self._stream(ctx, plan, pool, timings, needed)
             store_full_behind(self._store, plan, streamed)
             return resident, downloaded, None
-        if not activate and ctx.world_size > 1 and fetch == [plan.base] and not plan.deltas:
+        if land and not activate and ctx.world_size > 1 and fetch == [plan.base] and not plan.deltas:
             # A multi-rank leader: the other ranks' shares land in shared memory they map, not in the store.
             resident, landed = self._stream_ranks(ctx, plan, pool, timings, needed)
             return resident, downloaded, landed
@@ -364,7 +376,7 @@ class ObjectStorageStrategy:
                 spec = TensorSpec(name, f"torch.{ckpt.TORCH_DTYPES[info.dtype]}", info.shape, info.nbytes)
                 shares.setdefault(owner[name], []).append(spec)
         try:
-            landing = Landing(shares, f"landing:{plan.model}/{ctx.version}")
+            landing = Landing(shares, f"landing:{plan.model}/{ctx.version}"[:200])  # memfd names: < 250 bytes
         except OSError as exc:
             raise LoadError(f"cannot allocate the other ranks' landing in host memory: {exc}") from exc
         try:
