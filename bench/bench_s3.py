@@ -18,8 +18,9 @@
   memory and 1.3 / 1.4 reusing memory (docs/benchmarks.md).
 - warm load: the same version again, now served from the store (no S3 data traffic).
 - full load, 2 ranks: the desired-version cold start of a two-rank replica (forked processes in a gloo group on
-  one shared store): the local leader downloads, verifies and loads its share, the other rank then loads its
-  share from the store; timed until both ranks hold their shares (the slower rank), same baseline.
+  one shared store): the local leader streams the checkpoint once (its share into its pool, the other rank's
+  into a sealed shared-memory landing), the other rank copies its share from that landing; timed until both
+  ranks hold their shares (the slower rank), same baseline.
 - delta apply: the strategy's build phase for an XorDelta that touches every tensor (read v1 into the pool,
   streamed zstd decode + XOR + adler32, write materialized/v2 and start its write-back) vs numpy XOR of in-memory
   buffers of the same sizes (one thread, XOR only); for scale, the warm load's build phase (read + adler32 only),

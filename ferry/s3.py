@@ -211,12 +211,16 @@ def new_client(
 ) -> Any:
     """A fresh boto3 S3 client; without `credentials` it uses the usual AWS chain (environment, profiles, IRSA)."""
     import boto3
+    import botocore.session
     from botocore.config import Config
 
     creds = credentials or {}
     path_style = profile.addressing == "path" or bool(endpoint)
-    # A private session: boto3's default session is not safe to share between threads.
-    return boto3.session.Session().client(
+    # A private session: boto3's default session is not safe to share between threads. Its data loader (the parsed
+    # service models, what makes a session's first client cost ~0.1-0.3 s) is the process's one, read-only.
+    session = botocore.session.Session()
+    session.register_component("data_loader", _loader())
+    return boto3.session.Session(botocore_session=session).client(
         "s3",
         endpoint_url=endpoint or None,
         region_name=region or None,
@@ -231,6 +235,26 @@ def new_client(
             max_pool_connections=profile.max_pool_connections,
         ),
     )
+
+
+_data_loader: Any = None
+_data_loader_lock = threading.Lock()
+
+
+def _loader() -> Any:
+    global _data_loader
+    with _data_loader_lock:
+        if _data_loader is None:
+            import botocore.loaders
+
+            _data_loader = botocore.loaders.create_loader()
+        return _data_loader
+
+
+def prewarm() -> None:
+    """Parse the S3 service model now (no request is made), so that the first client of this process is cheap: a
+    rank process does it while it starts, off its load's critical path."""
+    new_client("http://127.0.0.1:9", "us-east-1", {ACCESS_KEY: "prewarm", SECRET_KEY: "prewarm"}, bulk_download(1, 1))
 
 
 _clients: dict[tuple[Any, ...], Any] = {}

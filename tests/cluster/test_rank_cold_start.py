@@ -13,7 +13,9 @@ import pytest
 from ferry import checkpoint_format as ckpt
 from ferry_agent.ranks.agreement import TorchRankGroup
 from ferry_agent.ranks.cold_start import run_cold_start
+from ferry_agent.ranks.sharding import rank_of_tensors
 from ferry_agent.store.checkpoints import ArtifactKind, ArtifactRef, CheckpointStore
+from ferry_agent.store.resident import ResidentWeights, TensorSpec
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
 from tests.support.ranks import spawn
 from tests.support.s3 import KEY, MODEL, Registry, Weights, delta, full, publish_chain3, shas
@@ -122,3 +124,122 @@ def test_a_follower_finding_a_corrupt_tensor_discards_the_stored_copy(
     with pytest.raises(StrategyFailed, match=rf"tensor '{re.escape(follower)}' fails its adler32 check"):
         strategy.load_prepared(rank(1))
     assert store.artifact(ArtifactRef(KEY, ArtifactKind.FULL, "v1")) is None  # fetched again on retry
+
+
+def _rank_load_counting(registry: Registry, roots: list[Path], version: str, fail_allocate_on: int | None = None):
+    """Like `_rank_load`, also counting the bytes of this rank's S3 GETs and of its reads from the store, and
+    with an allocation that fails on rank `fail_allocate_on`."""
+
+    def run(group: TorchRankGroup) -> Any:
+        from botocore.response import StreamingBody
+
+        from ferry_agent.strategies.object_storage import build
+
+        # Observed in this forked rank only: the bytes its S3 response bodies return, and its builds from the store.
+        counted = {"s3": 0, "store_reads": 0}
+        real_read, real_readinto = StreamingBody.read, StreamingBody.readinto
+
+        def counting_read(self: StreamingBody, amt: int | None = None) -> bytes:
+            data = real_read(self, amt)
+            counted["s3"] += len(data)
+            return data
+
+        def counting_readinto(self: StreamingBody, b: Any) -> int:
+            n = real_readinto(self, b)
+            counted["s3"] += n or 0
+            return n
+
+        StreamingBody.read = counting_read  # type: ignore[method-assign]
+        StreamingBody.readinto = counting_readinto  # type: ignore[method-assign]
+        real_build = build.build
+
+        def counting_build(*args: Any, **kwargs: Any) -> Any:
+            counted["store_reads"] += 1
+            return real_build(*args, **kwargs)
+
+        import ferry_agent.strategies.object_storage.strategy as strategy_module
+
+        strategy_module.build = counting_build  # type: ignore[attr-defined]
+
+        def allocate(specs: Any, device: str, share: Any = None) -> Any:
+            if group.rank == fail_allocate_on:
+                raise RuntimeError("out of memory on this rank")
+            return ResidentWeights.allocate(specs, device)
+
+        store = CheckpointStore(roots[group.rank], quota_bytes=1 << 30)
+        strategy = registry.strategy(store, allocate=allocate)
+        ctx = LoadContext(model=MODEL, version="", rank=group.rank, target_id="replica-0", world_size=group.world_size)
+        result = run_cold_start(
+            group, ctx, configured=version, source_order=["ObjectStorage"], strategies={"ObjectStorage": strategy}
+        )
+        state = store.state(KEY)  # waits for the write-behind
+        return shas(result.resident.tensors), result.bytes_downloaded, dict(counted), (state.version, state.chain)
+
+    return run
+
+
+def test_a_full_cold_start_reads_s3_once_and_the_follower_maps_the_leaders_copy(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    """One read from S3 for the whole replica: the follower copies its share from the leader's landed memory,
+    and neither reads S3 nor the node's store (here it is even given a store of its own, which stays empty)."""
+    w1 = chain3[0]
+    registry.publish("v1", full(w1))
+    roots = [tmp_path / "node-store", tmp_path / "follower-store"]
+    results = spawn(tmp_path, 2, _rank_load_counting(registry, roots, "v1"), timeout=90)
+    assert all(r[0] == "ok" for r in results), results
+    (shas0, down0, counted0, state0), (shas1, down1, counted1, state1) = (r[1] for r in results)
+    assert shas0 and shas1 and not set(shas0) & set(shas1)
+    assert {**shas0, **shas1} == shas(w1)
+    total = sum(len(data) for data in full(w1).values()) - len(full(w1)[ckpt.INDEX_NAME])
+    assert down0 > 0 and counted0["s3"] >= total  # the leader fetched every shard byte, once
+    assert down1 == 0 and counted1 == {"s3": 0, "store_reads": 0}
+    assert counted0["store_reads"] == 0  # streamed: the store is written behind, never read back
+    assert state0 == ("v1", ("v1",))  # stored and activated once both ranks had loaded
+    assert state1 == (None, ()) and not CheckpointStore(roots[1], quota_bytes=1).model_dir(KEY).exists()
+    leader = CheckpointStore(roots[0], quota_bytes=1 << 30)
+    assert leader.artifact(ArtifactRef(KEY, ArtifactKind.FULL, "v1")) is not None
+
+    # The stored copy is the version: the next cold start reads only the store, bit for bit the same split.
+    (tmp_path / "again").mkdir()
+    again = spawn(tmp_path / "again", 2, _rank_load(registry, [roots[0], roots[0]], "v1"), timeout=90)
+    assert [r[1][0] for r in again] == [shas0, shas1] and [r[1][1] for r in again] == [0, 0]
+
+
+def test_a_follower_failing_on_the_leaders_landing_fails_every_rank_and_stores_nothing(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    registry.publish("v1", full(chain3[0]))
+    root = tmp_path / "node-store"
+    results = spawn(tmp_path, 2, _rank_load_counting(registry, [root, root], "v1", fail_allocate_on=1), timeout=90)
+    for status, message, _cause in results:
+        assert status == "fatal", results
+        assert message.startswith("S3 cold start of 'v1' failed in s3_engine_loaded: rank 1: StrategyFailed:")
+        assert "out of memory on this rank" in message
+    store = CheckpointStore(root, quota_bytes=1 << 30)
+    assert store.state(KEY).version is None  # never activated, and the landing never stored
+
+
+def test_a_corrupt_tensor_of_the_followers_share_fails_every_rank_in_the_leaders_stream(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    """The leader checks every rank's tensors as they land; the follower never sees bytes that failed."""
+    w1 = chain3[0]
+    files = full(w1)
+    owner = rank_of_tensors([TensorSpec(n, str(t.dtype), t.shape, t.nbytes) for n, t in w1.items()], 2)
+    index = ckpt.parse_index(files[ckpt.INDEX_NAME])
+    name = next(n for n in sorted(owner) if owner[n] == 1 and w1[n].nbytes)
+    shard = index.weight_map[name]
+    header_len, header = ckpt.parse_safetensors_header(files[shard])
+    begin, end = header[name]["data_offsets"]
+    corrupted = bytearray(files[shard])
+    corrupted[ckpt.HEADER_PREFIX_BYTES + header_len + (begin + end) // 2] ^= 0x08
+    registry.publish("v1", {**files, shard: bytes(corrupted)})
+    root = tmp_path / "node-store"
+    results = spawn(tmp_path, 2, _rank_load_counting(registry, [root, root], "v1"), timeout=90)
+    for status, message, _cause in results:
+        assert status == "fatal", results
+        assert message.startswith("S3 cold start of 'v1' failed in s3_local_leader_prepared: rank 0: StrategyFailed:")
+        assert f"tensor {name!r} fails its adler32 check" in message
+    store = CheckpointStore(root, quota_bytes=1 << 30)
+    assert store.state(KEY).version is None and store.artifacts() == []

@@ -1,9 +1,10 @@
 """Multi-rank replicas end to end: operator + two node agents, each running one process per rank in a gloo group.
 
 A ModelLoad of two replicas with two ranks each: the first replica's ranks cold-start from S3 (the local leader
-replays the chain into the node's store, then each rank loads its share), the second replica's ranks copy rank
-by rank from the first. Every rank process's worker service refuses a reader without a valid token (none, garbage,
-a real token's claims under a forged signature) on every RPC, and admits an assigned one. Then a delta rolls out, a
+streams the checkpoint once, landing the other rank's share in sealed shared memory that rank copies from; the
+node's store is written behind), the second replica's ranks copy rank by rank from the first. Every rank
+process's worker service refuses a reader without a valid token (none, garbage, a real token's claims under a
+forged signature) on every RPC, and admits an assigned one. Then a delta rolls out, a
 rank process dies and its replica reloads, and two rank processes configured with different desired versions both
 fail, naming both.
 """
@@ -96,6 +97,8 @@ def test_two_rank_replicas_from_s3_then_peers_then_a_delta(cluster, s3, namespac
             check_holds(wr, v1)
         agent_log = "".join(a.log_path.read_text(errors="replace") for a in agents.values())
         assert "started 2 rank processes" in agent_log and "desired version v1 agreed" in agent_log
+        # The S3 replica's follower copied its share from its leader's memory: no S3 read, no store read of its own.
+        assert "rank 1/2 copied v1" in agent_log and "from the local leader's landing" in agent_log
 
         # Roll out the delta: each replica's ranks agree on v2 and load it again.
         cluster.kubectl("patch", "ml", "tp", "-n", namespace, "--type=merge", "-p", '{"spec":{"desiredVersion":"v2"}}')

@@ -250,12 +250,14 @@ def agree_peer_outcome(
 class S3Steps:
     """What each S3 phase does on this rank. `resolve_chain` runs on every rank and its (picklable) result must
     be the same everywhere; `prepare` runs on the local leader first, then on the other ranks (which attach
-    to the leader's prepared checkpoint); `load` on every rank; `activate` on the local leader only."""
+    to the leader's prepared checkpoint); `load` on every rank; `activate` on the local leader only. With
+    `attach`, the other ranks run `attach(what the leader's prepare returned)` instead of `prepare`."""
 
     resolve_chain: Callable[[], Any]
-    prepare: Callable[[], None]
+    prepare: Callable[[], Any]
     load: Callable[[], None]
     activate: Callable[[], None]
+    attach: Callable[[Any], None] | None = None
 
 
 S3_PHASES = ("s3_chain", "s3_local_leader_prepared", "s3_all_prepared", "s3_engine_loaded", "s3_checkpoint_activated")
@@ -288,11 +290,16 @@ def s3_phases(
     """Run the S3 cold-start phases in lockstep and return the agreed chain. `local_rank` 0 is the node's
     leader (default: the group rank, i.e. all ranks on one node, as a WeightReplica's are)."""
     leader = (group.rank if local_rank is None else local_rank) == 0
+    leader_rank = 0 if local_rank is None else group.rank - local_rank  # a node's ranks are contiguous
     chains = _run_phase(group, S3_PHASES[0], steps.resolve_chain, pinned=pinned, configured=configured)
     if any(c != chains[0] for c in chains):
         raise StrategyRecoveryError(f"replay chain disagreement for {pinned!r}: {_ranks(chains)}")
-    _run_phase(group, S3_PHASES[1], steps.prepare if leader else None, pinned=pinned, configured=configured)
-    _run_phase(group, S3_PHASES[2], None if leader else steps.prepare, pinned=pinned, configured=configured)
+    prepared = _run_phase(group, S3_PHASES[1], steps.prepare if leader else None, pinned=pinned, configured=configured)
+    attach = steps.prepare
+    if steps.attach is not None:
+        attach_with = steps.attach
+        attach = lambda: attach_with(prepared[leader_rank])  # noqa: E731
+    _run_phase(group, S3_PHASES[2], None if leader else attach, pinned=pinned, configured=configured)
     _run_phase(group, S3_PHASES[3], steps.load, pinned=pinned, configured=configured)
     _run_phase(group, S3_PHASES[4], steps.activate if leader else None, pinned=pinned, configured=configured)
     return chains[0]

@@ -17,6 +17,7 @@ the same collectives in the same order, and every rank raises the same error.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from ferry_agent.ranks.agreement import (
     agree_source_order,
     s3_phases,
 )
+from ferry_agent.ranks.landing import MappedLanding
 from ferry_agent.strategies.chain import (
     LoadContext,
     LoadResult,
@@ -135,7 +137,9 @@ class RankAgreedStrategy(_Agreed):
 class RankAgreedObjectStorage(_Agreed):
     """The S3 cold start in lockstep. The local leader replays the chain into the node's store and loads its
     own tensors in the same pass; the other ranks then load theirs from what it prepared; the leader activates
-    the version in the store only after every rank has loaded."""
+    the version in the store only after every rank has loaded. A full checkpoint the store lacks is streamed
+    instead: the leader lands the other ranks' shares in sealed shared memory (`ranks.landing`), they copy
+    theirs out of it, and the store entry is written behind once every rank has loaded."""
 
     inner: ObjectStorageStrategy
 
@@ -157,38 +161,59 @@ class RankAgreedObjectStorage(_Agreed):
     def load(self, ctx: LoadContext) -> S3LoadResult:
         self._result, self._prepared = None, False
         chain: list[tuple[str, ...]] = []
+        mapped: list[MappedLanding] = []
 
         def resolve() -> tuple[str, ...]:
             chain.append(self.inner.resolve(ctx))
             return chain[0]
 
-        def prepare() -> None:
-            if self._leader:
-                self._result = self.inner.prepare(ctx, activate=False)
-                self._prepared = True
-            else:
+        def prepare() -> dict[str, Any] | None:
+            """The leader's step; what it returns tells the others where to load from."""
+            self._result = self.inner.prepare(ctx, activate=False, land=True)
+            if self._result.landed is not None:
+                return {"landing": self._result.landed.landing.descriptor(), "version_uid": ctx.version_uid}
+            self._prepared = True
+            return None
+
+        def attach(prepared: dict[str, Any] | None) -> None:
+            if prepared is None:
                 self.inner.attach(ctx, chain[0])
+                return
+            try:
+                mapped.append(MappedLanding(prepared["landing"], self._group.rank))
+            except (OSError, ValueError) as exc:
+                raise StrategyFailed(f"ObjectStorage: cannot map the local leader's landing: {exc}") from exc
+            ctx.version_uid = prepared["version_uid"]
 
         def load() -> None:
-            if not self._leader:  # the leader loaded its tensors while preparing
-                self._result = self.inner.load_prepared(ctx)
+            if self._leader:  # the leader loaded its tensors while preparing
+                return
+            self._result = self.inner.load_landed(ctx, mapped[0]) if mapped else self.inner.load_prepared(ctx)
+            mapped.clear()  # this rank's copy is done: the mapping goes
 
         def activate() -> None:
-            self.inner.activate(ctx, chain[0])
-            self._prepared = False
+            assert self._result is not None
+            if self._result.landed is not None:
+                self.inner.commit_landed(self._result.landed)
+            else:
+                self.inner.activate(ctx, chain[0])
+                self._prepared = False
 
         s3_phases(
             self._group,
-            S3Steps(resolve, prepare, load, activate),
+            S3Steps(resolve, prepare, load, activate, attach),
             pinned=self._pinned,
             configured=self._configured,
             local_rank=self._local_rank,
         )
         result, self._result = self._result, None
         assert result is not None
-        return result
+        # The landing is the store write's now (it holds the pages until written), not the served result's.
+        return dataclasses.replace(result, landed=None)
 
     def rollback(self, ctx: LoadContext) -> None:
+        if self._result is not None and self._result.landed is not None:
+            self._result.landed.landing.close()  # never stored: the other ranks gave up with this one
         self._result = None  # never registered: dropping it frees it
         if self._prepared:
             self._prepared = False

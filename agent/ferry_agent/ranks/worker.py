@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ferry import s3
 from ferry.kube import kube_client
 from ferry_agent import logs
 from ferry_agent.attach.memstore import HostStore
@@ -127,6 +128,8 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
         raise SystemExit(f"rank {args.rank} is outside a world of {args.world_size}")
     if not args.node:
         raise SystemExit("--node (or NODE_NAME) is required")
+    # The S3 model parsed while the rank starts (NIXL, the API, the rendezvous), not when its cold start needs S3.
+    threading.Thread(target=s3.prewarm, name="ferry-s3-prewarm", daemon=True).start()
     api = bound_requests(kube_client())
     try:
         tokens, auth = worker_auth.from_arguments(args, api, args.node)

@@ -12,7 +12,10 @@ ModelExpress semantics, in four phases:
    tensor's adler32 before the rename. A one-rank load of a full checkpoint the store lacks streams instead
    (`stream`): the ranged GETs read straight into the new pool, each tensor checked as its last range lands, and
    the store entry is written behind the load (`CheckpointStore.write_behind`, still tmp + fsync + rename), so
-   the replica serves without waiting for the disk.
+   the replica serves without waiting for the disk. A multi-rank leader streams such a load too
+   (`prepare(activate=False)` returns it `landed`): the other ranks' tensors land in a sealed memfd
+   (`ranks.landing`) that they copy their shares from (`load_landed`), and the store entry is queued only once
+   every rank has loaded (`commit_landed`).
 4. Build the target in one pass per tensor, in parallel: read the base bytes straight into a freshly allocated
    `ResidentWeights` pool (CPU: the agent's host store; through a host buffer for other devices), from the store,
    or from the base version's sealed host memory when a pod still holds that very version (then the tensors no
@@ -47,18 +50,27 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from ferry import checkpoint_format as ckpt
 from ferry import s3
 from ferry.api.models import SourceKind
+from ferry_agent.ranks.landing import Landing, MappedLanding
+from ferry_agent.ranks.sharding import rank_of_tensors
 from ferry_agent.store.checkpoints import CheckpointCacheCapacityError, CheckpointStore
-from ferry_agent.store.resident import ResidentWeights, TensorSpec
+from ferry_agent.store.resident import ResidentWeights, TensorSpec, manifest_digest
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
 from ferry_agent.strategies.object_storage.build import build, unchanged_since
 from ferry_agent.strategies.object_storage.checkpoint import Link, LoadError, Plan
 from ferry_agent.strategies.object_storage.download import download
 from ferry_agent.strategies.object_storage.plan import Planner
-from ferry_agent.strategies.object_storage.stream import store_full_behind, store_materialized_behind, stream
+from ferry_agent.strategies.object_storage.stream import (
+    Streamed,
+    store_full_behind,
+    store_materialized_behind,
+    stream,
+)
 from ferry_agent.strategies.progress import Progress
 from ferry_agent.transport.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
 
@@ -79,10 +91,19 @@ class S3LoadResult:
     seconds: float
     timings: Mapping[str, float]  # seconds per phase: validate, download (+ checks), build, commit (fsync + rename)
     source: str = SOURCE
+    # A multi-rank leader's streamed load: the other ranks' tensors, and the store write held back until every
+    # rank has loaded (`commit_landed`).
+    landed: Landed | None = None
 
     @property
     def source_label(self) -> str:
         return self.source
+
+
+@dataclass(frozen=True)
+class Landed:
+    landing: Landing
+    store: Callable[[], None]  # queues the store's write-behind of the whole checkpoint (under the store lock)
 
 
 class ObjectStorageStrategy:
@@ -141,10 +162,12 @@ class ObjectStorageStrategy:
         with self._failures():
             return tuple(link.name for link in self._planner.resolve(ctx))
 
-    def prepare(self, ctx: LoadContext, *, activate: bool) -> S3LoadResult:
+    def prepare(self, ctx: LoadContext, *, activate: bool, land: bool = False) -> S3LoadResult:
         """The local leader's step: fetch what the store lacks, replay the chain and load this rank's tensors
         in the same pass, materializing every rank's tensors in the store. With `activate=False` the store only
-        marks the version prepared; `activate()` follows once every rank has loaded it."""
+        marks the version prepared; `activate()` follows once every rank has loaded it. With `land` (and
+        `activate=False`), a full checkpoint the store lacks is streamed instead, the other ranks' tensors into
+        the result's `landed`, and nothing is stored until `commit_landed`."""
         t0 = time.monotonic()
         timings: dict[str, float] = {}
         with self._failures():
@@ -155,9 +178,9 @@ class ObjectStorageStrategy:
             ):
                 plan = self._planner.plan(ctx, links, pool)
                 timings["validate"] = time.monotonic() - t0
-                resident, downloaded = self._execute(ctx, plan, pool, timings, activate=activate)
+                resident, downloaded, landed = self._execute(ctx, plan, pool, timings, activate=activate, land=land)
         ctx.version_uid = links[-1].uid
-        return self._result(ctx, plan, resident, downloaded, t0, timings)
+        return self._result(ctx, plan, resident, downloaded, t0, timings, landed)
 
     def attach(self, ctx: LoadContext, chain: Sequence[str]) -> None:
         """Another rank's check that its local leader prepared `chain` in the node's store."""
@@ -199,6 +222,41 @@ class ObjectStorageStrategy:
             except RuntimeError as exc:
                 raise LoadError(str(exc)) from exc
 
+    def load_landed(self, ctx: LoadContext, landing: MappedLanding) -> S3LoadResult:
+        """Another rank's step when its local leader streamed the version: this rank's share, copied from the
+        leader's sealed landing (checked there as it arrived), without touching S3 or the store."""
+        t0 = time.monotonic()
+        with self._failures():
+            expected = ctx.expected_manifest_digest
+            if expected and manifest_digest(landing.specs) != expected:
+                raise LoadError(
+                    f"the manifest of {ctx.version} the local leader landed has digest "
+                    f"{manifest_digest(landing.specs)}, but the replica expects {expected}"
+                )
+            try:
+                resident = self._allocate(landing.specs, ctx.device)
+            except (RuntimeError, ValueError) as exc:
+                nbytes = sum(s.nbytes for s in landing.specs)
+                raise LoadError(f"cannot allocate {nbytes} bytes on {ctx.device}: {exc}") from exc
+            with ThreadPoolExecutor(self._workers, thread_name_prefix="ferry-landing") as pool:
+                landing.copy_share(resident, pool)
+        seconds = time.monotonic() - t0
+        log.info(
+            "rank %d/%d copied %s (%d bytes) from the local leader's landing in %.2fs",
+            ctx.rank,
+            ctx.world_size,
+            ctx.version,
+            resident.total_bytes,
+            seconds,
+        )
+        return S3LoadResult(resident, resident.total_bytes, 0, (), None, seconds, {"copy": round(seconds, 6)})
+
+    def commit_landed(self, landed: Landed) -> None:
+        """Every rank loaded what the leader landed: store the checkpoint behind (which activates it there)."""
+        landed.landing.close()
+        with self._failures(), self._store.lock():
+            landed.store()
+
     def release_prepared(self, ctx: LoadContext) -> None:
         """Undo `prepare(activate=False)` when the replica gives up: the store forgets the prepared version."""
         self._store.release_prepared(self._planner.key(ctx), ctx.version)
@@ -218,7 +276,13 @@ class ObjectStorageStrategy:
 
     @staticmethod
     def _result(
-        ctx: LoadContext, plan: Plan, resident: ResidentWeights, downloaded: int, t0: float, timings: dict[str, float]
+        ctx: LoadContext,
+        plan: Plan,
+        resident: ResidentWeights,
+        downloaded: int,
+        t0: float,
+        timings: dict[str, float],
+        landed: Landed | None = None,
     ) -> S3LoadResult:
         seconds = time.monotonic() - t0
         log.info(
@@ -240,6 +304,7 @@ class ObjectStorageStrategy:
             reused=plan.reused,
             seconds=seconds,
             timings={k: round(v, 6) for k, v in timings.items()},
+            landed=landed,
         )
 
     def rollback(self, ctx: LoadContext) -> None:
@@ -255,14 +320,27 @@ class ObjectStorageStrategy:
         return s3.client(endpoint, region, creds, s3.bulk_download(self._workers, self._timeout_s))
 
     def _execute(
-        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], *, activate: bool
-    ) -> tuple[ResidentWeights, int]:
+        self,
+        ctx: LoadContext,
+        plan: Plan,
+        pool: ThreadPoolExecutor,
+        timings: dict[str, float],
+        *,
+        activate: bool,
+        land: bool = False,
+    ) -> tuple[ResidentWeights, int, Landed | None]:
         fetch = [c for c in (plan.base, *plan.deltas) if c.path is None]
         downloaded = sum(c.stored_bytes for c in fetch)
         needed = downloaded + (plan.base.stored_bytes if plan.deltas else 0)  # + the materialized target
         alone = activate and ctx.world_size == 1  # no other rank reads what this load stores
         if alone and fetch == [plan.base]:
-            return self._stream(ctx, plan, pool, timings, needed), downloaded
+            resident, streamed = self._stream(ctx, plan, pool, timings, needed)
+            store_full_behind(self._store, plan, streamed)
+            return resident, downloaded, None
+        if land and not activate and ctx.world_size > 1 and fetch == [plan.base] and not plan.deltas:
+            # A multi-rank leader: the other ranks' shares land in shared memory they map, not in the store.
+            resident, landed = self._stream_ranks(ctx, plan, pool, timings, needed)
+            return resident, downloaded, landed
         # A one-rank replay into a CPU pool: materialized/<target> is written behind, from the new pool.
         behind = alone and bool(plan.deltas) and torch.device(ctx.device).type == "cpu"
         with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
@@ -277,12 +355,50 @@ class ObjectStorageStrategy:
                 update.commit(activate=activate)
         if behind:
             store_materialized_behind(self._store, plan, resident)
-        return resident, downloaded
+        return resident, downloaded, None
+
+    def _stream_ranks(
+        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
+    ) -> tuple[ResidentWeights, Landed]:
+        """A multi-rank leader's full load the store lacks: one stream from S3, this rank's share into its new
+        pool and every other rank's into a sealed landing they map (`ranks.landing`); the store entry is written
+        behind once every rank has loaded (`commit_landed`)."""
+        owner = rank_of_tensors(
+            [
+                TensorSpec(n, f"torch.{ckpt.TORCH_DTYPES[i.dtype]}", i.shape, i.nbytes)
+                for n, (_, i) in plan.layout.items()
+            ],
+            ctx.world_size,
+        )
+        shares: dict[int, list[TensorSpec]] = {}
+        for name, (_, info) in sorted(plan.layout.items()):
+            if owner[name] != ctx.rank:
+                spec = TensorSpec(name, f"torch.{ckpt.TORCH_DTYPES[info.dtype]}", info.shape, info.nbytes)
+                shares.setdefault(owner[name], []).append(spec)
+        try:
+            landing = Landing(shares, f"landing:{plan.model}/{ctx.version}"[:200])  # memfd names: < 250 bytes
+        except OSError as exc:
+            raise LoadError(f"cannot allocate the other ranks' landing in host memory: {exc}") from exc
+        try:
+            resident, streamed = self._stream(ctx, plan, pool, timings, needed, into=landing.views)
+            landing.seal()
+        except BaseException:
+            landing.close()
+            raise
+        return resident, Landed(landing, lambda: store_full_behind(self._store, plan, streamed))
 
     def _stream(
-        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
-    ) -> ResidentWeights:
-        """A one-rank full load the store lacks: streamed from S3 into the new pool, the store written behind."""
+        self,
+        ctx: LoadContext,
+        plan: Plan,
+        pool: ThreadPoolExecutor,
+        timings: dict[str, float],
+        needed: int,
+        *,
+        into: Mapping[str, np.ndarray] | None = None,
+    ) -> tuple[ResidentWeights, Streamed]:
+        """A full load the store lacks, streamed from S3 into the new pool (tensors it lacks into `into`); the
+        caller writes the store behind from what it returns."""
         try:
             self._store.reserve(needed)  # refused up front, as when the store is written first
         except CheckpointCacheCapacityError as exc:
@@ -294,6 +410,7 @@ class ObjectStorageStrategy:
             nbytes = sum(s.nbytes for s in plan.specs)
             raise LoadError(f"cannot allocate {nbytes} bytes on {ctx.device}: {exc}") from exc
         timings["allocate"] = time.monotonic() - t
-        streamed = stream(plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes)
-        store_full_behind(self._store, plan, streamed)
-        return resident
+        streamed = stream(
+            plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes, into=into
+        )
+        return resident, streamed

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -124,8 +124,10 @@ def stream(
     *,
     report: Callable[[int, int, str], None] | None,
     range_bytes: int,
+    into: Mapping[str, np.ndarray] | None = None,
 ) -> Streamed:
-    """Fetch `plan.base` (a full checkpoint, not in the store) with parallel ranged GETs into `resident`."""
+    """Fetch `plan.base` (a full checkpoint, not in the store) with parallel ranged GETs into `resident`; a
+    tensor `resident` lacks lands in `into[name]` (another rank's share: `ranks.landing`) where given."""
     base = plan.base
     t = time.monotonic()
     folder = base.link.uri.rpartition("/")[0] + "/"  # what a stall report names
@@ -144,7 +146,12 @@ def stream(
             tensor = resident.tensors.get(name)
             flat = None if tensor is None or name in resident.shared else tensor.reshape(-1).view(torch.uint8)
             on_cpu = flat is not None and flat.device.type == "cpu"
-            host = flat.numpy() if on_cpu else np.empty(info.nbytes, dtype=np.uint8)
+            if on_cpu:
+                host = flat.numpy()
+            elif flat is None and into is not None and name in into:
+                host = into[name]
+            else:
+                host = np.empty(info.nbytes, dtype=np.uint8)
             hosts[name] = host
             begin = layout.data_start + info.begin
             count = sum(1 for b, e in ranges if b < begin + info.nbytes and e > begin)
