@@ -35,7 +35,7 @@ from kubernetes import client, config, watch
 from ferry import checkpoint_format as cf
 from ferry.api.conditions import is_true
 from ferry.api.models import API_VERSION, GROUP, VERSION, WeightVersionConditionType
-from ferry_dev.localcluster import local_stack, start_operator, wait_until
+from ferry_dev.localcluster import LocalCluster, local_stack, start_operator, wait_until
 
 BUCKET = "bench"
 SINGLE_PROBES = 5  # single versions applied one at a time after each row
@@ -105,14 +105,25 @@ def body(name: str, uri: str) -> dict:
     }
 
 
-def run_row(api: client.ApiClient, n: int, spread: int, uri: str, timeout: float) -> dict:
+def prepare_burst(
+    api: client.ApiClient, n: int, spread: int, prefix: str
+) -> tuple[client.CustomObjectsApi, Watcher, list[str], list[tuple[str, str]]]:
+    """The row's namespaces, a running watcher and the (namespace, name) of each of the N versions to apply."""
     core, objects = client.CoreV1Api(api), client.CustomObjectsApi(api)
-    namespaces = [f"bench-{i}" for i in range(spread)]
+    namespaces = [f"{prefix}-{i}" for i in range(spread)]
     for ns in namespaces:
         core.create_namespace({"metadata": {"name": ns}})
     watcher = Watcher(api)
     time.sleep(1.0)
-    keys = [(namespaces[i % spread], f"v{i}") for i in range(n)]
+    return objects, watcher, namespaces, [(namespaces[i % spread], f"v{i}") for i in range(n)]
+
+
+def server_pids(cluster: LocalCluster) -> list[int]:
+    return [p.proc.pid for p in cluster.processes if p.name in ("etcd", "kube-apiserver") and p.proc]
+
+
+def run_row(api: client.ApiClient, n: int, spread: int, uri: str, timeout: float) -> dict:
+    objects, watcher, namespaces, keys = prepare_burst(api, n, spread, "bench")
     created: dict[tuple[str, str], float] = {}
 
     def create(key: tuple[str, str]) -> None:
@@ -158,14 +169,8 @@ def measure_floor(n: int, spread: int) -> dict:
     with local_stack() as (cluster, _s3):
         api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
         api.configuration.connection_pool_maxsize = CREATE_THREADS
-        core, objects = client.CoreV1Api(api), client.CustomObjectsApi(api)
-        namespaces = [f"floor-{i}" for i in range(spread)]
-        for ns in namespaces:
-            core.create_namespace({"metadata": {"name": ns}})
-        watcher = Watcher(api)
-        time.sleep(1.0)
-        keys = [(namespaces[i % spread], f"v{i}") for i in range(n)]
-        servers = [p.proc.pid for p in cluster.processes if p.name in ("etcd", "kube-apiserver") and p.proc]
+        objects, watcher, _, keys = prepare_burst(api, n, spread, "floor")
+        servers = server_pids(cluster)
         server_cpu, client_cpu = sum(cpu_seconds(pid) for pid in servers), time.process_time()
         start = time.monotonic()
         uri = f"s3://{BUCKET}/m/{cf.INDEX_NAME}"
@@ -212,7 +217,7 @@ def measure(n: int, spread: int) -> dict:
         api.configuration.connection_pool_maxsize = CREATE_THREADS
         # CPU seconds spent during the row: steadier than wall time on shared cores, and the apiserver's own share
         # (etcd included) shows what each version's requests cost there.
-        servers = [p.proc.pid for p in cluster.processes if p.name in ("etcd", "kube-apiserver") and p.proc]
+        servers = server_pids(cluster)
         cpu_before = cpu_seconds(operator.proc.pid), sum(cpu_seconds(pid) for pid in servers)
         row = run_row(api, n, spread, uri, timeout=180 + 0.2 * n)
         row["operator_cpu_s"] = round(cpu_seconds(operator.proc.pid) - cpu_before[0], 2)
