@@ -680,6 +680,23 @@ class RetentionReason(StrEnum):
     STORAGE_NOT_DELETED = "StorageNotDeleted"  # Warning, on the WeightVersion: objects left; the message says why
 
 
+class EventAction(StrEnum):
+    """`action` of the Events the operator posts: what it did or tried about the object (`reason` says how it
+    went)."""
+
+    VERIFY = "Verify"  # WeightVersion: its chain and objects were checked (its Ready changed)
+    RELEASE = "Release"  # WeightVersion: a deletion is held for what still needs it, or released
+    SERVE = "Serve"  # ModelLoad: its replicas' readiness changed (Ready, Degraded)
+    LOAD = "Load"  # ModelLoad: a peer load stalled or moves again (PeerStalled)
+    ATTACH = "Attach"  # ModelLoad: consumer pods attached or left (EnginesAttached)
+    CREATE_REPLICA = "CreateReplica"
+    DELETE_REPLICA = "DeleteReplica"  # also a replica kept while consumers are attached to it
+    ROLL_OUT = "RollOut"
+    DELETE_LEASE = "DeleteLease"
+    RETIRE = "Retire"  # retention deleted (or could not delete) a WeightVersion
+    DELETE_STORAGE = "DeleteStorage"  # a released version's objects deleted (or left)
+
+
 class ModelLoadPhase(StrEnum):
     """A summary of the conditions, for `kubectl get`."""
 

@@ -29,7 +29,12 @@ SETTINGS = (
     ),
     Setting("FERRY_VERIFY_BACKOFF_SECONDS", "2", "first retry delay after a failed storage verification"),
     Setting("FERRY_VERIFY_BACKOFF_MAX_SECONDS", "300", "cap of the doubling verification retry delay"),
-    Setting("FERRY_RELEASE_RETRY_SECONDS", "2", "how often a blocked release (deletion) of a version is retried"),
+    Setting(
+        "FERRY_RELEASE_RETRY_SECONDS",
+        "300",
+        "safety net: a blocked release (deletion) is looked at again after this long without any change (a change of"
+        " what blocks it wakes it at once)",
+    ),
     Setting("FERRY_WATCH_TIMEOUT_SECONDS", "300", "server-side timeout of each watch request"),
     Setting("FERRY_METRICS_ADDRESS", "0.0.0.0", "address of the Prometheus /metrics endpoint"),
     Setting("FERRY_METRICS_PORT", "8080", "port of the /metrics endpoint; 0 = any free port, -1 = off"),

@@ -101,8 +101,8 @@ class Indexes:
     nodes: kopf.Index[str, dict]  # node name -> `node_view`
     replicas: kopf.Index[tuple, dict]  # see `replica_index`
     replica_leases: kopf.Index[tuple[str, str], dict]  # (namespace, Lease name) -> the Lease
-    retention_loads: kopf.Index[str, Any]  # namespace -> retention's `LoadFacts` (retention_handlers)
-    retention_holds: kopf.Index[str, Any]  # namespace -> versions a replica holds (retention_handlers)
+    retention_loads: kopf.Index[tuple[str, str], Any]  # (namespace, model) -> `LoadFacts` (handlers/retention.py)
+    retention_holds: kopf.Index[tuple[str, str], Any]  # (namespace, model) -> versions each replica holds
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Indexes:

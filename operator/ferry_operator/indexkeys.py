@@ -1,5 +1,5 @@
 """Keys of the operator's kopf indexes. One index over every WeightVersion answers every question asked of them by
-key, so no reconcile walks all versions: by name (chain resolution), by namespace (retention), by base (what
+key, so no reconcile walks all versions: by name (chain resolution), by model (retention), by base (what
 depends on a version) and by storage folder (what shares a version's objects). The keys are tagged tuples so
 that the kinds of key never collide."""
 
@@ -16,8 +16,8 @@ def named(namespace: str, name: str) -> tuple:
     return ("name", namespace, name)
 
 
-def in_namespace(namespace: str) -> tuple:
-    return ("namespace", namespace)
+def of_model(namespace: str, model: str) -> tuple:
+    return ("model", namespace, model)
 
 
 def based_on(namespace: str, base: str) -> tuple:
@@ -37,7 +37,7 @@ def storage_folder(uri: str) -> tuple[str, str] | None:
 
 
 def version_keys(view: VersionView) -> dict[tuple, VersionView]:
-    keys = {named(view.namespace, view.name): view, in_namespace(view.namespace): view}
+    keys = {named(view.namespace, view.name): view, of_model(view.namespace, view.model_name): view}
     if view.base_version:
         keys[based_on(view.namespace, view.base_version)] = view
     folder = storage_folder(view.storage_uri) if view.storage_uri else None

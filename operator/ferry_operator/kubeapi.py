@@ -1,4 +1,4 @@
-"""The few direct API calls the operator makes besides kopf's own patches (blocking: call via a thread)."""
+"""The API calls the operator makes; blocking, so call them via a thread. kopf writes nothing of its own here."""
 
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ def read_secret_data(namespace: str, name: str) -> dict[str, str]:
             raise NotFound(f"Secret {namespace}/{name} not found") from exc
         raise
     return dict(secret.data or {})
+
+
+def create_event(namespace: str, body: dict) -> None:
+    client.CoreV1Api(api_client()).create_namespaced_event(namespace, body)
 
 
 def get_object(plural: str, namespace: str, name: str) -> dict | None:
@@ -151,3 +155,46 @@ def label_node(node: str, key: str, value: str | None) -> None:
     except ApiException as exc:
         if exc.status != 404:
             raise
+
+
+def add_finalizer(plural: str, namespace: str, name: str, uid: str, current: list[str], finalizer: str) -> bool:
+    """Append `finalizer` to that very object's finalizers as they were read (`current`): a JSON patch that tests
+    the uid and the list, so neither another object of that name nor a finalizer added meanwhile by someone else is
+    overwritten, and no resourceVersion (which a status patch moves) is tested. False: the object is gone, or the
+    list changed since it was read (its watch event brings the new one)."""
+    if current:
+        ops = [
+            {"op": "test", "path": "/metadata/finalizers", "value": current},
+            {"op": "add", "path": "/metadata/finalizers/-", "value": finalizer},
+        ]
+    else:  # a test of `null` passes on an absent member
+        ops = [
+            {"op": "test", "path": "/metadata/finalizers", "value": None},
+            {"op": "add", "path": "/metadata/finalizers", "value": [finalizer]},
+        ]
+    return _json_patch(plural, namespace, name, [{"op": "test", "path": "/metadata/uid", "value": uid}, *ops])
+
+
+def remove_finalizer(plural: str, namespace: str, name: str, uid: str, current: list[str], finalizer: str) -> bool:
+    """Remove `finalizer` from that very object, tested at the index it has in `current` (as read). False: gone,
+    or the list changed since it was read."""
+    at = f"/metadata/finalizers/{current.index(finalizer)}"
+    ops = [
+        {"op": "test", "path": "/metadata/uid", "value": uid},
+        {"op": "test", "path": at, "value": finalizer},
+        {"op": "remove", "path": at},
+    ]
+    return _json_patch(plural, namespace, name, ops)
+
+
+def _json_patch(plural: str, namespace: str, name: str, ops: list[dict]) -> bool:
+    try:
+        # The client would send a list as a merge patch: say what it is.
+        _objects().patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, plural, name, ops, _content_type="application/json-patch+json"
+        )
+    except ApiException as exc:
+        if exc.status in (404, 409, 422):  # gone, or a test failed: the object is not as it was read
+            return False
+        raise
+    return True

@@ -1,6 +1,6 @@
 """INFO shows transitions: kopf's own per-handler bookkeeping lines ("Handler 'x' succeeded.", "Creation is
-processed: 1 succeeded; 0 failed.") are DEBUG-only here. kopf logs them at INFO for every handler run, and posts
-INFO lines as Events, so at 10,000 objects they would be most of the log and of the Events."""
+processed: 1 succeeded; 0 failed.") are DEBUG-only here. kopf logs them at INFO for every handler run, so at
+10,000 objects they would be most of the log."""
 
 from __future__ import annotations
 

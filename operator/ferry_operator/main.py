@@ -11,7 +11,6 @@ import asyncio
 import datetime as dt
 import hashlib
 import logging
-import socket
 from typing import Any
 
 import kopf
@@ -19,18 +18,20 @@ import kopf
 from ferry.api.liveness import DEFAULT_LEASE_SECONDS
 from ferry.api.models import GROUP
 
-# the indexes, pod_placement and retention_handlers imports register their handlers
-from ferry_operator import indexes, leadership, logfilter, metrics, pod_placement, retention_handlers  # noqa: F401
+# the indexes, pod_placement and handlers.retention imports register their handlers
+from ferry_operator import indexes, leadership, logfilter, metrics, pod_placement  # noqa: F401
 from ferry_operator.config import CONFIG
 from ferry_operator.deadlines import DEADLINES
-from ferry_operator.handlers import modelload, weightversion
+from ferry_operator.events import EVENTS
+from ferry_operator.handlers import modelload, retention, weightversion  # noqa: F401 (retention)
 from ferry_operator.indexes import Indexes, node_view
 from ferry_operator.kubeapi import ML, WR, WV
 from ferry_operator.modelloads import fell_back, renewal_time, renewed_after_expiry
 from ferry_operator.wakeups import WAKEUPS
 
-RELEASE_FINALIZER = f"{GROUP}/release"
-EVENT_COMPONENT = "ferry-operator"  # reportingComponent and source.component of every Event the operator posts
+# kopf's own finalizer: no handler here needs one (the release finalizer is the operator's own, see
+# handlers/weightversion.py), so kopf never adds it; kopf strips it wherever it finds it, hence another name.
+KOPF_FINALIZER = f"{GROUP}/kopf"
 
 log = logging.getLogger("ferry.operator")
 
@@ -38,7 +39,7 @@ _background: set[asyncio.Task] = set()
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
-    """No diff base: every handler here is an event handler or the deletion handler, and neither looks at a diff.
+    """No diff base: every handler here is an event handler, which does not look at a diff.
     kopf's default would write a last-handled-configuration annotation at each creation and each annotation change,
     one more patch and event per object each time. Add a create/update handler and this must go."""
 
@@ -59,12 +60,11 @@ _leadership: leadership.Leadership | None = None
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
     global _leadership
-    settings.persistence.finalizer = RELEASE_FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.finalizer = KOPF_FINALIZER
     settings.persistence.diffbase_storage = NoDiffBase()
     settings.watching.server_timeout = CONFIG.watch_server_timeout
     settings.watching.client_timeout = CONFIG.watch_server_timeout + 10
-    settings.posting.level = logging.INFO
+    settings.posting.enabled = False  # every Event is the operator's own (events.EVENTS), with its action
     settings.execution.max_workers = 8
     logfilter.install()
     # The operator memo is copied into each object's memo: what is set here, every handler sees.
@@ -74,11 +74,6 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
     WAKEUPS.register(ML[2], modelload.reconcile_woken)
     task = asyncio.get_running_loop().create_task(DEADLINES.run(), name="deadlines")
     _background.add(task)
-    # Short retries for Events: a 403 from a terminating namespace must not stall the shared event-posting queue.
-    settings.posting.default_backoffs = settings.posting.logging_backoffs = [0.5, 1, 2]
-    settings.posting.reporting_component = EVENT_COMPONENT  # kopf says "kopf"
-    settings.posting.event_name_prefix = f"{EVENT_COMPONENT}-"
-    settings.posting.reporting_instance = socket.gethostname()
     # Every other request rides out an apiserver restart of about two minutes: kopf ends the whole operator when a
     # watch's retries run out on a 5xx, which a starting apiserver answers for a while.
     settings.networking.error_backoffs = [0.5, 1, 2, 4, 8] + [15] * 7
@@ -87,9 +82,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
         log.info("metrics on http://%s:%d/metrics", CONFIG.metrics_address, port)
     _leadership = leadership.from_env()
     if _leadership is not None:
-        settings.posting.reporting_instance = _leadership.config.identity
         # Startup handlers run before kopf starts any watch: until this returns, the process is a standby.
         await _leadership.acquire()
+    EVENTS.start(_leadership.config.identity if _leadership is not None else None)
 
 
 @kopf.on.cleanup()
@@ -112,11 +107,7 @@ async def version_changed(
         WAKEUPS.seen(WV[2], namespace, name, memo)
         await weightversion.reconcile(namespace, name, memo, body, logger)
     weightversion.wake_watchers(event, namespace, name, body, memo)
-
-
-@kopf.on.delete(*WV)
-async def release_version(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await weightversion.release(namespace, name, body, memo)
+    weightversion.recheck_releases(namespace, memo.indexes)  # a delta gone frees its base
 
 
 # ---------------------------------------------------------------- ModelLoad and what wakes it
@@ -124,6 +115,7 @@ async def release_version(namespace: str, name: str, body: kopf.Body, memo: kopf
 
 @kopf.on.event(*ML)
 async def modelload_changed(event: dict, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    weightversion.recheck_releases(namespace, memo.indexes)  # it may have let go of a version being released
     if event.get("type") == "DELETED":
         modelload.forget(namespace, name)
         return
@@ -180,6 +172,7 @@ async def replica_changed(
     """A replica changed what its ModelLoad's status is made of (phase, the version it serves or loads next to it,
     a failure, a fallback, who is attached) or went away: wake the ModelLoad now. Progress within a load changes
     nothing there."""
+    weightversion.recheck_releases(namespace, memo.indexes)  # read leases or attachments may have let go
     key = (namespace, name)
     if event.get("type") == "DELETED":
         memo.stalled.discard(key)

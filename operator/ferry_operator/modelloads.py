@@ -31,7 +31,6 @@ from ferry.api.models import (
     LiveReason,
     ModelLoad,
     ModelLoadConditionType,
-    ModelLoadEventReason,
     ModelLoadPhase,
     ModelLoadReadyReason,
     ModelLoadSpec,
@@ -47,19 +46,6 @@ from ferry.api.models import (
 )
 from ferry.chain import VersionView
 
-# Short names of the condition types and reasons (ferry.api.models) that the operator's modules share.
-READY = ModelLoadConditionType.READY
-PROGRESSING = ModelLoadConditionType.PROGRESSING
-DEGRADED = ModelLoadConditionType.DEGRADED
-PEER_STALLED = ModelLoadConditionType.PEER_STALLED
-ENGINES_ATTACHED = ModelLoadConditionType.ENGINES_ATTACHED
-LEASE_OF_OTHER_NODE_DELETED = ModelLoadEventReason.LEASE_OF_OTHER_NODE_DELETED
-REPLICA_HELD = ModelLoadEventReason.REPLICA_HELD_BY_CONSUMERS
-# Ready=False reasons for a desired version that cannot be placed: nothing is created or rolled out meanwhile.
-VERSION_NOT_FOUND = ModelLoadReadyReason.VERSION_NOT_FOUND
-VERSION_NOT_READY = ModelLoadReadyReason.VERSION_NOT_READY
-MODEL_MISMATCH = ModelLoadReadyReason.MODEL_MISMATCH
-
 
 @dataclass(frozen=True)
 class VersionProblem:
@@ -70,19 +56,21 @@ class VersionProblem:
 
 
 def version_problem(spec: ModelLoadSpec, version: VersionView | None) -> VersionProblem | None:
-    """None when the desired version exists, is Ready and is of the ModelLoad's model."""
+    """None when the desired version exists, is Ready and is of the ModelLoad's model; else the Ready=False
+    reason, while which nothing is created or rolled out."""
     desired = spec.desiredVersion
     if version is None:
-        return VersionProblem(VERSION_NOT_FOUND, f"WeightVersion {desired} does not exist")
+        return VersionProblem(ModelLoadReadyReason.VERSION_NOT_FOUND, f"WeightVersion {desired} does not exist")
     if version.model_name != spec.modelName:
         return VersionProblem(
-            MODEL_MISMATCH,
+            ModelLoadReadyReason.MODEL_MISMATCH,
             f"WeightVersion {desired} is of model {version.model_name!r}, but this ModelLoad serves "
             f"{spec.modelName!r}; no replica is created",
         )
     if not version.ready:
         return VersionProblem(
-            VERSION_NOT_READY, f"WeightVersion {desired} is not Ready (see `kubectl describe wv {desired}`)"
+            ModelLoadReadyReason.VERSION_NOT_READY,
+            f"WeightVersion {desired} is not Ready (see `kubectl describe wv {desired}`)",
         )
     return None
 
@@ -672,12 +660,17 @@ def aggregate_status(
 
     all_ready = len(ready) >= wanted and not behind
     if all_ready:
-        put(READY, True, ModelLoadReadyReason.ALL_REPLICAS_READY, f"{len(ready)}/{wanted} replicas serve {desired}")
+        put(
+            ModelLoadConditionType.READY,
+            True,
+            ModelLoadReadyReason.ALL_REPLICAS_READY,
+            f"{len(ready)}/{wanted} replicas serve {desired}",
+        )
     elif problem:
-        put(READY, False, problem.reason, problem.message)
+        put(ModelLoadConditionType.READY, False, problem.reason, problem.message)
     elif pool > nodes_available:
         put(
-            READY,
+            ModelLoadConditionType.READY,
             False,
             ModelLoadReadyReason.INSUFFICIENT_NODES,
             f"{pool} replicas requested but only {nodes_available} nodes match spec.nodeSelector",
@@ -685,7 +678,7 @@ def aggregate_status(
     elif failed:
         r = failed[0]
         put(
-            READY,
+            ModelLoadConditionType.READY,
             False,
             ModelLoadReadyReason.REPLICA_FAILED,
             f"{r['metadata']['name']}: {(r.get('status') or {}).get('message', '')}",
@@ -693,7 +686,7 @@ def aggregate_status(
     else:
         older = f"; {', '.join(outdated)} serve an older WeightVersion named {desired}" if outdated else ""
         put(
-            READY,
+            ModelLoadConditionType.READY,
             False,
             ModelLoadReadyReason.REPLICAS_NOT_READY,
             f"{len(ready)}/{wanted} replicas serve {desired}{older}",
@@ -702,10 +695,15 @@ def aggregate_status(
     if behind or loading:
         reason = ProgressingReason.ROLLING_OUT if behind else ProgressingReason.LOADING
         names = ", ".join(sorted(r["metadata"]["name"] for r in (behind or loading))[:5])
-        put(PROGRESSING, True, reason, f"{len(loading)} loading, {len(behind)} still on an older version ({names})")
+        put(
+            ModelLoadConditionType.PROGRESSING,
+            True,
+            reason,
+            f"{len(loading)} loading, {len(behind)} still on an older version ({names})",
+        )
     else:
         idle = ProgressingReason.COMPLETE if all_ready else ProgressingReason.IDLE
-        put(PROGRESSING, False, idle, "no replica is loading")
+        put(ModelLoadConditionType.PROGRESSING, False, idle, "no replica is loading")
 
     problems = []
     if failed:
@@ -722,18 +720,28 @@ def aggregate_status(
             )
         )
     if problems:
-        put(DEGRADED, True, problems[0][0], "; ".join(m for _, m in problems))
+        put(ModelLoadConditionType.DEGRADED, True, problems[0][0], "; ".join(m for _, m in problems))
     else:
-        put(DEGRADED, False, DegradedReason.AS_EXPECTED, "no failed, stale or fallen-back replicas")
+        put(
+            ModelLoadConditionType.DEGRADED,
+            False,
+            DegradedReason.AS_EXPECTED,
+            "no failed, stale or fallen-back replicas",
+        )
 
     if stalled:
-        put(PEER_STALLED, True, PeerStalledReason.NO_PROGRESS, "; ".join(s.message() for s in stalled))
+        put(
+            ModelLoadConditionType.PEER_STALLED,
+            True,
+            PeerStalledReason.NO_PROGRESS,
+            "; ".join(s.message() for s in stalled),
+        )
     else:
-        put(PEER_STALLED, False, PeerStalledReason.PROGRESSING, "no replica is stalled")
+        put(ModelLoadConditionType.PEER_STALLED, False, PeerStalledReason.PROGRESSING, "no replica is stalled")
 
     attached = attached_pods(replicas, desired, stale)
     engines, engines_reason, engines_message = attached.condition(desired)
-    put(ENGINES_ATTACHED, engines, str(engines_reason), engines_message)
+    put(ModelLoadConditionType.ENGINES_ATTACHED, engines, str(engines_reason), engines_message)
 
     if all_ready:
         phase = ModelLoadPhase.READY

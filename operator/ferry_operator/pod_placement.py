@@ -24,11 +24,12 @@ import kopf
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from ferry.api.models import WARM_LABEL_PREFIX, warm_node_label
+from ferry.api.models import WARM_LABEL_PREFIX, EventAction, ModelLoadEventReason, warm_node_label
 from ferry.kube import kube_client
 from ferry_operator import kubeapi
+from ferry_operator.events import EVENTS
 from ferry_operator.kubeapi import ML
-from ferry_operator.modelloads import REPLICA_HELD, PodFacts, followed_nodes, selector_matches, warm_label_changes
+from ferry_operator.modelloads import PodFacts, followed_nodes, selector_matches, warm_label_changes
 from ferry_operator.wakeups import WAKEUPS
 
 log = logging.getLogger("ferry.operator.pods")
@@ -168,7 +169,13 @@ def announce_held(body: Mapping[str, Any], held: Iterable[str], announced: set[s
     ModelLoad's memo) holds the replicas announced so far."""
     now = set(held)
     for name in sorted(now - announced):
-        kopf.info(body, reason=REPLICA_HELD, message=f"{name} stays while a consumer pod is attached to it")
+        message = f"{name} stays while a consumer pod is attached to it"
+        EVENTS.post(
+            body,
+            reason=ModelLoadEventReason.REPLICA_HELD_BY_CONSUMERS,
+            message=message,
+            action=EventAction.DELETE_REPLICA,
+        )
     announced.intersection_update(now)
     announced.update(now)
 

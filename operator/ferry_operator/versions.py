@@ -25,13 +25,6 @@ from ferry.api.models import (
 from ferry.chain import ChainResult
 from ferry.storage import StorageReport
 
-CHAIN_RESOLVED = WeightVersionConditionType.CHAIN_RESOLVED
-STORAGE_VERIFIED = WeightVersionConditionType.STORAGE_VERIFIED
-READY = WeightVersionConditionType.READY
-
-READY_REASON = WeightVersionReadyReason.VERIFIED
-RELEASE_BLOCKED = WeightVersionReadyReason.RELEASE_BLOCKED
-VERIFICATION_PENDING = StorageReason.VerificationPending
 STORAGE_REASONS = frozenset(StorageReason)
 
 # Spec is immutable, so these can only be fixed by publishing a new version.
@@ -64,7 +57,7 @@ class VersionStatusPlan:
 def storage_from_status(version: WeightVersion) -> StorageReport | None:
     """The verification outcome recorded for the version's generation, if any (None: never checked)."""
     status = version.status
-    cond = find_condition(status.conditions, STORAGE_VERIFIED) if status else None
+    cond = find_condition(status.conditions, WeightVersionConditionType.STORAGE_VERIFIED) if status else None
     if cond is None or cond.status == ConditionStatus.UNKNOWN or cond.observedGeneration != version.metadata.generation:
         return None
     if cond.reason not in STORAGE_REASONS:  # an older operator's reason: verify again
@@ -98,43 +91,61 @@ def plan_version_status(
     previous = {c.type: c.status for c in conditions}
 
     conditions = with_condition(
-        conditions, CHAIN_RESOLVED, chain.ok, chain.reason, chain.message, generation=generation, now=now
+        conditions,
+        WeightVersionConditionType.CHAIN_RESOLVED,
+        chain.ok,
+        chain.reason,
+        chain.message,
+        generation=generation,
+        now=now,
     )
 
-    kept_good = storage is not None and storage.transient and previous.get(STORAGE_VERIFIED) == ConditionStatus.TRUE
+    kept_good = (
+        storage is not None
+        and storage.transient
+        and previous.get(WeightVersionConditionType.STORAGE_VERIFIED) == ConditionStatus.TRUE
+    )
     if storage is None:
         conditions = with_condition(
             conditions,
-            STORAGE_VERIFIED,
+            WeightVersionConditionType.STORAGE_VERIFIED,
             ConditionStatus.UNKNOWN,
-            VERIFICATION_PENDING,
+            StorageReason.VerificationPending,
             "checking the checkpoint objects in object storage",
             generation=generation,
             now=now,
         )
     elif not kept_good:
         conditions = with_condition(
-            conditions, STORAGE_VERIFIED, storage.ok, storage.reason, storage.message, generation=generation, now=now
+            conditions,
+            WeightVersionConditionType.STORAGE_VERIFIED,
+            storage.ok,
+            storage.reason,
+            storage.message,
+            generation=generation,
+            now=now,
         )
     storage_ok = kept_good or (storage is not None and storage.ok)
 
     deleting = bool(version.metadata.deletionTimestamp)
     blockers = list(release_blockers)
     if chain.ok and storage_ok:
-        ready_reason, ready_message = READY_REASON, f"{chain.message} Storage verified."
+        ready_reason, ready_message = WeightVersionReadyReason.VERIFIED, f"{chain.message} Storage verified."
     elif not chain.ok:
         ready_reason, ready_message = str(chain.reason), chain.message
     elif storage is None:
-        ready_reason, ready_message = VERIFICATION_PENDING, "waiting for storage verification"
+        ready_reason, ready_message = StorageReason.VerificationPending, "waiting for storage verification"
     else:
         ready_reason, ready_message = str(storage.reason), storage.message
     ready = chain.ok and storage_ok and not deleting
     if deleting:
-        ready_reason = RELEASE_BLOCKED if blockers else WeightVersionReadyReason.RELEASING
+        ready_reason = WeightVersionReadyReason.RELEASE_BLOCKED if blockers else WeightVersionReadyReason.RELEASING
         ready_message = (
             f"release is blocked by {', '.join(blockers)}" if blockers else "released; waiting for the finalizer"
         )
-    conditions = with_condition(conditions, READY, ready, ready_reason, ready_message, generation=generation, now=now)
+    conditions = with_condition(
+        conditions, WeightVersionConditionType.READY, ready, ready_reason, ready_message, generation=generation, now=now
+    )
 
     if deleting:
         phase = WeightVersionPhase.RELEASING
@@ -167,7 +178,7 @@ def plan_version_status(
         update["readyTime"] = current.readyTime or now
     return VersionStatusPlan(
         status=current.model_copy(update=update),
-        became_ready=ready and previous.get(READY) != ConditionStatus.TRUE,
+        became_ready=ready and previous.get(WeightVersionConditionType.READY) != ConditionStatus.TRUE,
     )
 
 

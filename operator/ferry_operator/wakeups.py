@@ -11,7 +11,6 @@ interleave; wakes that arrive while it runs coalesce into one more run.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -34,8 +33,6 @@ class Wakeups:
         self._again: set[Key] = set()  # woken while running: one more run
         self._running: dict[Key, asyncio.Task] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        # kopf posts Events through context variables of its handler tasks: woken runs use a handler's context.
-        self._context: contextvars.Context | None = None
 
     def register(self, plural: str, reconcile: Reconcile) -> None:
         self._reconcilers[plural] = reconcile
@@ -44,7 +41,6 @@ class Wakeups:
         """Called by the object's own handler on each event: from now on it can be woken."""
         self._memos[(plural, namespace, name)] = memo
         self._loop = asyncio.get_running_loop()
-        self._context = contextvars.copy_context()
 
     def forget(self, plural: str, namespace: str, name: str) -> None:
         """The object is deleted: nothing of it stays (kopf drops its memo as well)."""
@@ -62,8 +58,12 @@ class Wakeups:
         if key in self._running:
             self._again.add(key)
             return
-        context = self._context.copy() if self._context is not None else None
-        self._running[key] = asyncio.get_running_loop().create_task(self._run(key), context=context)
+        self._running[key] = asyncio.get_running_loop().create_task(self._run(key))
+
+    def later(self, plural: str, namespace: str, name: str, seconds: float) -> None:
+        """`wake` after `seconds`, instead of any later wake set for the object before."""
+        key = (plural, namespace, name)
+        DEADLINES.after(("wake", *key), seconds, self._later(key))
 
     def wake_threadsafe(self, plural: str, namespace: str, name: str) -> None:
         """`wake` from another thread (a pod watch)."""
@@ -84,7 +84,7 @@ class Wakeups:
                     await self._reconcilers[key[0]](key[1], key[2], self._memos[key])
                 except Exception as exc:
                     log.warning("reconcile of %s %s/%s failed (%r); again in %.0fs", *key, exc, RETRY_SECONDS)
-                    DEADLINES.after(("wake", *key), RETRY_SECONDS, self._later(key))
+                    self.later(*key, RETRY_SECONDS)
                     return
                 if key not in self._again:
                     return

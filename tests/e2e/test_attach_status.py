@@ -121,7 +121,7 @@ def test_attached_pod_is_counted_and_blocks_the_release_of_its_version_until_kil
             "v1 blocked by llama-0",
             describe,
         )
-        time.sleep(3)  # several release retries (FERRY_RELEASE_RETRY_SECONDS=1): still held
+        time.sleep(3)  # the replica's other events (progress, renewals) recheck the release: still held
         v1 = get(cluster, namespace, "wv", "v1")
         assert v1 is not None and v1["status"]["phase"] == "Releasing", describe()
         assert condition(v1, "Ready")["reason"] == "ReleaseBlocked" and blocker in condition(v1, "Ready")["message"]

@@ -24,10 +24,10 @@ import yaml
 from kubernetes import client
 from safetensors.torch import save_file
 
-from ferry.api.models import LABEL_NODE
+from ferry.api.models import LABEL_NODE, ModelLoadEventReason
 from ferry_agent.kube.registry import lease_body, lease_name
 from ferry_dev.localcluster import LocalCluster, binary, write_kubeconfig
-from ferry_operator.modelloads import LEASE_OF_OTHER_NODE_DELETED, replica_name
+from ferry_operator.modelloads import replica_name
 from tests.support.agents import node, replica, seed_arg, start_agent, wait_phase
 from tests.support.objects import apply, get, ml_body, wait_for, wait_reason, wv_body
 
@@ -247,7 +247,8 @@ def test_the_operator_deletes_a_lease_squatted_by_another_node(chart, cluster, o
             describe,
         )
         assert ml["status"]["ready"] == "1/1"
-        selector = f"involvedObject.kind=ModelLoad,involvedObject.name=serve,reason={LEASE_OF_OTHER_NODE_DELETED}"
+        reason = ModelLoadEventReason.LEASE_OF_OTHER_NODE_DELETED
+        selector = f"involvedObject.kind=ModelLoad,involvedObject.name=serve,reason={reason}"
         events = json.loads(
             cluster.kubectl("get", "events", "-n", ns, "-o", "json", "--field-selector", selector).stdout
         )

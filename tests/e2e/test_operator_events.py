@@ -1,7 +1,7 @@
 """The Events the operator posts, read back from the real apiserver: a normal create of a WeightVersion and a
 ModelLoad served by two agents is Normal Events only, one per state change (none again on the reconciles that
-follow), all reported by `ferry-operator`; a real problem (the checkpoint's objects are missing) is one Warning,
-however often the verification is retried."""
+follow), all reported by `ferry-operator` with the action the operator took (not kopf's "Action?"); a real
+problem (the checkpoint's objects are missing) is one Warning, however often the verification is retried."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ def counted(operator, metric: str, label: str) -> float:
 
 def summary(events: list[dict]) -> list[tuple[str, str, str]]:
     return sorted((e["type"], e["reason"], e["message"]) for e in events)
+
+
+def actions(events: list[dict]) -> list[tuple[str, str, str]]:
+    return sorted((e["type"], e["reason"], e["action"]) for e in events)
 
 
 def assert_ours_and_unique(events: list[dict]) -> None:
@@ -68,13 +72,13 @@ def test_a_normal_create_posts_normal_events_once(cluster, s3, namespace, operat
 
         version_events = events_of(cluster, namespace, wv["metadata"]["uid"])
         assert_ours_and_unique(version_events)
-        assert [(t, r) for t, r, _ in summary(version_events)] == [("Normal", "Verified")]
+        assert actions(version_events) == [("Normal", "Verified", "Verify")]
         load_events = events_of(cluster, namespace, ml["metadata"]["uid"])
         assert_ours_and_unique(load_events)
-        assert sorted((t, r) for t, r, _ in summary(load_events)) == [
-            ("Normal", "AllReplicasReady"),
-            ("Normal", "ReplicaCreated"),
-            ("Normal", "ReplicaCreated"),
+        assert actions(load_events) == [
+            ("Normal", "AllReplicasReady", "Serve"),
+            ("Normal", "ReplicaCreated", "CreateReplica"),
+            ("Normal", "ReplicaCreated", "CreateReplica"),
         ], summary(load_events)
     finally:
         for a in agents:
@@ -94,4 +98,18 @@ def test_missing_objects_are_one_warning(cluster, namespace, operator):
     )
     events = events_of(cluster, namespace, wv["metadata"]["uid"])
     assert_ours_and_unique(events)
-    assert [(t, r) for t, r, _ in summary(events)] == [("Warning", "ObjectMissing")], summary(events)
+    assert actions(events) == [("Warning", "ObjectMissing", "Verify")], summary(events)
+
+    # Deleted, and nothing needs it: its problem gives way to the release (Normal), and it is released.
+    cluster.kubectl("delete", "wv", "gone", "-n", namespace)
+    events = wait_for(
+        lambda: (found := events_of(cluster, namespace, wv["metadata"]["uid"])) and len(found) == 3 and found,
+        20,
+        "the Released Event",
+    )
+    assert_ours_and_unique(events)
+    assert actions(events) == [
+        ("Normal", "Released", "Release"),
+        ("Normal", "Releasing", "Release"),
+        ("Warning", "ObjectMissing", "Verify"),
+    ], summary(events)

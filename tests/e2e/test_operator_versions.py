@@ -251,6 +251,59 @@ def test_release_waits_for_dependents_and_modelloads(cluster, s3, namespace, ope
     wait_for(lambda: get(cluster, namespace, "wv", "v1") is None, 20, "v1 released")
     # The operator deleted nothing itself: the ModelLoad and v2 are gone only because the test deleted them.
 
+    # Woken by the deletions, not retried on a timer (the safety net is an hour here); and a blocked release is a
+    # state, told once at INFO, not a handler failing.
+    lines = [line for line in operator.process.log_tail(1_000_000).splitlines() if f"{namespace}/v1" in line]
+    assert not [line for line in lines if "[ERROR" in line or "[WARNING" in line], lines
+    blocked = [line for line in lines if "release blocked by" in line]
+    assert len(blocked) == 1 and "[INFO" in blocked[0] and "WeightVersion/v2, ModelLoad/serve" in blocked[0], lines
+    assert len([line for line in lines if line.endswith(f"{namespace}/v1 released")]) == 1, lines
+
+
+def _refused_version_patches(cluster) -> int:
+    """PATCHes of WeightVersions the apiserver has refused with 422 so far (its request counter)."""
+    lines = cluster.kubectl("get", "--raw", "/metrics").stdout.splitlines()
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in lines
+        if line.startswith("apiserver_request_total{")
+        and 'resource="weightversions"' in line
+        and 'verb="PATCH"' in line
+        and 'code="422"' in line
+    )
+
+
+def test_the_release_finalizer_is_added_without_a_refused_patch(cluster, s3, namespace, operator):
+    """The operator adds its finalizer itself, next to its status patch: not kopf's patch that tests the
+    resourceVersion of the event it handles, which the status patch has just moved (a 422 per new version)."""
+    publish_chain(s3, namespace, ["v1", "v2", "v3"])
+    refused = _refused_version_patches(cluster)
+    apply(cluster, namespace, wv_body(namespace, "v1"), wv_body(namespace, "v2", base="v1"))
+    v3 = wv_body(namespace, "v3", base="v2")
+    v3["metadata"]["finalizers"] = ["example.com/keep"]  # someone else's: kept, ours goes after it
+    apply(cluster, namespace, v3)
+    held = {"v1": ["ferry.dev/release"], "v2": ["ferry.dev/release"], "v3": ["example.com/keep", "ferry.dev/release"]}
+    for name, finalizers in held.items():
+        wait_reason(cluster, namespace, name, "Ready", "True", "Verified")
+        wait_for(
+            lambda n=name, f=finalizers: get(cluster, namespace, "wv", n)["metadata"].get("finalizers") == f,
+            20,
+            f"{name} held",
+        )
+    assert _refused_version_patches(cluster) == refused
+
+    # Released, the operator takes only its own finalizer away.
+    cluster.kubectl("delete", "wv", "v3", "-n", namespace, "--wait=false")
+    wait_for(
+        lambda: get(cluster, namespace, "wv", "v3")["metadata"].get("finalizers") == ["example.com/keep"],
+        20,
+        "v3 released by the operator",
+    )
+    cluster.kubectl(
+        "patch", "wv", "v3", "-n", namespace, "--type=json", "-p", '[{"op":"remove","path":"/metadata/finalizers"}]'
+    )
+    wait_for(lambda: get(cluster, namespace, "wv", "v3") is None, 20, "v3 gone")
+
 
 def test_a_base_being_released_takes_its_delta_out_of_ready(cluster, s3, namespace, operator):
     """Event-driven: the base's deletion wakes the delta at once; no resync has to find it."""

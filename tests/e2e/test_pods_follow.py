@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save_file
 
-from ferry.api.models import LABEL_PLACEMENT, PLACEMENT_PODS, PLACEMENT_POOL, warm_node_label
-from ferry_operator.modelloads import REPLICA_HELD, replica_name
+from ferry.api.models import LABEL_PLACEMENT, PLACEMENT_PODS, PLACEMENT_POOL, ModelLoadEventReason, warm_node_label
+from ferry_operator.modelloads import replica_name
 from tests.e2e.attach_consumer import build_model, model_tensors, tensors_sha256
 from tests.support.agents import node, seed_arg, start_agent, wait_phase
 from tests.support.consumers import consumer, line_of
@@ -168,7 +168,12 @@ def test_a_pod_on_a_second_node_makes_it_load_over_p2p_and_serve_its_consumer(
         attachment = {"pod": "engine-2", "podNamespace": namespace, "podUid": uid, "version": "v1"}
         set_attachments(cluster, namespace, wr_b, [attachment])
         cluster.kubectl("delete", "pod", "engine-2", "-n", namespace, "--wait=false")
-        wait_for(lambda: any(wr_b in m for m in events(cluster, namespace, REPLICA_HELD)), 30, "held", describe)
+        wait_for(
+            lambda: any(wr_b in m for m in events(cluster, namespace, ModelLoadEventReason.REPLICA_HELD_BY_CONSUMERS)),
+            30,
+            "held",
+            describe,
+        )
         held = replicas_by_node(cluster, namespace)[node_b]
         assert not held["metadata"].get("deletionTimestamp") and held["status"]["phase"] == "Serving"
 

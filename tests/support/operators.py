@@ -9,11 +9,11 @@ from collections.abc import Sequence
 from ferry_dev.localcluster import LocalCluster, ManagedProcess, S3Server, start_operator, wait_until
 
 # No resync interval: the operator has no periodic timers, so every test here shows that events (and deadlines)
-# alone drive it.
+# alone drive it. A blocked release's safety net is longer than any test waits: a release must be woken.
 OPERATOR_ENV = {
     "FERRY_VERIFY_BACKOFF_SECONDS": "1",
     "FERRY_VERIFY_BACKOFF_MAX_SECONDS": "4",
-    "FERRY_RELEASE_RETRY_SECONDS": "1",
+    "FERRY_RELEASE_RETRY_SECONDS": "3600",
 }
 
 

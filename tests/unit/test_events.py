@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from ferry.api.models import EventAction
 from ferry.chain import ChainResult
 from ferry.storage import StorageReason, StorageReport
-from ferry_operator.events import condition_event
+from ferry_operator import events as events_module
+from ferry_operator.events import condition_action, condition_event, event_body
 from ferry_operator.versions import plan_version_status
 from tests.support.typed import weight_version
 
@@ -48,8 +53,9 @@ WARN, NORMAL, NONE = True, False, None
         ("Ready", None, c("False", "BaseNotReady"), NONE),
         ("Ready", None, c("False", "ObjectMissing"), WARN),
         ("Ready", c("False", "BaseNotReady"), c("False", "BaseNotFound"), WARN),
-        ("Ready", c("True", "Verified"), c("False", "ReleaseBlocked"), WARN),
-        ("Ready", c("False", "ReleaseBlocked"), c("False", "Releasing"), NORMAL),
+        # A deletion waiting for what still needs the version is normal; its release is the Released Event.
+        ("Ready", c("True", "Verified"), c("False", "ReleaseBlocked"), NORMAL),
+        ("Ready", c("False", "ReleaseBlocked"), c("False", "Releasing"), NONE),
         ("ChainResolved", None, c("True", "Resolved"), NONE),
         ("StorageVerified", c("Unknown", "VerificationPending"), c("False", "ObjectMissing"), NONE),
         # No change, no Event (a resync).
@@ -80,3 +86,81 @@ def test_engines_attached_flips_are_normal_events_and_its_birth_is_none():
     assert condition_event("EnginesAttached", none, attached) is False
     assert condition_event("EnginesAttached", attached, older) is False
     assert condition_event("EnginesAttached", none, older) is None
+
+
+def test_every_event_body_names_its_action_and_the_operator():
+    wv = {"apiVersion": "ferry.dev/v1alpha1", "kind": "WeightVersion", "metadata": {"name": "v1", "namespace": "ns"}}
+    body = event_body(
+        wv | {"metadata": wv["metadata"] | {"uid": "u1"}},
+        reason="ObjectMissing",
+        message="x" * 2000,
+        action=EventAction.VERIFY,
+        warning=True,
+        instance="op-0",
+        now=T0,
+    )
+    assert (body["type"], body["reason"], body["action"]) == ("Warning", "ObjectMissing", "Verify")
+    assert (body["reportingComponent"], body["source"], body["reportingInstance"]) == (
+        "ferry-operator",
+        {"component": "ferry-operator"},
+        "op-0",
+    )
+    assert body["involvedObject"] == {
+        "apiVersion": "ferry.dev/v1alpha1",
+        "kind": "WeightVersion",
+        "name": "v1",
+        "namespace": "ns",
+        "uid": "u1",
+    }
+    assert len(body["message"]) == 1024 and body["metadata"] == {"namespace": "ns", "generateName": "ferry-operator-"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "type_", "reason", "action"),
+    [
+        ("WeightVersion", "Ready", "Verified", "Verify"),
+        ("WeightVersion", "Ready", "ObjectMissing", "Verify"),
+        ("WeightVersion", "Ready", "ReleaseBlocked", "Release"),
+        ("ModelLoad", "Ready", "AllReplicasReady", "Serve"),
+        ("ModelLoad", "Degraded", "ReplicaStale", "Serve"),
+        ("ModelLoad", "PeerStalled", "NoProgress", "Load"),
+        ("ModelLoad", "EnginesAttached", "Attached", "Attach"),
+    ],
+)
+def test_condition_events_have_the_action_of_their_condition(kind, type_, reason, action):
+    assert condition_action(kind, type_, reason) == action
+
+
+def test_the_poster_retries_an_event_without_holding_up_the_others(monkeypatch):
+    posted: list[str] = []
+    tried: list[str] = []
+    failures = {"first": 1}
+
+    def create_event(namespace: str, body: dict) -> None:
+        tried.append(body["message"])
+        if body["message"] == "terminating":
+            refused = ApiException(status=403, reason="Forbidden")
+            raise refused
+        if failures.get(body["message"], 0):
+            failures[body["message"]] -= 1
+            raise OSError("apiserver restarting")
+        posted.append(body["message"])
+
+    monkeypatch.setattr(events_module.kubeapi, "create_event", create_event)
+    monkeypatch.setattr(events_module, "POST_BACKOFFS", (0.05,))
+    ml = {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelLoad", "metadata": {"name": "m", "namespace": "ns"}}
+
+    async def scenario() -> None:
+        poster = events_module.EventPoster(workers=2)
+        poster.post(ml, reason="ReplicaCreated", message="before start", action=EventAction.CREATE_REPLICA)
+        poster.start("op-0")
+        for message in ("first", "terminating", "second"):
+            poster.post(ml, reason="ReplicaCreated", message=message, action=EventAction.CREATE_REPLICA)
+        for _ in range(100):
+            if len(posted) == 2:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
+    assert posted == ["second", "first"]  # the first failed once and went after its retry
+    assert tried.count("terminating") == 1  # a namespace being deleted takes no Event, now or later

@@ -56,7 +56,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in {blocked!r}:
             raise ImportError("not in the operator image: " + name)
 sys.meta_path.insert(0, Block())
-import ferry_operator.main, ferry_operator.retention_handlers
+import ferry_operator.main, ferry_operator.handlers.retention
 """
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'operator'}", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)

@@ -10,12 +10,13 @@ import pytest
 from ferry.api.models import (
     EnginesAttachedReason,
     ModelLoad,
+    ModelLoadConditionType,
     WeightReplica,
     replica_lease_name,
 )
 from ferry.chain import ChainReason, ChainResult
 from ferry.storage import StorageReason, StorageReport
-from ferry_operator.modelloads import ENGINES_ATTACHED, aggregate_status, attached_pods, replica_name
+from ferry_operator.modelloads import aggregate_status, attached_pods, replica_name
 from ferry_operator.retention import held_versions
 from ferry_operator.versions import attachment_blockers, plan_version_status, release_blockers
 from tests.support.typed import weight_version
@@ -68,7 +69,7 @@ def leases(*nodes: str, ago: float = 1) -> dict:
 
 
 def engines(status: dict) -> dict:
-    return next(c for c in status.conditions if c.type == ENGINES_ATTACHED)
+    return next(c for c in status.conditions if c.type == ModelLoadConditionType.ENGINES_ATTACHED)
 
 
 def test_pods_are_counted_once_over_replicas_connections_and_versions():

@@ -12,7 +12,7 @@ import pytest
 from ferry.chain import VersionView
 from ferry_operator import deadlines as deadlines_module
 from ferry_operator.deadlines import Deadlines
-from ferry_operator.indexkeys import based_on, dependents_of, in_folder, in_namespace, named, version_keys
+from ferry_operator.indexkeys import based_on, dependents_of, in_folder, named, of_model, version_keys
 from ferry_operator.logfilter import DropBookkeeping
 
 pytestmark = pytest.mark.unit
@@ -69,11 +69,11 @@ def test_dependents_are_found_by_key_in_their_namespace_only():
 def test_one_index_answers_names_namespaces_bases_and_folders():
     v = view("d1", "a", "v1", uri="s3://bkt/models/d1/model.safetensors.index.json")
     keys = version_keys(v)
-    assert set(keys) == {named("a", "d1"), in_namespace("a"), based_on("a", "v1"), in_folder("bkt", "models/d1")}
+    assert set(keys) == {named("a", "d1"), of_model("a", "m"), based_on("a", "v1"), in_folder("bkt", "models/d1")}
     assert all(value is v for value in keys.values())
-    assert set(version_keys(view("p", "a"))) == {named("a", "p"), in_namespace("a")}  # no base, no storage
+    assert set(version_keys(view("p", "a"))) == {named("a", "p"), of_model("a", "m")}  # no base, no storage
     # The kinds of key never collide: a namespace and a version may share a name.
-    assert len({named("a", "a"), in_namespace("a"), based_on("a", "a")}) == 3
+    assert len({named("a", "a"), of_model("a", "a"), based_on("a", "a")}) == 3
 
 
 def test_deadlines_fire_the_latest_setting_of_a_key_once():

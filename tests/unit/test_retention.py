@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -13,6 +15,9 @@ from ferry import checkpoint_format as ckpt
 from ferry.api.models import ModelLoadSpec, RetentionReason
 from ferry.chain import VersionView
 from ferry.storage import delete_checkpoint
+from ferry_operator.handlers import retention as retention_handlers
+from ferry_operator.indexes import Indexes
+from ferry_operator.indexkeys import of_model, version_keys
 from ferry_operator.retention import (
     LoadFacts,
     held_versions,
@@ -266,3 +271,60 @@ def test_a_denied_delete_is_not_transient():
     )
     report = delete_checkpoint(fake, f"s3://{BUCKET}/v1/{ckpt.INDEX_NAME}", index_digest=digest(objects, "v1"))
     assert not report.ok and not report.transient and "denied" in report.message
+
+
+class RecordingIndex(dict):
+    """A kopf index stand-in that records every key looked up."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.asked: list[Any] = []
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.asked.append(key)
+        return super().get(key, default)
+
+
+def indexes_of(versions: list[VersionView], loads: list[LoadFacts], holds: dict[tuple, list]) -> Indexes:
+    index = RecordingIndex()
+    for version in versions:
+        for key, view in version_keys(dataclasses.replace(version, namespace="ns")).items():
+            index.setdefault(key, []).append(view)
+    load_index = RecordingIndex()
+    for load in loads:
+        load_index.setdefault(("ns", load.model), []).append(load)
+    return Indexes(
+        versions=index,
+        desired=RecordingIndex({("ns", load.desired): [load.name] for load in loads}),
+        leases={},
+        attachments={},
+        nodes={},
+        replicas={},
+        replica_leases={},
+        retention_loads=load_index,
+        retention_holds=RecordingIndex(holds),
+    )
+
+
+def test_a_policy_run_looks_only_at_its_models_versions(monkeypatch):
+    ours = chain("m1", "m2", "m3", "m4", keyframes=("m3",))
+    theirs = [wv(f"o{i}", model="other") for i in range(1, 6)] + [wv("cross", "m1", model="other")]
+    loads = [ml("serve", "m4", 1), ml("serve-other", "o5", 1, model="other")]
+    indexes = indexes_of(ours + theirs, loads, {("ns", "m"): [frozenset()], ("ns", "other"): [frozenset({"o1"})]})
+    retired_now: list[str] = []
+    monkeypatch.setattr(
+        retention_handlers.kubeapi, "retire_version", lambda ns, name, uid, annotations: retired_now.append(name)
+    )
+    monkeypatch.setattr(retention_handlers, "EVENTS", type("Quiet", (), {"post": lambda *a, **k: None})())
+
+    inputs = retention_handlers.policy_inputs("ns", "m", indexes)
+    # m's versions, and the delta of another model that replays from one of them: no other of that model's.
+    assert sorted(v.name for v in inputs.versions) == ["cross", "m1", "m2", "m3", "m4"]
+    assert inputs.protected == {"m4"}
+
+    asyncio.run(retention_handlers._apply_policy("ns", "m", indexes))
+    # m4 stays (newest, desired) and so does its base m3; m1 as the base of the other model's delta; m2 goes.
+    assert retired_now == ["m2"]
+    looked_up = indexes.versions.asked + indexes.retention_loads.asked + indexes.retention_holds.asked
+    assert of_model("ns", "m") in looked_up
+    assert not [k for k in looked_up if "other" in k or any(str(part).startswith("o") for part in k[1:])], looked_up

@@ -1,11 +1,9 @@
 """In-process wakes of a reconcile (`ferry_operator.wakeups`): only objects kopf handled, coalesced while one runs,
-nothing after a delete, a failed run retried through the deadline scheduler, and run in the handler's context
-(where kopf's Event queue lives)."""
+nothing after a delete, and a failed run retried through the deadline scheduler."""
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 
 import kopf
 import pytest
@@ -15,8 +13,6 @@ from ferry_operator.deadlines import Deadlines
 from ferry_operator.wakeups import Wakeups
 
 pytestmark = pytest.mark.unit
-
-HANDLER_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("handler_var")
 
 
 @pytest.fixture
@@ -33,12 +29,12 @@ async def settle() -> None:
 
 def test_wakes_run_the_reconcile_coalesced_and_stop_at_delete(deadlines):
     async def scenario() -> None:
-        runs: list[tuple[str, str, str]] = []
+        runs: list[tuple[str, str]] = []
         gate = asyncio.Event()
         wakes = Wakeups()
 
         async def reconcile(namespace: str, name: str, memo: kopf.Memo) -> None:
-            runs.append((namespace, name, HANDLER_VAR.get("none")))
+            runs.append((namespace, name))
             await gate.wait()
 
         wakes.register("things", reconcile)
@@ -46,13 +42,11 @@ def test_wakes_run_the_reconcile_coalesced_and_stop_at_delete(deadlines):
         await settle()
         assert runs == []
 
-        HANDLER_VAR.set("handler")  # as kopf sets its Event queue in a handler's task
         memo = kopf.Memo()
         wakes.seen("things", "ns", "a", memo)
-        HANDLER_VAR.set("elsewhere")
         wakes.wake("things", "ns", "a")
         await settle()
-        assert runs == [("ns", "a", "handler")]
+        assert runs == [("ns", "a")]
         for _ in range(5):  # while it runs: one more run, not five
             wakes.wake("things", "ns", "a")
         gate.set()

@@ -18,15 +18,22 @@ from typing import Any
 import kopf
 
 from ferry.api.conditions import condition_dicts, now_rfc3339
-from ferry.api.models import LABEL_PLACEMENT, LABEL_VERSION, InvalidObject, ModelLoad, merge_patch, warm_node_label
+from ferry.api.models import (
+    LABEL_PLACEMENT,
+    LABEL_VERSION,
+    EventAction,
+    InvalidObject,
+    ModelLoad,
+    merge_patch,
+    warm_node_label,
+)
 from ferry.api.models import ModelLoadEventReason as MLEvent
 from ferry_operator import kubeapi, metrics, pod_placement
 from ferry_operator.deadlines import DEADLINES
-from ferry_operator.events import emit_transitions, first_time
+from ferry_operator.events import EVENTS, emit_transitions, first_time
 from ferry_operator.indexes import Indexes
 from ferry_operator.kubeapi import ML
 from ferry_operator.modelloads import (
-    LEASE_OF_OTHER_NODE_DELETED,
     aggregate_status,
     foreign_leases,
     holders,
@@ -100,12 +107,15 @@ async def _reconcile(namespace: str, name: str, body: Mapping[str, Any], memo: k
     )
     for wr in plan.create:
         if await asyncio.to_thread(kubeapi.create_replica, wr):  # False: an earlier reconcile created it
-            kopf.info(
-                body, reason=MLEvent.REPLICA_CREATED, message=f"{wr['metadata']['name']} on {wr['spec']['nodeName']}"
+            EVENTS.post(
+                body,
+                reason=MLEvent.REPLICA_CREATED,
+                message=f"{wr['metadata']['name']} on {wr['spec']['nodeName']}",
+                action=EventAction.CREATE_REPLICA,
             )
     for replica in plan.delete:
         if await asyncio.to_thread(kubeapi.delete_replica, namespace, replica):
-            kopf.info(body, reason=MLEvent.REPLICA_DELETED, message=replica)
+            EVENTS.post(body, reason=MLEvent.REPLICA_DELETED, message=replica, action=EventAction.DELETE_REPLICA)
     if plan.retarget:  # at once: a Parallel rollout of N replicas must not wait for N patches in a row
         await asyncio.gather(
             *(asyncio.to_thread(kubeapi.retarget_replica, namespace, r, desired, LABEL_VERSION) for r in plan.retarget)
@@ -113,7 +123,8 @@ async def _reconcile(namespace: str, name: str, body: Mapping[str, Any], memo: k
         # One Event per step; a stale index that retargets the same replicas again posts none.
         fresh = [r for r in plan.retarget if first_time(announced, f"RollingOut/{r}", ("RollingOut", desired))]
         if fresh:
-            kopf.info(body, reason=MLEvent.ROLLING_OUT, message=f"{', '.join(fresh)} move to {desired}")
+            message = f"{', '.join(fresh)} move to {desired}"
+            EVENTS.post(body, reason=MLEvent.ROLLING_OUT, message=message, action=EventAction.ROLL_OUT)
     for replica, placement in plan.relabel.items():
         await asyncio.to_thread(kubeapi.label_replica, namespace, replica, LABEL_PLACEMENT, placement)
     pod_placement.announce_held(body, plan.held, memo.setdefault("held", set()))
@@ -122,7 +133,13 @@ async def _reconcile(namespace: str, name: str, body: Mapping[str, Any], memo: k
     # delete it, and the agent creates its own at its next renewal. Until then the replica is not Live.
     for foreign in foreign_leases(replicas, leases):
         if await asyncio.to_thread(kubeapi.delete_lease, namespace, foreign.lease, foreign.uid):
-            kopf.warn(body, reason=LEASE_OF_OTHER_NODE_DELETED, message=foreign.message())
+            EVENTS.post(
+                body,
+                reason=MLEvent.LEASE_OF_OTHER_NODE_DELETED,
+                message=foreign.message(),
+                action=EventAction.DELETE_LEASE,
+                warning=True,
+            )
     # Staleness is the Leases' to say, every time: the operator records it in the replicas' `Live` condition
     # (its own field) and never in their phase, which is the agent's.
     for replica, conditions in live_conditions(replicas, leases, now, now_rfc3339()).items():

@@ -1,7 +1,13 @@
 """WeightVersion: its status (chain, storage verification, release), waking what derives from it, and release.
 
-Run by the version's own events (main.py) and, woken in process (`WAKEUPS`), when a version it is based on changes
-or its verification backoff runs out. Either way under the version's lock, writing the status itself.
+Run by the version's own events (main.py) and, woken in process (`WAKEUPS`), when a version it is based on changes,
+its verification backoff runs out, or what blocks its release changes. Either way under the version's lock, writing
+the status itself.
+
+Release: the operator holds its own finalizer, `RELEASE_FINALIZER`, added next to its first status patch and
+removed by the reconcile of a deleted version once nothing blocks it. A blocked release is a state, not a failure:
+it is logged once, shown in `status.releaseBlockers`, and woken again when the blockers change (`recheck_releases`,
+from the events of the objects that can block), with `FERRY_RELEASE_RETRY_SECONDS` only as a safety net.
 """
 
 from __future__ import annotations
@@ -15,26 +21,38 @@ from typing import Any
 import kopf
 
 from ferry.api.conditions import condition_dicts, find_condition, now_rfc3339
-from ferry.api.models import InvalidObject, WeightVersion, WeightVersionStatus
+from ferry.api.models import (
+    GROUP,
+    EventAction,
+    InvalidObject,
+    WeightVersion,
+    WeightVersionConditionType,
+    WeightVersionStatus,
+)
 from ferry.api.models import WeightVersionEventReason as WVEvent
 from ferry.chain import VersionView, dependents, resolve_chain
-from ferry_operator import kubeapi, metrics, retention_handlers, verification
+from ferry_operator import kubeapi, metrics, verification
 from ferry_operator.config import CONFIG
-from ferry_operator.events import emit_transitions
+from ferry_operator.events import EVENTS, emit_transitions
+from ferry_operator.handlers import retention
 from ferry_operator.indexes import Indexes
 from ferry_operator.indexkeys import dependents_of
 from ferry_operator.kubeapi import ML, WV
 from ferry_operator.versions import (
-    CHAIN_RESOLVED,
-    READY,
     VersionStatusPlan,
     plan_version_status,
     release_blockers,
     storage_from_status,
 )
-from ferry_operator.wakeups import WAKEUPS
+from ferry_operator.wakeups import RETRY_SECONDS, WAKEUPS
 
 log = logging.getLogger("ferry.operator")
+
+RELEASE_FINALIZER = f"{GROUP}/release"
+
+# namespace -> name -> the blockers last found, of each deleted version this process holds unreleased: what
+# `recheck_releases` compares with. A few entries per namespace, not every version.
+_blocked: dict[str, dict[str, tuple[str, ...]]] = {}
 
 
 def blockers(namespace: str, name: str, indexes: Indexes) -> list[str]:
@@ -80,8 +98,9 @@ async def _write_status(
 async def reconcile(
     namespace: str, name: str, memo: kopf.Memo, body: Mapping[str, Any] | None = None, logger: logging.Logger = log
 ) -> None:
-    """Derive the version's status from the indexes and write it where it differs. `body` None: woken, read the
-    object now (the lock is held first, so a write by its own handler just before is seen)."""
+    """Derive the version's status from the indexes and write it where it differs; hold its release finalizer,
+    and release a deleted version nothing needs. `body` None: woken, read the object now (the lock is held first,
+    so a write by its own handler just before is seen)."""
     indexes: Indexes = memo.indexes
     async with WAKEUPS.lock(memo):
         if body is None:
@@ -102,15 +121,75 @@ async def reconcile(
             memo,
             retry=_retry(namespace, name),
         )
-        blocked = blockers(namespace, name, indexes) if version.metadata.deletionTimestamp else []
+        deleting = bool(version.metadata.deletionTimestamp)
+        blocked = blockers(namespace, name, indexes) if deleting else []
         plan = plan_version_status(version, chain, storage, release_blockers=blocked, now=now_rfc3339())
+        writes = []
         if plan.differs_from(version.status):
-            await _write_status(namespace, name, body, version.status, plan, memo)
+            writes.append(_write_status(namespace, name, body, version.status, plan, memo))
+        finalizers = list(body["metadata"].get("finalizers") or [])
+        uid = version.metadata.uid
+        if not deleting and RELEASE_FINALIZER not in finalizers and memo.get("finalizer") != uid:
+            writes.append(_hold(namespace, name, uid, finalizers, memo))
+        await asyncio.gather(*writes)  # independent fields: the finalizer costs no round trip of latency
+        if deleting and RELEASE_FINALIZER in finalizers:
+            await _release(namespace, name, body, blocked, memo, logger)
         if plan.became_ready:
             logger.info("%s/%s is Ready (chain %s)", namespace, name, " → ".join(plan.status.chain or []))
         metrics.record_phase(namespace, name, plan.status.phase)
         metrics.RECONCILES.labels(kind="WeightVersion", phase=plan.status.phase).inc()
         metrics.RECONCILE_SECONDS.labels(kind="WeightVersion").observe(time.perf_counter() - started)
+
+
+async def _hold(namespace: str, name: str, uid: str, finalizers: list[str], memo: kopf.Memo) -> None:
+    """Add the release finalizer; remembered per uid, so that the events of the status patch sent alongside,
+    whose bodies may not show the finalizer yet, do not send it again. A failed request must not keep the
+    reconcile from waking what derives from the version: it is tried again in a moment."""
+    try:
+        added = await asyncio.to_thread(
+            kubeapi.add_finalizer, WV[2], namespace, name, uid, finalizers, RELEASE_FINALIZER
+        )
+    except Exception as exc:
+        log.warning("%s/%s: release finalizer not added (%r); again in %.0fs", namespace, name, exc, RETRY_SECONDS)
+        WAKEUPS.later(WV[2], namespace, name, RETRY_SECONDS)
+        return
+    if added:
+        memo["finalizer"] = uid
+
+
+async def _release(
+    namespace: str, name: str, body: Mapping[str, Any], blocked: list[str], memo: kopf.Memo, logger: logging.Logger
+) -> None:
+    """Deletion is a release: the finalizer holds the version while anything still depends on it, consumer pods
+    attached to it on any node included. Called under the version's lock with the status already written."""
+    held = _blocked.setdefault(namespace, {})
+    if blocked:
+        if name not in held:
+            logger.info("%s/%s: release blocked by %s", namespace, name, ", ".join(blocked))
+        held[name] = tuple(blocked)
+        WAKEUPS.later(WV[2], namespace, name, CONFIG.release_retry_seconds)  # the safety net, not the trigger
+        return
+    held.pop(name, None)
+    # Until the finalizer is gone a wake stays set, so a failed request here is tried again even from an event.
+    WAKEUPS.later(WV[2], namespace, name, RETRY_SECONDS)
+    if not await retention.release_storage(namespace, name, body, memo.indexes.versions):
+        WAKEUPS.later(WV[2], namespace, name, retention.STORAGE_RETRY_SECONDS)
+        return
+    metadata = body["metadata"]
+    finalizers = list(metadata.get("finalizers") or [])
+    if await asyncio.to_thread(
+        kubeapi.remove_finalizer, WV[2], namespace, name, metadata["uid"], finalizers, RELEASE_FINALIZER
+    ):
+        logger.info("%s/%s released", namespace, name)
+        EVENTS.post(body, reason=WVEvent.RELEASED, message="no dependents left; releasing", action=EventAction.RELEASE)
+
+
+def recheck_releases(namespace: str, indexes: Indexes) -> None:
+    """An object of `namespace` changed (the indexes already show it): wake each blocked release whose blockers
+    that changed, so a release goes as soon as its last blocker does. Only the blocked releases are looked at."""
+    for name, was in list(_blocked.get(namespace, {}).items()):
+        if tuple(blockers(namespace, name, indexes)) != was:
+            WAKEUPS.wake(WV[2], namespace, name)
 
 
 async def reconcile_woken(namespace: str, name: str, memo: kopf.Memo) -> None:
@@ -121,13 +200,20 @@ def forget(namespace: str, name: str, body: kopf.Body) -> None:
     """The version is gone: drop what the process kept of it (kopf drops its memo)."""
     metrics.forget(namespace, name)
     verification.forget(body.metadata.uid)
+    held = _blocked.get(namespace, {})
+    held.pop(name, None)
+    if not held:
+        _blocked.pop(namespace, None)
     WAKEUPS.forget(WV[2], namespace, name)
 
 
 def signature(version: WeightVersion) -> tuple:
     """What others derive from a version: its identity, readiness, release and why its chain is (not) resolved."""
     conditions = version.status.conditions if version.status else None
-    reasons = tuple(getattr(find_condition(conditions, t), "reason", None) for t in (READY, CHAIN_RESOLVED))
+    reasons = tuple(
+        getattr(find_condition(conditions, t), "reason", None)
+        for t in (WeightVersionConditionType.READY, WeightVersionConditionType.CHAIN_RESOLVED)
+    )
     return (version.metadata.uid, bool(version.metadata.deletionTimestamp), reasons, VersionView.of(version).ready)
 
 
@@ -150,23 +236,3 @@ def wake_watchers(
         WAKEUPS.wake(WV[2], namespace, version.name)
     for load in indexes.desired.get((namespace, name), []):
         WAKEUPS.wake(ML[2], namespace, load)
-
-
-async def release(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo) -> None:
-    """Deletion is a release: the finalizer holds the version while anything still depends on it, consumer pods
-    attached to it on any node included."""
-    indexes: Indexes = memo.indexes
-    blocked = blockers(namespace, name, indexes)
-    if not blocked:
-        await retention_handlers.release_storage(namespace, name, body, indexes.versions)
-        kopf.info(body, reason=WVEvent.RELEASED, message="no dependents left; releasing")
-        return
-    version = parse(body)
-    async with WAKEUPS.lock(memo):
-        if version is not None:
-            chain = resolve_chain(name, indexes.version_lookup(namespace), CONFIG.max_chain_length)
-            storage = storage_from_status(version)
-            plan = plan_version_status(version, chain, storage, release_blockers=blocked, now=now_rfc3339())
-            if plan.differs_from(version.status):
-                await _write_status(namespace, name, body, version.status, plan, memo)
-    raise kopf.TemporaryError(f"release blocked by {', '.join(blocked)}", delay=CONFIG.release_retry_seconds)
