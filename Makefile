@@ -44,8 +44,9 @@ fmt: venv
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The suite runs in a loopback-only network namespace: NIXL/UCX and every server we start see only `lo`.
-test: deps
+# The suite runs in a loopback-only network namespace: NIXL/UCX and every server we start see only `lo`. The dev
+# images' Debian rootfs needs the network, so it is built (or found cached) before.
+test: deps images
 	$(VENV)/bin/pip install -q --no-deps -e .
 	$(MAKE) --no-print-directory lint
 	bash hack/netns.sh $(VENV)/bin/pytest -m "unit or cluster or e2e or pods" $(PYTEST_ARGS)
@@ -54,7 +55,7 @@ test: deps
 images: venv
 	$(PY) -m ferry_dev.localimages
 
-e2e-pods: deps
+e2e-pods: deps images
 	$(VENV)/bin/pip install -q --no-deps -e .
 	bash hack/netns.sh $(VENV)/bin/pytest -m pods tests/pods $(PYTEST_ARGS)
 

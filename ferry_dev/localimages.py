@@ -20,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,7 +33,6 @@ from ferry_dev.localcluster import CACHE_DIR, REPO_ROOT, ClusterError
 
 IMAGES_DIR = CACHE_DIR / "images"
 SUITE = "bookworm"
-MIRROR = os.environ.get("FERRY_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 BASE_PACKAGES = ("python3.11", "tini", "ca-certificates", "libibverbs1", "ibverbs-providers")
 UID = GID = 65532
 SRC_ROOT = "/opt/ferry/src"
@@ -89,10 +89,30 @@ def _run(argv: list[str], what: str) -> None:
         raise ClusterError(f"{what} failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}")
 
 
+def debian_mirror(sources: Path = Path("/etc/apt")) -> str:
+    """Where debootstrap fetches from: `FERRY_DEBIAN_MIRROR`, else the mirror this host's apt uses for `SUITE`
+    (deb822 `*.sources` or one-line `sources.list`), so the repo names no mirror of its own."""
+    if mirror := os.environ.get("FERRY_DEBIAN_MIRROR"):
+        return mirror
+    for path in sorted(sources.glob("sources.list.d/*.sources")):
+        for stanza in path.read_text().split("\n\n"):
+            fields = dict(re.findall(r"^(\w[\w-]*):\s*(.*)$", stanza, re.M))
+            if "deb" in fields.get("Types", "").split() and SUITE in fields.get("Suites", "").split():
+                return fields["URIs"].split()[0]
+    one_line = sources / "sources.list"
+    for line in one_line.read_text().splitlines() if one_line.is_file() else []:
+        words = [w for w in re.sub(r"\[[^]]*\]", "", line).split() if w]
+        if len(words) >= 3 and words[0] == "deb" and words[2] == SUITE:
+            return words[1]
+    raise ClusterError(f"no Debian mirror for {SUITE} in {sources}: set FERRY_DEBIAN_MIRROR")
+
+
 def base_layer() -> Layer:
     """The Debian minbase rootfs with Python 3.11 and tini, a `ferry` user (65532) and `python` on PATH, as one
-    layer. Built once per package list (debootstrap, ~1-2 min), then reused."""
-    key = hashlib.sha256(f"{SUITE} {MIRROR} {' '.join(BASE_PACKAGES)} {UID} v1".encode()).hexdigest()[:12]
+    layer. Built once per package list (debootstrap, ~1-2 min), then reused. It needs the network: `make images`
+    (a step of `make test`) builds it before the tests enter their loopback-only namespace."""
+    mirror = debian_mirror()
+    key = hashlib.sha256(f"{SUITE} {mirror} {' '.join(BASE_PACKAGES)} {UID} v1".encode()).hexdigest()[:12]
     tar = IMAGES_DIR / f"base-{SUITE}-{key}.tar"
     if tar.is_file():
         return _layer(tar)
@@ -102,7 +122,7 @@ def base_layer() -> Layer:
     with tempfile.TemporaryDirectory(dir=IMAGES_DIR, prefix="rootfs-") as tmp:
         root = Path(tmp) / "rootfs"
         _run(
-            ["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(root), MIRROR],
+            ["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(root), mirror],
             "debootstrap",
         )
         _slim(root)

@@ -141,3 +141,26 @@ def test_sources_layer_holds_only_its_trees():
     assert "opt/ferry/src/operator/ferry_operator/main.py" in names
     assert "opt/ferry/src/ferry/storage.py" in names
     assert not any(n.startswith("opt/ferry/src/agent") or "__pycache__" in n for n in names)
+
+
+def test_the_debian_mirror_is_the_hosts_own(tmp_path, monkeypatch):
+    monkeypatch.delenv("FERRY_DEBIAN_MIRROR", raising=False)
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list.d" / "other.sources").write_text(
+        "Types: deb\nURIs: http://mirror.invalid/other\nSuites: nodistro\nComponents: main\n"
+    )
+    with pytest.raises(localimages.ClusterError, match="no Debian mirror"):
+        localimages.debian_mirror(tmp_path)
+    (tmp_path / "sources.list").write_text(
+        f"# deb http://mirror.invalid/commented {localimages.SUITE} main\n"
+        f"deb [arch=amd64] http://mirror.invalid/one-line {localimages.SUITE} main\n"
+    )
+    assert localimages.debian_mirror(tmp_path) == "http://mirror.invalid/one-line"
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\n# a comment\nURIs: http://mirror.invalid/deb822\n"
+        f"Suites: {localimages.SUITE} {localimages.SUITE}-updates\nComponents: main\n\n"
+        "Types: deb\nURIs: http://mirror.invalid/security\nSuites: security\n"
+    )
+    assert localimages.debian_mirror(tmp_path) == "http://mirror.invalid/deb822"
+    monkeypatch.setenv("FERRY_DEBIAN_MIRROR", "http://mirror.invalid/env")
+    assert localimages.debian_mirror(tmp_path) == "http://mirror.invalid/env"
