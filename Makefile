@@ -4,6 +4,8 @@ FERRY_CACHE ?= $(HOME)/.cache/ferry
 VENV ?= $(FERRY_CACHE)/venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Test files run on this many workers, each with its own local cluster; most of a test's time is waiting.
+PYTEST_WORKERS ?= 2
 export FERRY_CACHE
 export UCX_NET_DEVICES := lo
 
@@ -49,7 +51,7 @@ fmt: venv
 test: deps images
 	$(VENV)/bin/pip install -q --no-deps -e .
 	$(MAKE) --no-print-directory lint
-	bash hack/netns.sh $(VENV)/bin/pytest -m "unit or cluster or e2e or pods" $(PYTEST_ARGS)
+	bash hack/netns.sh $(VENV)/bin/pytest -m "unit or cluster or e2e or pods" -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The daemonless dev images (cached under $(FERRY_CACHE)/images) that tests/pods imports into its kubelet nodes.
 images: venv

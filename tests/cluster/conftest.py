@@ -11,7 +11,16 @@ import pytest
 
 from ferry_agent.store.checkpoints import CheckpointStore
 from ferry_dev.localcluster import S3Server
+from tests.support.operators import OperatorHandle
 from tests.support.s3 import BUCKET, Registry, Weights, evolve, weights
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_operator() -> None:
+    """These tests play the operator's part themselves (statuses set by hand): the session's operator, which an e2e
+    file run earlier in the same process (pytest-xdist sends whole files to each worker) may have left running,
+    must not write over them."""
+    OperatorHandle.stop_all()
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,8 @@ def test_nothing_is_placed_until_the_version_is_ready_and_of_the_model(cluster, 
         # replica and no new Event for several seconds while the operator keeps retrying its verification.
         apply(cluster, namespace, wv_body(namespace, "v0"), modelload(namespace, "v0", name="early"))
         wait_for(lambda: ready(cluster, namespace, "early").get("reason") == "VersionNotReady", 30, "v0", describe)
-        assert condition(get(cluster, namespace, "wv", "v0"), "Ready").get("status") == "False"
+        # The ModelLoad may see v0 before v0's first status is written: its Ready=False follows.
+        wait_for(lambda: condition(get(cluster, namespace, "wv", "v0"), "Ready").get("status") == "False", 30, "v0")
         assert "v0 is not Ready" in ready(cluster, namespace, "early")["message"]
         pending = len(events(cluster, namespace, "early"))
         time.sleep(8)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import ClassVar
 
 from ferry_dev.localcluster import LocalCluster, ManagedProcess, S3Server, start_operator, wait_until
 
@@ -20,11 +21,20 @@ OPERATOR_ENV = {
 class OperatorHandle:
     """Starts, kills and restarts the operator process; tests may crash it on purpose."""
 
+    handles: ClassVar[list[OperatorHandle]] = []  # of this test process, for `stop_all`
+
     def __init__(self, cluster: LocalCluster, s3: S3Server, workdir) -> None:
         self.cluster, self.s3, self.workdir = cluster, s3, workdir
         self.process: ManagedProcess | None = None
         self.starts = 0
         self.metrics_url = ""
+        self.handles.append(self)
+
+    @classmethod
+    def stop_all(cls) -> None:
+        """Stop every operator this test process runs (the next `ensure_running` starts it again)."""
+        for handle in cls.handles:
+            handle.stop()
 
     def start(self) -> ManagedProcess:
         self.starts += 1

@@ -247,6 +247,7 @@ def test_a_rollback_failing_on_one_rank_stops_every_rank(tmp_path: Path) -> None
 
 
 def _rank_one_leaves(group: TorchRankGroup) -> Any:
+    group.all_gather_object("joined")  # the group is whole (gloo connects its mesh while the ranks start)
     if group.rank == 1:
         return "left"  # its process ends: the group loses a member
     return run_cold_start(
