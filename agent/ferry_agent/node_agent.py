@@ -162,6 +162,7 @@ class NodeAgent:
                 log_format=self._log_format,
             ),
             warm=config.warm_ranks,
+            wake=lambda: self._wake.set(),
         )
         # status.attachments of each replica, written through the same outbox.
         self._attachments = AttachmentPublisher(attach.server, self._patch_status) if attach is not None else None

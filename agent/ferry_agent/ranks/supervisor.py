@@ -116,8 +116,9 @@ class RankLaunch:
 class RankWorker:
     """One rank process. Its events go to whoever it is lent to (`lend`); while idle, only its pool watches it."""
 
-    def __init__(self, settings: WorkerSettings, name: str) -> None:
+    def __init__(self, settings: WorkerSettings, name: str, on_idle_exit: Callable[[], None]) -> None:
         self.name = name  # its NIXL agent's
+        self._on_idle_exit = on_idle_exit
         env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         self.proc = subprocess.Popen(
             settings.argv(name), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
@@ -201,6 +202,7 @@ class RankWorker:
                 self._unlent.append(event)
         if kind == "exit" and sink is None:
             log.warning("idle rank process %d (%s) exited with code %s", self.pid, self.name, event["code"])
+            self._on_idle_exit()
         if sink is not None and kind not in ("ready", "stopped"):
             sink(event)
 
@@ -210,9 +212,10 @@ class RankPool:
     Processes are started by the thread that calls `take` and `maintain` (the agent's reconcile loop): a rank dies
     with the thread that started it (`PR_SET_PDEATHSIG`), so that must be one that lives as long as the agent."""
 
-    def __init__(self, settings: WorkerSettings, warm: int = 0) -> None:
+    def __init__(self, settings: WorkerSettings, warm: int = 0, wake: Callable[[], None] = lambda: None) -> None:
         self.settings = settings
         self.warm = warm  # idle processes kept even when no replica of this node has several ranks
+        self._wake = wake  # an idle process died: the agent's loop replaces it (`maintain`)
         self._idle: list[RankWorker] = []
         self._lock = threading.Lock()
         self._started = 0
@@ -220,7 +223,7 @@ class RankPool:
 
     def _start(self) -> RankWorker:
         self._started += 1
-        worker = RankWorker(self.settings, f"{self.settings.agent_name}-w{self._started}")
+        worker = RankWorker(self.settings, f"{self.settings.agent_name}-w{self._started}", self._wake)
         log.info("started rank process %d (%s)", worker.pid, worker.name)
         return worker
 
