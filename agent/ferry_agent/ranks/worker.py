@@ -176,13 +176,7 @@ class RankProcess:
         """Load `job`'s rank and serve it until told to stop. None: the load failed (reported); else whether the
         process goes on (False: stdin ended)."""
         args, report = self.args, self.report
-        logs.configure(
-            LogFormat(args.log_format),
-            stream=sys.stderr,
-            prefix=f"rank{job.rank}/{job.world_size} ",
-            replica=f"{job.namespace}/{job.replica}",
-            rank=job.rank,
-        )
+        _log_as(args, job)
         sources = ApiSources(self.api, job.namespace)
         spec = sources.replica(job.replica)["spec"]
         host, _, port = job.store.rpartition(":")
@@ -278,6 +272,7 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
                 if going_on is None:
                     return 1
                 gc.collect()  # what the load held (its share's mappings, the worker service) goes now, not later
+                _log_as(args)
                 report("stopped", rank=job.rank)
                 if not going_on:
                     break
@@ -288,6 +283,20 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
     finally:
         me.peer.shutdown()
     return 0
+
+
+def _log_as(args: argparse.Namespace, job: Job | None = None) -> None:
+    """Log lines say which load they belong to, if any."""
+    if job is None:
+        logs.configure(LogFormat(args.log_format), stream=sys.stderr, prefix=f"{args.agent_name} ")
+        return
+    logs.configure(
+        LogFormat(args.log_format),
+        stream=sys.stderr,
+        prefix=f"rank{job.rank}/{job.world_size} ",
+        replica=f"{job.namespace}/{job.replica}",
+        rank=job.rank,
+    )
 
 
 def _die_with(parent_pid: int | None) -> None:
@@ -305,7 +314,7 @@ def _die_with(parent_pid: int | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     _die_with(args.parent_pid)
-    logs.configure(LogFormat(args.log_format), stream=sys.stderr, prefix=f"{args.agent_name} ")
+    _log_as(args)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of a replica share one node
     # Events keep the original stdout to themselves; anything else printed there (NIXL logs to stdout, C++
     # libraries write to fd 1) goes to stderr with the logs.
