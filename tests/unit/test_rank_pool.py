@@ -130,3 +130,20 @@ def test_a_process_that_failed_before_it_was_lent_says_why_to_the_load(monkeypat
     got: list[dict] = []
     worker.lend(got.append)
     assert got == [{"event": "failed", "message": "cannot start"}, {"event": "exit", "code": 1}]
+
+
+def test_a_process_keeps_its_rank_from_one_load_to_the_next() -> None:
+    """On a GPU node rank r uses `cuda:r`: a process lent as another rank would hold a CUDA context on each GPU."""
+    pool = RankPool(StandIn(agent_name="n-1"))
+    try:
+        (a, b), warm = pool.take(2)
+        assert warm == 0 and (a.rank, b.rank) == (0, 1)
+        pool.give_back([b, a])  # b has been idle the longest
+        (first, second), warm = pool.take(2)
+        assert warm == 2 and (first, second) == (a, b)
+        pool.give_back([b])
+        (only,), warm = pool.take(1)  # nothing idle was rank 0: the longest idle takes it
+        assert warm == 1 and only is b and b.rank == 0
+        pool.give_back([a, b])
+    finally:
+        pool.shutdown()

@@ -118,6 +118,7 @@ class RankWorker:
 
     def __init__(self, settings: WorkerSettings, name: str, on_idle_exit: Callable[[], None]) -> None:
         self.name = name  # its NIXL agent's
+        self.rank: int | None = None  # in the last load it was lent to
         self._on_idle_exit = on_idle_exit
         env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         self.proc = subprocess.Popen(
@@ -228,13 +229,20 @@ class RankPool:
         return worker
 
     def take(self, n: int) -> tuple[list[RankWorker], int]:
-        """`n` processes for one load (the longest idle first), and how many of them were idle."""
+        """`n` processes for one load, by rank, and how many of them were idle. Rank r goes to an idle process that
+        was rank r before where there is one (on a GPU node it keeps using `cuda:r`, instead of holding a CUDA
+        context on every GPU), else to the longest idle, else to a new one."""
         with self._lock:
-            self._idle = [w for w in self._idle if w.alive()]
-            lent, self._idle = self._idle[:n], self._idle[n:]
-            warm = len(lent)
-            lent += [self._start() for _ in range(n - warm)]
-        return lent, warm
+            idle = [w for w in self._idle if w.alive()]
+            lent = [next((w for w in idle if w.rank == r), None) for r in range(n)]
+            rest = iter([w for w in idle if w not in lent])
+            lent = [w if w is not None else next(rest, None) for w in lent]
+            self._idle = [w for w in idle if w not in lent]
+            warm = sum(w is not None for w in lent)
+            workers = [w if w is not None else self._start() for w in lent]
+        for rank, worker in enumerate(workers):
+            worker.rank = rank
+        return workers, warm
 
     def give_back(self, workers: list[RankWorker]) -> None:
         """Processes whose load was released (`stopped`), ready for the next one."""

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ferry import s3
@@ -272,6 +273,8 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
                 if going_on is None:
                     return 1
                 gc.collect()  # what the load held (its share's mappings, the worker service) goes now, not later
+                if torch.cuda.is_initialized():
+                    torch.cuda.empty_cache()  # a GPU share's memory goes back to the device, not to a cache of ours
                 _log_as(args)
                 report("stopped", rank=job.rank)
                 if not going_on:
