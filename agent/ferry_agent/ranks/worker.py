@@ -280,7 +280,7 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
                 if not going_on:
                     break
             elif command in ("drain", "stop"):
-                continue  # what a load ended by a crash left unread: nothing to stop
+                continue  # nothing is served: nothing to drain or stop
             elif command:
                 log.warning("unknown command %r", command)
     finally:
