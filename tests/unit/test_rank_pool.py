@@ -125,7 +125,7 @@ def test_a_dead_idle_process_is_replaced_and_the_agent_woken() -> None:
 
 def test_a_process_that_failed_before_it_was_lent_says_why_to_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STAND_IN_BROKEN", "1")
-    worker = RankWorker(StandIn(agent_name="n-1"), "n-1-w1", on_idle_exit=lambda: None)
+    worker = RankWorker(StandIn(agent_name="n-1"), "n-1-w1", on_idle_exit=lambda _worker: None)
     wait(worker.stopped.is_set)  # exited, with nobody listening
     got: list[dict] = []
     worker.lend(got.append)
@@ -145,5 +145,26 @@ def test_a_process_keeps_its_rank_from_one_load_to_the_next() -> None:
         (only,), warm = pool.take(1)  # nothing idle was rank 0: the longest idle takes it
         assert warm == 1 and only is b and b.rank == 0
         pool.give_back([a, b])
+    finally:
+        pool.shutdown()
+
+
+def test_idle_processes_that_cannot_start_are_started_again_only_after_a_backoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("STAND_IN_BROKEN", "1")
+    woken = threading.Semaphore(0)
+    pool = RankPool(StandIn(agent_name="n-1"), warm=1, wake=woken.release)
+    try:
+        pool.maintain(0)
+        assert len(pool.idle()) == 1
+        assert woken.acquire(timeout=10)  # it died before it was ready
+        pool.maintain(0)
+        assert pool.idle() == [], "not started again at once"
+        monkeypatch.delenv("STAND_IN_BROKEN")
+        pool._next_start = 0.0  # the backoff is over
+        pool.maintain(0)
+        (second,) = pool.idle()
+        wait(second.ready.is_set)
     finally:
         pool.shutdown()

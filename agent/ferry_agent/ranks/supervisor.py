@@ -40,6 +40,7 @@ from ferry_agent.transport.worker_auth import PodIdentity
 log = logging.getLogger(__name__)
 
 FAILED_RANKS_GRACE_S = 30.0  # after one rank fails, how long the others get to report the agreed failure
+START_BACKOFF_MAX_S = 300.0  # longest wait before idle processes are started again after ones that could not start
 Event = dict[str, Any]
 
 
@@ -116,7 +117,7 @@ class RankLaunch:
 class RankWorker:
     """One rank process. Its events go to whoever it is lent to (`lend`); while idle, only its pool watches it."""
 
-    def __init__(self, settings: WorkerSettings, name: str, on_idle_exit: Callable[[], None]) -> None:
+    def __init__(self, settings: WorkerSettings, name: str, on_idle_exit: Callable[[RankWorker], None]) -> None:
         self.name = name  # its NIXL agent's
         self.rank: int | None = None  # in the last load it was lent to
         self._on_idle_exit = on_idle_exit
@@ -203,7 +204,7 @@ class RankWorker:
                 self._unlent.append(event)
         if kind == "exit" and sink is None:
             log.warning("idle rank process %d (%s) exited with code %s", self.pid, self.name, event["code"])
-            self._on_idle_exit()
+            self._on_idle_exit(self)
         if sink is not None and kind not in ("ready", "stopped"):
             sink(event)
 
@@ -221,12 +222,25 @@ class RankPool:
         self._lock = threading.Lock()
         self._started = 0
         self._closed = False
+        # Idle processes that died before they were ready (a setting or credential they cannot start with): the
+        # next ones are started only after a backoff, not in a loop that burns the node's CPU.
+        self._failed_starts = 0
+        self._next_start = 0.0
 
     def _start(self) -> RankWorker:
         self._started += 1
-        worker = RankWorker(self.settings, f"{self.settings.agent_name}-w{self._started}", self._wake)
+        worker = RankWorker(self.settings, f"{self.settings.agent_name}-w{self._started}", self._exited)
         log.info("started rank process %d (%s)", worker.pid, worker.name)
         return worker
+
+    def _exited(self, worker: RankWorker) -> None:
+        with self._lock:
+            if worker.ready.is_set():
+                self._failed_starts = 0
+            else:
+                self._failed_starts += 1
+                self._next_start = time.monotonic() + min(START_BACKOFF_MAX_S, 2.0**self._failed_starts)
+        self._wake()
 
     def take(self, n: int) -> tuple[list[RankWorker], int]:
         """`n` processes for one load, by rank, and how many of them were idle. Rank r goes to an idle process that
@@ -262,7 +276,8 @@ class RankPool:
                 return
             self._idle = [w for w in self._idle if w.alive()]
             extra, self._idle = self._idle[target:], self._idle[:target]
-            self._idle += [self._start() for _ in range(target - len(self._idle))]
+            if time.monotonic() >= self._next_start:
+                self._idle += [self._start() for _ in range(target - len(self._idle))]
         for worker in extra:
             worker.end()
 
