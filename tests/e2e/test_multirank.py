@@ -1,8 +1,8 @@
 """Multi-rank replicas end to end: operator + two node agents, each running one process per rank in a gloo group.
 
 A ModelLoad of two replicas with two ranks each: the first replica's ranks cold-start from S3 (the local leader
-streams the checkpoint once, landing the other rank's share in sealed shared memory that rank copies from; the
-node's store is written behind), the second replica's ranks copy rank by rank from the first. Every rank
+streams the checkpoint once, landing the other rank's share in sealed shared memory that rank serves as it is;
+the node's store is written behind), the second replica's ranks copy rank by rank from the first. Every rank
 process's worker service refuses a reader without a valid token (none, garbage, a real token's claims under a
 forged signature) on every RPC, and admits an assigned one. Then a delta rolls out, a
 rank process dies and its replica reloads, and two rank processes configured with different desired versions both

@@ -1,6 +1,7 @@
 """The local leader's landing (`ranks.landing`) under a two-rank S3 cold start, over forked gloo ranks and an
 in-memory S3 (the real S3 path: tests/cluster/test_rank_cold_start.py): one stream from S3 for the replica, the
-follower copies its share from the leader's sealed memory, the store is written only once every rank loaded."""
+follower serves its share of the leader's sealed memory as it is (a GPU one copies it), the store is written only
+once every rank loaded."""
 
 from __future__ import annotations
 
