@@ -130,6 +130,7 @@ class RankWorker:
         self._lock = threading.Lock()
         self._sink: Callable[[Event], None] | None = None
         self._unlent: list[Event] = []  # a failure and the exit of a process nobody borrowed yet
+        self._ending = False  # let go by its pool: its exit is expected
         threading.Thread(target=self._read, name=f"ferry-{name}", daemon=True).start()
 
     @property
@@ -163,6 +164,7 @@ class RankWorker:
 
     def end(self, timeout_s: float = 5.0) -> None:
         """Let it go: end of stdin ends an idle process; kill what does not end in time."""
+        self._ending = True
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.close()
@@ -202,7 +204,7 @@ class RankWorker:
             sink = self._sink
             if sink is None and kind in ("failed", "exit"):
                 self._unlent.append(event)
-        if kind == "exit" and sink is None:
+        if kind == "exit" and sink is None and not self._ending:
             log.warning("idle rank process %d (%s) exited with code %s", self.pid, self.name, event["code"])
             self._on_idle_exit(self)
         if sink is not None and kind not in ("ready", "stopped"):
