@@ -13,7 +13,8 @@ unchanged tensors keeps the base's chunks alive as long as either is held. The s
 every live chunk once (`resident_bytes`) and refuses an allocation beyond its budget (`MemoryBudgetExceeded`).
 
 `seal_tensors` is the copy path, for tensors that do not live in host memory (a CUDA replica's): it allocates,
-copies and seals in one call.
+copies and seals in one call. `map_sealed` is the no-copy path for chunks another process wrote and sealed (a
+rank's share of its local leader's landing, `ranks.landing`): the store takes their descriptors over.
 """
 
 from __future__ import annotations
