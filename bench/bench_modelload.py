@@ -4,7 +4,9 @@ Apply → Ready, for 1, 3, 8 and 16 replicas of 1 rank and 1 and 3 replicas of 2
 peers-first against S3-only: the reference is the same load with `sourceOrder: [ObjectStorage]`, measured in the same
 run on the same agents (fresh checkpoint stores each round). Reports wall time to Ready, how many replicas read S3 vs
 a peer, the bytes fetched from S3 (the fan-out saving), each row's ratio to the 1-replica row of the same ranks and
-order, and per replica when its load started and finished (what bench/sim_fanout.py calibrates against).
+order, and per replica when its load started and finished (what bench/sim_fanout.py calibrates against). The 2-rank
+rows' agents start with `--warm-ranks 2`: their rank processes start with the agent, before the apply, as the agent
+itself does (`--warm-ranks 0`: the first load starts them).
 
 Publish → serving, for 1, 3 and 8 replicas serving a version, per `spec.rollout` mode (Parallel; Rolling with the
 default maxUnavailable 25%): from the end of `ferry publish` of an XorDelta (10% of the tensors changed; the
@@ -85,8 +87,11 @@ def publish(cluster: LocalCluster, s3, root: Path, size_mib: int) -> None:
     )
 
 
-def start_agents(cluster: LocalCluster, s3, root: Path, n: int, tag: str, socket_dir: str = "") -> list[ManagedProcess]:
-    """`socket_dir` empty: no attach (its sealing is measured by bench_attach)."""
+def start_agents(
+    cluster: LocalCluster, s3, root: Path, n: int, tag: str, socket_dir: str = "", warm_ranks: int = 0
+) -> list[ManagedProcess]:
+    """`socket_dir` empty: no attach (its sealing is measured by bench_attach). `warm_ranks`: rank processes each
+    agent starts with and keeps for multi-rank loads (waited for, as the agents themselves are)."""
     agents = []
     for i in range(n):
         node = f"{tag}-{i}"
@@ -109,10 +114,17 @@ def start_agents(cluster: LocalCluster, s3, root: Path, n: int, tag: str, socket
             "--socket-dir",
             socket_dir,
             *cluster.agent_identity_args(node),
+            "--warm-ranks",
+            str(warm_ranks),
         ]
         env = {**os.environ, **cluster.env(), **s3.env(), "UCX_NET_DEVICES": "lo"}
         agents.append(ManagedProcess(node, argv, root / "logs" / f"{node}.log", env=env).start())
     time.sleep(3)  # agents import torch/NIXL before they poll
+
+    def ranks_ready() -> bool:
+        return all(a.log_path.read_text(errors="replace").count(") ready") >= warm_ranks for a in agents)
+
+    wait_until(ranks_ready, 120, f"{warm_ranks} warm rank processes on every agent")
     return agents
 
 
@@ -124,11 +136,13 @@ def apply_v1(cluster: LocalCluster, namespace: str) -> None:
     cluster.kubectl("wait", "--for=condition=Ready", "wv/v1", "-n", namespace, "--timeout=60s")
 
 
-def one_round(cluster: LocalCluster, s3, root: Path, n: int, order: list[str], ranks: int = 1) -> dict:
+def one_round(
+    cluster: LocalCluster, s3, root: Path, n: int, order: list[str], ranks: int = 1, warm_ranks: int = 0
+) -> dict:
     tag = f"r{n}x{ranks}-{'p' if 'Peer' in order else 's'}"
     namespace = tag
     cluster.kubectl("create", "namespace", namespace)
-    agents = start_agents(cluster, s3, root, n, tag)
+    agents = start_agents(cluster, s3, root, n, tag, warm_ranks=warm_ranks if ranks > 1 else 0)
     try:
         apply_v1(cluster, namespace)
         ml = modelload_body(n, tag, sourceOrder=order, ranksPerReplica=ranks)
@@ -357,6 +371,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--replicas", default="1,3,8,16")
     parser.add_argument("--ranks2-replicas", default="1,3", help="replica counts of the 2-rank rows ('' for none)")
+    parser.add_argument(
+        "--warm-ranks",
+        type=int,
+        default=2,
+        help="rank processes the 2-rank rows' agents start with (0: started by the first load, as without the flag)",
+    )
     parser.add_argument("--size-mib", type=int, default=128)
     parser.add_argument("--only", choices=["cold", "rollout"], help="run one of the two parts (default: both)")
     parser.add_argument("--keep", action="store_true", help="keep the run's directory (agent and operator logs)")
@@ -374,7 +394,7 @@ def main() -> None:
         publish(cluster, s3, root, args.size_mib)
         for ranks, n in cold if args.only != "rollout" else []:
             for order in (["Peer", "ObjectStorage"], ["ObjectStorage"]):
-                row = one_round(cluster, s3, root, n, order, ranks)
+                row = one_round(cluster, s3, root, n, order, ranks, args.warm_ranks)
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "loads"}), flush=True)
         for n in counts if args.only != "cold" else []:

@@ -5,8 +5,9 @@ node agents (one process per simulated GPU node). A trainer publishes a full che
 `ferry publish`; a ModelLoad puts the model on three nodes: the first replica replays it from S3, the others copy
 it from peers over NIXL. Then the desired version moves to the delta and rolls out. Last, a tensor-parallel
 ModelLoad puts two replicas of two ranks each (one process per simulated GPU, agreeing through a gloo group) on
-two nodes: each rank holds half the tensors and copies it from the same rank of the other replica. Ctrl-C tears
-everything down.
+two nodes: each rank holds half the tensors and copies it from the same rank of the other replica. The rank
+processes start with the agents (`--warm-ranks 2`), so the load does not wait for them. Ctrl-C tears everything
+down.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def start_agents(cluster: LocalCluster, s3: S3Server, workdir: Path) -> list[Man
             "--retry-seconds",
             "1",
             *cluster.agent_identity_args(node),
+            # Two rank processes started with the agent, idle until the tensor-parallel load below lends them.
+            "--warm-ranks",
+            "2",
         ]
         env = {**os.environ, **cluster.env(), **s3.env(), "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
         agents.append(ManagedProcess(f"agent-{node}", argv, workdir / f"agent-{node}.log", env=env).start())

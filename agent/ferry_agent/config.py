@@ -30,6 +30,7 @@ class AgentConfig:
     s3_endpoint: str | None  # for WeightVersions that name none
     metrics_port: int  # -1 = off, 0 = any free port
     rank_timeout_seconds: float  # bound on each agreement step of a multi-rank replica
+    warm_ranks: int  # rank processes kept started and idle even when no replica of this node has several ranks
     socket_dir: str  # attach sockets under DIR/pods/<pod-uid>/; "" = no attach
     host_memory_budget: int | None  # bytes the resident versions may take; None = unlimited
     log_format: LogFormat
@@ -58,6 +59,7 @@ class AgentConfig:
             s3_endpoint=args.s3_endpoint,
             metrics_port=args.metrics_port,
             rank_timeout_seconds=args.rank_timeout_seconds,
+            warm_ranks=args.warm_ranks,
             socket_dir=args.socket_dir,
             host_memory_budget=args.host_memory_budget,
             log_format=LogFormat(args.log_format),
@@ -139,6 +141,14 @@ def argument_parser() -> argparse.ArgumentParser:
         default=3600.0,
         help="bound on each agreement step of a multi-rank replica (the other ranks wait in one while the first "
         "replays the chain from S3); a rank process that dies is noticed at once",
+    )
+    parser.add_argument(
+        "--warm-ranks",
+        type=int,
+        default=int(os.environ.get("FERRY_WARM_RANKS", "0")),
+        help="rank processes started with the agent and kept idle for multi-rank replicas (env FERRY_WARM_RANKS); "
+        "besides, as many stay idle as the largest multi-rank replica of this node has ranks, so that its next "
+        "version loads on processes already started",
     )
     parser.add_argument(
         "--socket-dir",

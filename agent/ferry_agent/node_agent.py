@@ -36,7 +36,7 @@ from ferry_agent.kube.lease import ReplicaLeases
 from ferry_agent.kube.replicas import NodeReplicas
 from ferry_agent.kube.sources import ApiSources
 from ferry_agent.ranks.agreement import SingleRank
-from ferry_agent.ranks.supervisor import RankLaunch, RankProcesses
+from ferry_agent.ranks.supervisor import RankLaunch, RankPool, RankProcesses, WorkerSettings
 from ferry_agent.replica_load import load_rank, rank_context, read_guard, serve_rank
 from ferry_agent.store.checkpoints import CheckpointStore, model_key
 from ferry_agent.store.resident import ResidentWeights
@@ -147,6 +147,23 @@ class NodeAgent:
         self._host = host or HostStore()
         self._log_format = config.log_format  # the rank processes log as the agent does
         self._host.on_change = lambda: self._wake.set()  # memory a lease held is freed: republish residentBytes
+        # Rank processes for multi-rank replicas, started ahead of their loads and kept between them.
+        self._rank_pool = RankPool(
+            WorkerSettings(
+                agent_name=self.agent_name,
+                bind_address=self._bind_address,
+                checkpoint_dir=store.root if store else None,
+                checkpoint_quota_gib=store.quota_bytes / 2**30 if store else 500.0,
+                s3_endpoint=self._s3_endpoint,
+                seeds=self._seeds,
+                node=self.node,
+                reader=worker_tokens.identity if worker_tokens else None,
+                worker_allowed_identities=tuple(sorted(worker_auth.allowed_identities)) if worker_auth else (),
+                log_format=self._log_format,
+            ),
+            warm=config.warm_ranks,
+            wake=lambda: self._wake.set(),
+        )
         # status.attachments of each replica, written through the same outbox.
         self._attachments = AttachmentPublisher(attach.server, self._patch_status) if attach is not None else None
         self._stopping = threading.Event()
@@ -156,6 +173,7 @@ class NodeAgent:
 
     def run(self) -> None:
         log.info("agent %s serving node %s", self.agent_name, self.node)
+        self._rank_pool.maintain(0)  # the warm rank processes start with the agent (and die with this thread)
         args = (self._wake, self._stopping)
         threading.Thread(target=self.replicas.watch, args=args, name="ferry-watch", daemon=True).start()
         if self._attachments is not None:
@@ -213,6 +231,10 @@ class NodeAgent:
             if (served is None or served.version != wanted) and self._may_try(key, wanted):
                 self._load(key, wr)
             self._publish_memory(key, wr)
+        # Idle rank processes for the next multi-rank load (a new version loads beside the served one).
+        self._rank_pool.maintain(
+            max((r for wr in assigned.values() if (r := wr["spec"].get("ranks", 1)) > 1), default=0)
+        )
 
     def _may_try(self, key: tuple[str, str], version: str) -> bool:
         """A failed load is retried with exponential backoff (a source may appear), at once on a new version."""
@@ -426,26 +448,17 @@ class NodeAgent:
     def _load_ranks(
         self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress, note: Callable[[str], None]
     ) -> Loaded:
-        """A multi-rank replica: one process per rank, which agree on everything in a gloo group."""
+        """A multi-rank replica: one process per rank (lent by the pool), which agree on everything in a gloo
+        group."""
         settings = TransferSettings.from_spec(spec.get("transfer") or {})
         launch = RankLaunch(
             namespace=namespace,
             replica=name,
             world_size=spec["ranks"],
             version=spec["version"],
-            agent_name=self.agent_name,
-            bind_address=self._bind_address,
-            checkpoint_dir=self._store.root if self._store else None,
-            checkpoint_quota_gib=self._store.quota_bytes / 2**30 if self._store else 500.0,
-            s3_endpoint=self._s3_endpoint,
-            seeds=self._seeds,
             timeout_s=self._rank_timeout_s,
-            node=self.node,
-            reader=self._worker_tokens.identity if self._worker_tokens else None,
-            worker_allowed_identities=tuple(sorted(self._worker_auth.allowed_identities)) if self._worker_auth else (),
-            log_format=self._log_format,
         )
-        ranks = RankProcesses(launch, progress=progress, note=note, wake=self._wake.set)
+        ranks = RankProcesses(launch, self._rank_pool, progress=progress, note=note, wake=self._wake.set)
         try:
             ranks.start()
             # Loading may wait for the first loader and then copy or replay: the transfer budget twice, plus slack.
@@ -576,6 +589,7 @@ class NodeAgent:
     def shutdown(self) -> None:
         for key in list(self._served):
             self._unserve(key, drain_seconds=5.0)
+        self._rank_pool.shutdown()
         self._peer.shutdown()
 
 

@@ -15,6 +15,7 @@ from ferry.api.models import RankState, SourceKind
 from ferry_agent.kube.sources import ApiSources
 from ferry_agent.ranks.agreement import RankGroup
 from ferry_agent.ranks.cold_start import DEFAULT_SOURCE_ORDER, run_cold_start
+from ferry_agent.ranks.landing import MapSealed, unaccounted
 from ferry_agent.store.checkpoints import CheckpointStore
 from ferry_agent.store.resident import Allocate, ResidentWeights
 from ferry_agent.strategies.chain import LoadContext, LoadResult, LoadStrategy
@@ -95,9 +96,11 @@ def load_rank(
     note: Callable[[str], None],
     credentials: SourceCredentials | None = None,
     allocate: Allocate = ResidentWeights.allocate,
+    map_sealed: MapSealed = unaccounted,
 ) -> LoadResult:
     """Load this rank (`ctx` from `rank_context`) of a replica, agreeing on everything with the other ranks, and
-    return the chain's result. Every strategy allocates its target with `allocate`."""
+    return the chain's result. Every strategy allocates its target with `allocate`; a follower's share of its
+    leader's landing is taken over by `map_sealed`."""
     settings = TransferSettings.from_spec(spec.get("transfer") or {})
     replica = ctx.target_id
     version = configured or ""
@@ -131,4 +134,5 @@ def load_rank(
         strategies=strategies,
         exact=[local],
         release=lambda r: peer.deregister(r.resident),
+        map_sealed=map_sealed,
     )

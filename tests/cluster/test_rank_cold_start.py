@@ -3,7 +3,9 @@ through one shared checkpoint store, each loading its share of the tensors (docs
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ import pytest
 from ferry import checkpoint_format as ckpt
 from ferry_agent.ranks.agreement import TorchRankGroup
 from ferry_agent.ranks.cold_start import run_cold_start
+from ferry_agent.ranks.landing import unaccounted
 from ferry_agent.ranks.sharding import rank_of_tensors
 from ferry_agent.store.checkpoints import ArtifactKind, ArtifactRef, CheckpointStore
 from ferry_agent.store.resident import ResidentWeights, TensorSpec
@@ -128,7 +131,7 @@ def test_a_follower_finding_a_corrupt_tensor_discards_the_stored_copy(
 
 def _rank_load_counting(registry: Registry, roots: list[Path], version: str, fail_allocate_on: int | None = None):
     """Like `_rank_load`, also counting the bytes of this rank's S3 GETs and of its reads from the store, and
-    with an allocation that fails on rank `fail_allocate_on`."""
+    with an allocation (and a take-over of its landed share) that fails on rank `fail_allocate_on`."""
 
     def run(group: TorchRankGroup) -> Any:
         from botocore.response import StreamingBody
@@ -166,11 +169,23 @@ def _rank_load_counting(registry: Registry, roots: list[Path], version: str, fai
                 raise RuntimeError("out of memory on this rank")
             return ResidentWeights.allocate(specs, device)
 
+        def map_sealed(fds: Any, *args: Any) -> Any:
+            if group.rank == fail_allocate_on:
+                for fd in fds:
+                    os.close(fd)
+                raise OSError(errno.ENOMEM, "out of memory on this rank")
+            return unaccounted(fds, *args)
+
         store = CheckpointStore(roots[group.rank], quota_bytes=1 << 30)
         strategy = registry.strategy(store, allocate=allocate)
         ctx = LoadContext(model=MODEL, version="", rank=group.rank, target_id="replica-0", world_size=group.world_size)
         result = run_cold_start(
-            group, ctx, configured=version, source_order=["ObjectStorage"], strategies={"ObjectStorage": strategy}
+            group,
+            ctx,
+            configured=version,
+            source_order=["ObjectStorage"],
+            strategies={"ObjectStorage": strategy},
+            map_sealed=map_sealed,
         )
         state = store.state(KEY)  # waits for the write-behind
         return shas(result.resident.tensors), result.bytes_downloaded, dict(counted), (state.version, state.chain)
@@ -181,7 +196,7 @@ def _rank_load_counting(registry: Registry, roots: list[Path], version: str, fai
 def test_a_full_cold_start_reads_s3_once_and_the_follower_maps_the_leaders_copy(
     registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
 ) -> None:
-    """One read from S3 for the whole replica: the follower copies its share from the leader's landed memory,
+    """One read from S3 for the whole replica: the follower maps its share of the leader's landed memory,
     and neither reads S3 nor the node's store (here it is even given a store of its own, which stays empty)."""
     w1 = chain3[0]
     registry.publish("v1", full(w1))

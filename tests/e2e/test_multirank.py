@@ -1,8 +1,8 @@
 """Multi-rank replicas end to end: operator + two node agents, each running one process per rank in a gloo group.
 
 A ModelLoad of two replicas with two ranks each: the first replica's ranks cold-start from S3 (the local leader
-streams the checkpoint once, landing the other rank's share in sealed shared memory that rank copies from; the
-node's store is written behind), the second replica's ranks copy rank by rank from the first. Every rank
+streams the checkpoint once, landing the other rank's share in sealed shared memory that rank serves as it is;
+the node's store is written behind), the second replica's ranks copy rank by rank from the first. Every rank
 process's worker service refuses a reader without a valid token (none, garbage, a real token's claims under a
 forged signature) on every RPC, and admits an assigned one. Then a delta rolls out, a
 rank process dies and its replica reloads, and two rank processes configured with different desired versions both
@@ -23,7 +23,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.agents import bare_calls, node, pull, reader_tokens, replica, serving_node, start_agent
+from ferry_agent.ranks.worker import Job
+from tests.support.agents import (
+    bare_calls,
+    lent_ranks,
+    node,
+    pull,
+    reader_tokens,
+    replica,
+    serving_node,
+    start_agent,
+)
 from tests.support.objects import apply, ml_body, publish_delta, publish_full, tensors, wait_for, wait_reason, wv_body
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -96,9 +106,9 @@ def test_two_rank_replicas_from_s3_then_peers_then_a_delta(cluster, s3, namespac
                 assert admitted == {"manifest": None, "prepare": None, "release": grpc.StatusCode.NOT_FOUND}, entry
             check_holds(wr, v1)
         agent_log = "".join(a.log_path.read_text(errors="replace") for a in agents.values())
-        assert "started 2 rank processes" in agent_log and "desired version v1 agreed" in agent_log
-        # The S3 replica's follower copied its share from its leader's memory: no S3 read, no store read of its own.
-        assert "rank 1/2 copied v1" in agent_log and "from the local leader's landing" in agent_log
+        assert ": 2 rank processes (pids " in agent_log and "desired version v1 agreed" in agent_log
+        # The S3 replica's follower serves its leader's landed memory: no S3 read, no store read, no copy.
+        assert "rank 1/2 mapped v1" in agent_log and "from the local leader's landing" in agent_log
 
         # Roll out the delta: each replica's ranks agree on v2 and load it again.
         cluster.kubectl("patch", "ml", "tp", "-n", namespace, "--type=merge", "-p", '{"spec":{"desiredVersion":"v2"}}')
@@ -108,10 +118,7 @@ def test_two_rank_replicas_from_s3_then_peers_then_a_delta(cluster, s3, namespac
 
         # A rank process dies: its replica no longer holds the whole version, fails, and reloads.
         victim = pair[0]["metadata"]["name"]
-        pattern = f"ferry_agent.ranks.worker .*--replica {victim} --rank 1"
-        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-        assert len(pids) == 1, pids
-        os.kill(int(pids[0]), 9)
+        os.kill(lent_ranks(agents[pair[0]["spec"]["nodeName"]], namespace, victim)[1], 9)
 
         def reloaded_after_kill() -> dict | None:
             pair_now = serving(cluster, namespace, "v2") or []
@@ -129,7 +136,7 @@ def test_two_rank_replicas_from_s3_then_peers_then_a_delta(cluster, s3, namespac
         cluster.kubectl("delete", "ml", "tp", "-n", namespace, "--wait=false", check=False)
         for a in agents.values():
             a.stop()
-        pattern = f"ferry_agent.ranks.worker .*--namespace {namespace}"
+        pattern = f"ferry_agent.ranks.worker .*--node {namespace}-n"
         leftover = subprocess.run(["pgrep", "-f", pattern], capture_output=True)
         assert leftover.returncode == 1, "rank processes outlived their agent"
 
@@ -146,22 +153,8 @@ def test_rank_processes_configured_with_different_versions_both_fail(cluster, na
                 sys.executable,
                 "-m",
                 "ferry_agent.ranks.worker",
-                "--namespace",
-                namespace,
-                "--replica",
-                "wr-mixed",
-                "--rank",
-                str(rank),
-                "--world-size",
-                "2",
-                "--store",
-                f"127.0.0.1:{store.port}",
-                "--desired-version",
-                version,
                 "--agent-name",
                 f"mixed-{rank}",
-                "--timeout-seconds",
-                "30",
                 "--node",
                 f"{namespace}-n",
                 *identity,
@@ -172,13 +165,18 @@ def test_rank_processes_configured_with_different_versions_both_fail(cluster, na
             text=True,
             env=env,
         )
-        for rank, version in enumerate(["v1", "v7"])
+        for rank in range(2)
     ]
+    for rank, (proc, version) in enumerate(zip(procs, ["v1", "v7"], strict=True)):
+        job = Job(namespace, "wr-mixed", rank, 2, f"127.0.0.1:{store.port}", version, timeout_s=30)
+        assert proc.stdin is not None
+        proc.stdin.write(f"load {job.to_json()}\n")
+        proc.stdin.flush()
     for proc in procs:
         out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 1, err
+        assert proc.returncode == 1, err  # a failed load ends the process: its gloo group may be broken
         events = [json.loads(line) for line in out.splitlines()]
-        assert [e["event"] for e in events] == ["failed"], events
-        assert events[0]["fatal"] is True
-        assert "rank 0 pins 'v1' but rank 1 is configured with 'v7'" in events[0]["message"]
+        assert [e["event"] for e in events] == ["ready", "failed"], events
+        assert events[1]["fatal"] is True
+        assert "rank 0 pins 'v1' but rank 1 is configured with 'v7'" in events[1]["message"]
         assert "desired-version disagreement" in err

@@ -243,3 +243,39 @@ def agent_metrics(agent: ManagedProcess) -> str:
     match = re.search(r"metrics on (http://\S+)", agent.log_path.read_text(errors="replace"))
     assert match, agent.log_tail()
     return urllib.request.urlopen(match.group(1), timeout=5).read().decode()
+
+
+def rank_processes(agent: ManagedProcess) -> set[int]:
+    """The pids of the agent's rank processes (its children that run `ferry_agent.ranks.worker`), serving or idle."""
+    assert agent.proc is not None
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == agent.proc.pid and b"ferry_agent.ranks.worker" in cmdline:
+            found.add(int(entry.name))
+    return found
+
+
+def lent_ranks(agent: ManagedProcess, namespace: str, replica_name: str) -> list[int]:
+    """The pids, by rank, of the rank processes the agent lent to the last load of `replica_name` (its log)."""
+    marker = f"{namespace}/{replica_name}: "
+    lines = [line for line in agent.log_path.read_text(errors="replace").splitlines() if marker in line]
+    lent = [line.split("(pids ", 1)[1].split(";", 1)[0] for line in lines if "rank processes (pids " in line]
+    assert lent, f"no load of {replica_name} in the agent's log"
+    return [int(pid) for pid in lent[-1].split(",")]
+
+
+def memfds(pid: int) -> dict[str, str]:
+    """The memfds process `pid` maps, by name, with the permissions of their mapping (/proc/<pid>/maps)."""
+    out = {}
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/memfd:ferry:"):
+            out[fields[5].removeprefix("/memfd:").removesuffix(" (deleted)")] = fields[1]
+    return out

@@ -11,14 +11,16 @@ import pytest
 
 from ferry.errors import LoadFailed
 from ferry_agent.ranks import supervisor
-from ferry_agent.ranks.supervisor import RankLaunch, RankProcesses
+from ferry_agent.ranks.supervisor import RankLaunch, RankPool, RankProcesses, WorkerSettings
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def ranks(world_size: int = 2, **kwargs: Any) -> RankProcesses:
     return RankProcesses(
-        RankLaunch(namespace="ns", replica="wr", world_size=world_size, version="v1", agent_name="n1-abc"), **kwargs
+        RankLaunch(namespace="ns", replica="wr", world_size=world_size, version="v1"),
+        RankPool(WorkerSettings(agent_name="n1-abc")),
+        **kwargs,
     )
 
 

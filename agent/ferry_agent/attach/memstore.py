@@ -13,7 +13,8 @@ unchanged tensors keeps the base's chunks alive as long as either is held. The s
 every live chunk once (`resident_bytes`) and refuses an allocation beyond its budget (`MemoryBudgetExceeded`).
 
 `seal_tensors` is the copy path, for tensors that do not live in host memory (a CUDA replica's): it allocates,
-copies and seals in one call.
+copies and seals in one call. `map_sealed` is the no-copy path for chunks another process wrote and sealed (a
+rank's share of its local leader's landing, `ranks.landing`): the store takes their descriptors over.
 """
 
 from __future__ import annotations
@@ -135,15 +136,20 @@ class Chunk:
     @classmethod
     def adopt(cls, fd: int, size: int, payload: int, on_free: Callable[[Chunk], None]) -> Chunk:
         """A sealed chunk another process made (a rank process's), by a descriptor of it this process owns now."""
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        if seals & REQUIRED_SEALS != REQUIRED_SEALS:
-            raise ValueError(f"chunk is not sealed (seals {seals:#x})")
+        cls.check_sealed(fd, "chunk")
         if os.fstat(fd).st_size < size:
             raise ValueError(f"chunk of {os.fstat(fd).st_size} bytes, expected {size}")
         chunk = cls.__new__(cls)
         chunk.fd, chunk.size, chunk.payload, chunk.sealed = fd, size, payload, True
         chunk._refs, chunk._lock, chunk._on_free = 1, threading.Lock(), on_free
         return chunk
+
+    @staticmethod
+    def check_sealed(fd: int, what: str) -> None:
+        """Raise unless `fd` is a memfd nobody can write, grow, shrink or unseal any more."""
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+            raise ValueError(f"{what} is not sealed (seals {seals:#x})")
 
     def ref(self) -> None:
         with self._lock:
@@ -467,6 +473,63 @@ class HostStore:
                 sum(e.nbytes for e in shared.values()),
                 base.label if base else "",
             )
+        return resident
+
+    def map_sealed(
+        self,
+        key: Hashable,
+        fds: Sequence[int],
+        sizes: Sequence[int],
+        specs: Sequence[TensorSpec],
+        places: Mapping[str, tuple[int, int]],
+    ) -> ResidentWeights:
+        """Weights that are views of sealed chunks another process wrote (a local leader's landing): this store
+        takes `fds` over (each closes with its chunk), maps them read-only and counts them for `key`; `seal` then
+        only writes the manifest. Raises, closing every descriptor, if a chunk is not sealed or not `sizes` big, or a
+        tensor lies outside its chunk. Nothing is copied, and nothing can write these pages any more."""
+        specs = list(specs)
+        chunks: list[Chunk] = []
+        try:
+            if not specs:
+                raise ValueError("a version needs at least one tensor")
+            if len(fds) > MAX_FDS:
+                raise ValueError(f"{len(fds)} chunks exceed the {MAX_FDS} descriptors one attach reply can carry")
+            payloads = [0] * len(sizes)
+            for spec in specs:
+                index, offset = places[spec.name]
+                if not 0 <= index < len(sizes) or offset < 0 or offset + spec.nbytes > sizes[index]:
+                    raise ValueError(f"tensor {spec.name!r} lies outside its chunk")
+                payloads[index] += spec.nbytes
+            for fd, size, payload in zip(fds, sizes, payloads, strict=True):
+                if os.fstat(fd).st_size != size:
+                    raise ValueError(f"chunk of {os.fstat(fd).st_size} bytes, expected {size}")
+                chunks.append(Chunk.adopt(fd, size, payload, self._freed))
+        except BaseException:
+            for fd in fds[len(chunks) :]:
+                os.close(fd)
+            for chunk in chunks:
+                chunk.unref()
+            raise
+        with self._lock:
+            self._chunks.update((id(c), c) for c in chunks)
+        try:
+            mappings = [_Mapping(c, writable=False) for c in chunks]
+            pools = [m.tensor() for m in mappings]
+            tensors: dict[str, torch.Tensor] = {}
+            for spec in specs:
+                index, offset = places[spec.name]
+                raw = pools[index][offset : offset + spec.nbytes]
+                tensors[spec.name] = raw.view(parse_dtype(spec.dtype)).reshape(spec.shape)
+                if spec_of(spec.name, tensors[spec.name]) != spec:
+                    raise ValueError(f"inconsistent manifest entry {spec}")
+        except BaseException:
+            for chunk in chunks:
+                chunk.unref()
+            raise
+        resident = ResidentWeights(tensors)
+        building = _Building(key, chunks, mappings, dict(places), {}, None)
+        resident.host = building
+        weakref.finalize(resident, _drop_unsealed, building)
         return resident
 
     def _base(

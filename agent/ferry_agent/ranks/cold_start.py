@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import torch
 
 from ferry.api.models import SourceKind
 from ferry_agent.ranks.agreement import (
@@ -32,7 +35,7 @@ from ferry_agent.ranks.agreement import (
     agree_source_order,
     s3_phases,
 )
-from ferry_agent.ranks.landing import MappedLanding
+from ferry_agent.ranks.landing import MappedLanding, MapSealed, unaccounted
 from ferry_agent.strategies.chain import (
     LoadContext,
     LoadResult,
@@ -138,8 +141,9 @@ class RankAgreedObjectStorage(_Agreed):
     """The S3 cold start in lockstep. The local leader replays the chain into the node's store and loads its
     own tensors in the same pass; the other ranks then load theirs from what it prepared; the leader activates
     the version in the store only after every rank has loaded. A full checkpoint the store lacks is streamed
-    instead: the leader lands the other ranks' shares in sealed shared memory (`ranks.landing`), they copy
-    theirs out of it, and the store entry is written behind once every rank has loaded."""
+    instead: the leader lands the other ranks' shares in sealed shared memory (`ranks.landing`), which they
+    serve as they are (on `cpu`; a GPU rank copies its share out), and the store entry is written behind once
+    every rank has loaded. `map_sealed` takes a follower's landed chunks over (its host store's)."""
 
     inner: ObjectStorageStrategy
 
@@ -151,8 +155,10 @@ class RankAgreedObjectStorage(_Agreed):
         pinned: str,
         configured: str | None,
         local_rank: int | None = None,
+        map_sealed: MapSealed = unaccounted,
     ) -> None:
         super().__init__(inner, group, pinned=pinned, configured=configured)
+        self._map_sealed = map_sealed
         self._leader = (group.rank if local_rank is None else local_rank) == 0
         self._local_rank = local_rank
         self._result: S3LoadResult | None = None
@@ -188,8 +194,12 @@ class RankAgreedObjectStorage(_Agreed):
         def load() -> None:
             if self._leader:  # the leader loaded its tensors while preparing
                 return
-            self._result = self.inner.load_landed(ctx, mapped[0]) if mapped else self.inner.load_prepared(ctx)
-            mapped.clear()  # this rank's copy is done: the mapping goes
+            if not mapped:
+                self._result = self.inner.load_prepared(ctx)
+            elif torch.device(ctx.device).type == "cpu":
+                self._result = self._map_share(ctx, mapped[0])
+            else:
+                self._result = self.inner.load_landed(ctx, mapped[0])
 
         def activate() -> None:
             assert self._result is not None
@@ -199,17 +209,41 @@ class RankAgreedObjectStorage(_Agreed):
                 self.inner.activate(ctx, chain[0])
                 self._prepared = False
 
-        s3_phases(
-            self._group,
-            S3Steps(resolve, prepare, load, activate, attach),
-            pinned=self._pinned,
-            configured=self._configured,
-            local_rank=self._local_rank,
-        )
+        try:
+            s3_phases(
+                self._group,
+                S3Steps(resolve, prepare, load, activate, attach),
+                pinned=self._pinned,
+                configured=self._configured,
+                local_rank=self._local_rank,
+            )
+        finally:
+            for landing in mapped:  # descriptors not taken over by this rank's share
+                landing.close()
+
         result, self._result = self._result, None
         assert result is not None
         # The landing is the store write's now (it holds the pages until written), not the served result's.
         return dataclasses.replace(result, landed=None)
+
+    def _map_share(self, ctx: LoadContext, landing: MappedLanding) -> S3LoadResult:
+        """A follower on `cpu`: its share is the leader's sealed landing itself, mapped read-only (no copy, no S3 or
+        store read; the leader checked every tensor as it landed, and the seals keep those bytes)."""
+        t0 = time.monotonic()
+        try:
+            resident = landing.share(ctx.expected_manifest_digest, self._map_sealed)
+        except (OSError, ValueError) as exc:
+            raise StrategyFailed(f"ObjectStorage: cannot take this rank's share of the landing: {exc}") from exc
+        seconds = time.monotonic() - t0
+        log.info(
+            "rank %d/%d mapped %s (%d bytes) from the local leader's landing in %.3fs",
+            ctx.rank,
+            ctx.world_size,
+            ctx.version,
+            resident.total_bytes,
+            seconds,
+        )
+        return S3LoadResult(resident, resident.total_bytes, 0, (), None, seconds, {"map": round(seconds, 6)})
 
     def rollback(self, ctx: LoadContext) -> None:
         if self._result is not None and self._result.landed is not None:
@@ -233,10 +267,12 @@ def run_cold_start(
     reinit: Callable[[LoadContext], None] = lambda _ctx: None,
     publish: Callable[[LoadResult, LoadContext], None] = lambda _result, _ctx: None,
     local_rank: int | None = None,
+    map_sealed: MapSealed = unaccounted,
 ) -> LoadResult:
     """Load this rank of a replica. `strategies` maps source names (`Peer`, `ObjectStorage`) to this rank's
     strategies; `exact` are further version-exact sources tried after the source order (a local seed);
-    `version_agnostic` is all that runs when rank 0 has no desired version. Sets `ctx.version` to the agreed
+    `version_agnostic` is all that runs when rank 0 has no desired version; `map_sealed` takes over a follower's
+    share of its leader's landing (the rank's host store). Sets `ctx.version` to the agreed
     version and returns the chain's result; every disagreement raises StrategyRecoveryError on every rank."""
     desired = agree_desired_version(group, configured)
     if desired is None:
@@ -262,7 +298,9 @@ def run_cold_start(
         inner = strategies[name]
         if isinstance(inner, ObjectStorageStrategy):
             chain.append(
-                RankAgreedObjectStorage(inner, group, pinned=desired, configured=configured, local_rank=local_rank)
+                RankAgreedObjectStorage(
+                    inner, group, pinned=desired, configured=configured, local_rank=local_rank, map_sealed=map_sealed
+                )
             )
         else:
             chain.append(RankAgreedStrategy(inner, group, pinned=desired, configured=configured, release=release))

@@ -1,117 +1,156 @@
 """The node's one copy of a multi-rank S3 load: the local leader lands the other ranks' tensors in shared memory,
-and each of them maps it and copies out its share (docs/ranks.md).
+and each of them serves its share from those very pages (docs/ranks.md).
 
 The leader streams the whole checkpoint from S3 once, its own share straight into its pool and every other rank's
-into one `memfd` (`Landing`), checking each tensor's adler32 as its last range arrives. It then seals the memfd
-(`F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL`, after remapping its own pages read-only, as
-`attach.memstore` does), so the bytes the leader checked are the bytes every follower reads: nobody can change them
-afterwards. A follower opens the leader's descriptor through `/proc/<pid>/fd/<n>` (the ranks are one node agent's
-children, under one uid), maps it read-only and copies its tensors into its own pool (`copy_share`). The leader
-keeps the memfd open until every rank has loaded, and its pages until the node's store entry is written behind.
+into memfd chunks of that rank's own (`Landing`, laid out as `attach.memstore` lays out a version: name order,
+256-byte offsets, at most 1 GiB a chunk), checking each tensor's adler32 as its last range arrives. It then seals
+every chunk (`F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL`, after remapping its own pages read-only),
+so the bytes the leader checked are the bytes every follower holds: nobody can change them afterwards. A follower
+opens its chunks through `/proc/<leader pid>/fd/<n>` (the ranks are one node agent's children, under one uid),
+refuses any that is not sealed or not of its size, and on `cpu` takes them over as its resident share (`share`:
+mapped read-only, no copy); on a GPU it copies its tensors out (`copy_share`). The leader keeps its descriptors
+until every rank has loaded, and its pages until the node's store entry is written behind.
 """
 
 from __future__ import annotations
 
-import fcntl
-import mmap
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from ferry.client.protocol import REQUIRED_SEALS
-from ferry_agent.attach.memstore import Chunk, _Mapping
-from ferry_agent.store.resident import ResidentWeights, TensorSpec
+from ferry_agent.attach.memstore import Chunk, HostStore, _Mapping, layout
+from ferry_agent.store.resident import ResidentWeights, TensorSpec, manifest_digest
 
-ALIGN = 256  # every tensor's offset: satisfies every dtype and vectorised copies
+# `(fds, sizes, specs, places)` -> the weights, views of those sealed chunks (`HostStore.map_sealed` of a replica).
+Places = Mapping[str, tuple[int, int]]  # tensor -> (chunk, offset)
+MapSealed = Callable[[Sequence[int], Sequence[int], Sequence[TensorSpec], Places], ResidentWeights]
+
+
+def unaccounted(
+    fds: Sequence[int], sizes: Sequence[int], specs: Sequence[TensorSpec], places: Places
+) -> ResidentWeights:
+    """`map_sealed` into a store of its own: for a rank that has no host store (tests, benches)."""
+    return HostStore().map_sealed(None, fds, sizes, specs, places)
 
 
 class Landing:
-    """One memfd holding the tensors of the ranks other than the leader, by rank."""
+    """The tensors of the ranks other than the leader: each rank's in memfd chunks of its own."""
 
     def __init__(self, shares: Mapping[int, Sequence[TensorSpec]], label: str) -> None:
-        places: dict[int, list[tuple[TensorSpec, int]]] = {}
-        size = 0
-        for rank, specs in sorted(shares.items()):
-            for spec in specs:
-                places.setdefault(rank, []).append((spec, size))
-                size += -(-spec.nbytes // ALIGN) * ALIGN
-        size = max(size, ALIGN)  # a zero-length file cannot be mapped
-        self._chunk = Chunk(label, size, size, on_free=lambda _chunk: None)
-        try:
-            self._mapping = _Mapping(self._chunk, writable=True)
-        except BaseException:
-            self._chunk.unref()
-            raise
-        pages = self._mapping.tensor()
-        self._places = places
-        self.size = size
+        self._chunks: list[Chunk] = []
+        self._mappings: list[_Mapping] = []
+        self._ranks: dict[int, dict[str, Any]] = {}
         # Where the stream lands each tensor; they stay valid (the pages mapped) as long as any view of them lives.
-        self.views: dict[str, np.ndarray] = {
-            spec.name: pages[offset : offset + spec.nbytes].numpy()
-            for entries in places.values()
-            for spec, offset in entries
-        }
+        self.views: dict[str, np.ndarray] = {}
         self._open = True
+        try:
+            for rank, specs in sorted(shares.items()):
+                self._add(rank, specs, f"{label}#{rank}")
+        except BaseException:
+            self.close()
+            raise
+        self.size = sum(c.size for c in self._chunks)
+
+    def _add(self, rank: int, specs: Sequence[TensorSpec], label: str) -> None:
+        sizes, places = layout(specs)
+        payloads = [0] * len(sizes)
+        for spec in specs:
+            payloads[places[spec.name][0]] += spec.nbytes
+        first = len(self._chunks)
+        for index, (size, payload) in enumerate(zip(sizes, payloads, strict=True)):
+            chunk = Chunk(f"{label}:{index}", size, payload, on_free=lambda _chunk: None)
+            self._chunks.append(chunk)
+            self._mappings.append(_Mapping(chunk, writable=True))
+        pages = [m.tensor() for m in self._mappings[first:]]
+        for spec in specs:
+            index, offset = places[spec.name]
+            self.views[spec.name] = pages[index][offset : offset + spec.nbytes].numpy()
+        self._ranks[rank] = {
+            "fds": [c.fd for c in self._chunks[first:]],
+            "sizes": sizes,
+            "tensors": [(s.name, s.dtype, list(s.shape), s.nbytes, *places[s.name]) for s in specs],
+        }
 
     def seal(self) -> None:
-        """No more writes, by anybody: the same pages read-only here, then the memfd sealed."""
-        self._mapping.make_readonly()
-        self._chunk.seal()
+        """No more writes, by anybody: the same pages read-only here, then every chunk sealed."""
+        for mapping in self._mappings:
+            mapping.make_readonly()
+            mapping.chunk.seal()
 
     def descriptor(self) -> dict[str, Any]:
         """What a follower maps (picklable: it travels in the phase collective)."""
-        return {
-            "pid": os.getpid(),
-            "fd": self._chunk.fd,
-            "size": self.size,
-            "shares": {
-                rank: [(s.name, s.dtype, list(s.shape), s.nbytes, offset) for s, offset in entries]
-                for rank, entries in self._places.items()
-            },
-        }
+        return {"pid": os.getpid(), "ranks": self._ranks}
 
     def close(self) -> None:
-        """Close the descriptor (once every follower has its copy); `views` keep the pages until they go."""
+        """Close the descriptors (once every follower holds its own); `views` keep the pages until they go."""
         if self._open:
             self._open = False
-            self._chunk.unref()
+            for chunk in self._chunks:
+                chunk.unref()
 
 
 class MappedLanding:
-    """A follower's read-only view of its local leader's landing."""
+    """A follower's share of its local leader's landing: its own descriptors of its sealed chunks."""
 
     def __init__(self, descriptor: Mapping[str, Any], rank: int) -> None:
-        path = f"/proc/{int(descriptor['pid'])}/fd/{int(descriptor['fd'])}"
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        ranks = descriptor["ranks"]
+        mine = ranks.get(rank) or ranks.get(str(rank))
+        if not mine:
+            raise ValueError(f"the local leader's landing holds nothing for rank {rank}")
+        entries = mine["tensors"]
+        self.specs = [TensorSpec(name, dtype, tuple(shape), nbytes) for name, dtype, shape, nbytes, _, _ in entries]
+        self.places = {name: (int(chunk), int(offset)) for name, _, _, _, chunk, offset in entries}
+        self.sizes = [int(s) for s in mine["sizes"]]
+        self._fds: list[int] = []
         try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            if seals & REQUIRED_SEALS != REQUIRED_SEALS:
-                raise ValueError(f"the local leader's landing {path} is not sealed (seals {seals:#x})")
-            size = int(descriptor["size"])
-            if os.fstat(fd).st_size != size:
-                raise ValueError(f"the local leader's landing {path} has {os.fstat(fd).st_size} bytes, not {size}")
-            # Private and writable, never written: no copy-on-write happens, and torch takes the buffer without
-            # a read-only warning. The memfd is sealed, so these pages are the leader's checked bytes.
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        shares = descriptor["shares"]
-        entries = shares.get(rank) or shares.get(str(rank)) or []
-        self.specs = [TensorSpec(name, dtype, tuple(shape), nbytes) for name, dtype, shape, nbytes, _ in entries]
-        self._offsets = {name: offset for name, _, _, _, offset in entries}
+            for fd, size in zip(mine["fds"], self.sizes, strict=True):
+                path = f"/proc/{int(descriptor['pid'])}/fd/{int(fd)}"
+                self._fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+                if os.fstat(self._fds[-1]).st_size != size:
+                    raise ValueError(f"the local leader's landing {path} has {os.fstat(self._fds[-1]).st_size} bytes")
+                Chunk.check_sealed(self._fds[-1], f"the local leader's landing {path}")
+        except BaseException:
+            self.close()
+            raise
+
+    def share(self, expected_digest: str | None, map_sealed: MapSealed) -> ResidentWeights:
+        """This rank's share in host memory: the landing's pages themselves, read-only (the descriptors are
+        `map_sealed`'s from here on)."""
+        self._check(expected_digest)
+        fds, self._fds = self._fds, []
+        return map_sealed(fds, self.sizes, self.specs, self.places)
 
     def copy_share(self, resident: ResidentWeights, pool: ThreadPoolExecutor) -> None:
-        """Copy this rank's tensors into `resident` (its own pool, on any device), in parallel."""
-        pages = torch.frombuffer(self._map, dtype=torch.uint8)
+        """Copy this rank's tensors into `resident` (its own pool, on another device), in parallel."""
+        mine = zip(self._fds, self.sizes, strict=True)
+        chunks = [Chunk.adopt(os.dup(fd), size, 0, lambda _chunk: None) for fd, size in mine]
+        try:
+            pages = [_Mapping(chunk, writable=False).tensor() for chunk in chunks]
 
-        def copy(spec: TensorSpec) -> None:
-            if spec.nbytes:
-                offset = self._offsets[spec.name]
-                resident.tensors[spec.name].reshape(-1).view(torch.uint8).copy_(pages[offset : offset + spec.nbytes])
+            def copy(spec: TensorSpec) -> None:
+                if spec.nbytes:
+                    index, offset = self.places[spec.name]
+                    target = resident.tensors[spec.name].reshape(-1).view(torch.uint8)
+                    target.copy_(pages[index][offset : offset + spec.nbytes])
 
-        for future in [pool.submit(copy, spec) for spec in self.specs]:
-            future.result()
+            for future in [pool.submit(copy, spec) for spec in self.specs]:
+                future.result()
+        finally:
+            for chunk in chunks:
+                chunk.unref()
+
+    def _check(self, expected: str | None) -> None:
+        if expected and manifest_digest(self.specs) != expected:
+            raise ValueError(
+                f"the share the local leader landed has manifest digest {manifest_digest(self.specs)}, "
+                f"but the replica expects {expected}"
+            )
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)

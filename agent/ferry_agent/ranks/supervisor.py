@@ -1,9 +1,17 @@
-"""The node agent's side of a multi-rank replica: one `ferry_agent.ranks.worker` process per rank.
+"""The node agent's side of a multi-rank replica: rank processes (`ferry_agent.ranks.worker`) kept started by a
+`RankPool` and lent to one replica's load at a time.
 
-`RankProcesses.start()` opens a TCPStore for the ranks to rendezvous at and starts them; `wait_loaded()` follows
-their events until every rank serves (or any fails, and then stops them all: a rank that crashed leaves the
-others blocked in a collective, so nothing waits for the group timeout); afterwards `active_leases()` and
-`failure()` say how the serving ranks are doing, and `stop()` drains and ends them.
+A rank process costs seconds to start (torch, NIXL, the API client and credentials), so the agent starts them
+ahead of the loads and keeps them between loads: `RankPool.take(n)` lends idle ones first (and starts only the
+ones missing), and `RankProcesses.stop` gives them back once their replica stops serving, released but still
+running, for the next load. `RankPool.maintain` keeps as many idle as the node's next multi-rank load will need,
+and replaces an idle one that died.
+
+`RankProcesses.start()` opens a TCPStore for the ranks of one load to rendezvous at and hands each lent process its
+`load`; `wait_loaded()` follows their events until every rank serves (or any fails, and then kills them all: a
+rank that crashed leaves the others blocked in a collective, so nothing waits for the group timeout, and a process
+of a failed load is never lent again); afterwards `active_leases()` and `failure()` say how the serving ranks are
+doing, and `stop()` drains them and gives them back.
 """
 
 from __future__ import annotations
@@ -26,56 +34,40 @@ if TYPE_CHECKING:
     from ferry_agent.strategies.local_file import SeedKey
 
 from ferry.errors import LoadFailed
+from ferry_agent.ranks.worker import Job
 from ferry_agent.transport.worker_auth import PodIdentity
 
 log = logging.getLogger(__name__)
 
 FAILED_RANKS_GRACE_S = 30.0  # after one rank fails, how long the others get to report the agreed failure
+START_BACKOFF_MAX_S = 300.0  # longest wait before idle processes are started again after ones that could not start
+Event = dict[str, Any]
 
 
 @dataclass(frozen=True)
-class RankLaunch:
-    """What every rank process of one replica is started with."""
+class WorkerSettings:
+    """What every rank process of this agent is started with: the agent's settings, nothing of a replica."""
 
-    namespace: str
-    replica: str
-    world_size: int
-    version: str
     agent_name: str
     bind_address: str = "127.0.0.1"
     checkpoint_dir: Path | None = None
     checkpoint_quota_gib: float = 500.0
     s3_endpoint: str | None = None
     seeds: Mapping[SeedKey, Path] | None = None
-    timeout_s: float = 3600.0
     node: str = ""  # the agent's node: the ranks' worker services accept tokens for its audience
     reader: PodIdentity | None = None  # whom the ranks mint their worker tokens as; None: their env's
     worker_allowed_identities: tuple[str, ...] = ()
     log_format: str = "plain"  # `logs.LogFormat`: the agent's
 
-    def argv(self, rank: int, store: str) -> list[str]:
+    def argv(self, name: str) -> list[str]:
         args = [
             sys.executable,
             "-m",
             "ferry_agent.ranks.worker",
-            "--namespace",
-            self.namespace,
-            "--replica",
-            self.replica,
-            "--rank",
-            str(rank),
-            "--world-size",
-            str(self.world_size),
-            "--store",
-            store,
-            "--desired-version",
-            self.version,
             "--agent-name",
-            self.agent_name,
+            name,
             "--bind-address",
             self.bind_address,
-            "--timeout-seconds",
-            str(self.timeout_s),
             "--checkpoint-quota-gib",
             str(self.checkpoint_quota_gib),
             "--parent-pid",
@@ -108,6 +100,201 @@ class RankLaunch:
         return args
 
 
+@dataclass(frozen=True)
+class RankLaunch:
+    """What the rank processes of one replica load."""
+
+    namespace: str
+    replica: str
+    world_size: int
+    version: str
+    timeout_s: float = 3600.0
+
+    def job(self, rank: int, store: str) -> Job:
+        return Job(self.namespace, self.replica, rank, self.world_size, store, self.version, self.timeout_s)
+
+
+class RankWorker:
+    """One rank process. Its events go to whoever it is lent to (`lend`); while idle, only its pool watches it."""
+
+    def __init__(self, settings: WorkerSettings, name: str, on_idle_exit: Callable[[RankWorker], None]) -> None:
+        self.name = name  # its NIXL agent's
+        self.rank: int | None = None  # in the last load it was lent to
+        self._on_idle_exit = on_idle_exit
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        self.proc = subprocess.Popen(
+            settings.argv(name), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        self.ready = threading.Event()  # started: the next `load` begins at once
+        self.stopped = threading.Event()  # the load it was lent to is released, or the process is gone
+        self._lock = threading.Lock()
+        self._sink: Callable[[Event], None] | None = None
+        self._unlent: list[Event] = []  # a failure and the exit of a process nobody borrowed yet
+        self._ending = False  # let go by its pool: its exit is expected
+        threading.Thread(target=self._read, name=f"ferry-{name}", daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def lend(self, sink: Callable[[Event], None]) -> None:
+        """Its events go to `sink` from now on (what it said while it was not lent and matters, too)."""
+        with self._lock:
+            self._sink = sink
+            self.stopped.clear()
+            missed, self._unlent = self._unlent, []
+        for event in missed:
+            sink(event)
+
+    def unlend(self) -> None:
+        with self._lock:
+            self._sink = None
+
+    def send(self, *lines: str) -> None:
+        """Commands on its stdin; a process that is gone says so with its `exit` event, not here."""
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("".join(f"{line}\n" for line in lines))
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+    def end(self, timeout_s: float = 5.0) -> None:
+        """Let it go: end of stdin ends an idle process; kill what does not end in time."""
+        self._ending = True
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.alive():
+            log.warning("killing rank process %d (%s)", self.pid, self.name)
+            self.proc.kill()
+        self.proc.wait()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                log.warning("rank process %s printed a non-event line: %s", self.name, line.rstrip())
+                continue
+            if isinstance(event, dict):
+                self._deliver(event)
+        self._deliver({"event": "exit", "code": self.proc.wait()})
+
+    def _deliver(self, event: Event) -> None:
+        kind = event.get("event")
+        if kind == "ready":
+            log.info("rank process %d (%s) ready", self.pid, self.name)
+            self.ready.set()
+        elif kind in ("stopped", "exit"):
+            self.stopped.set()
+        with self._lock:
+            sink = self._sink
+            if sink is None and kind in ("failed", "exit"):
+                self._unlent.append(event)
+        if kind == "exit" and sink is None and not self._ending:
+            log.warning("idle rank process %d (%s) exited with code %s", self.pid, self.name, event["code"])
+            self._on_idle_exit(self)
+        if sink is not None and kind not in ("ready", "stopped"):
+            sink(event)
+
+
+class RankPool:
+    """The agent's rank processes that serve no replica now: lent to loads, given back after, replaced if one dies.
+    Processes are started by the thread that calls `take` and `maintain` (the agent's reconcile loop): a rank dies
+    with the thread that started it (`PR_SET_PDEATHSIG`), so that must be one that lives as long as the agent."""
+
+    def __init__(self, settings: WorkerSettings, warm: int = 0, wake: Callable[[], None] = lambda: None) -> None:
+        self.settings = settings
+        self.warm = warm  # idle processes kept even when no replica of this node has several ranks
+        self._wake = wake  # an idle process died: the agent's loop replaces it (`maintain`)
+        self._idle: list[RankWorker] = []
+        self._lock = threading.Lock()
+        self._started = 0
+        self._closed = False
+        # Idle processes that died before they were ready (a setting or credential they cannot start with): the
+        # next ones are started only after a backoff, not in a loop that burns the node's CPU.
+        self._failed_starts = 0
+        self._next_start = 0.0
+
+    def _start(self) -> RankWorker:
+        self._started += 1
+        worker = RankWorker(self.settings, f"{self.settings.agent_name}-w{self._started}", self._exited)
+        log.info("started rank process %d (%s)", worker.pid, worker.name)
+        return worker
+
+    def _exited(self, worker: RankWorker) -> None:
+        with self._lock:
+            if worker.ready.is_set():
+                self._failed_starts = 0
+            else:
+                self._failed_starts += 1
+                self._next_start = time.monotonic() + min(START_BACKOFF_MAX_S, 2.0**self._failed_starts)
+        self._wake()
+
+    def take(self, n: int) -> tuple[list[RankWorker], int]:
+        """`n` processes for one load, by rank, and how many of them were idle. Rank r goes to an idle process that
+        was rank r before where there is one (on a GPU node it keeps using `cuda:r`, instead of holding a CUDA
+        context on every GPU), else to the longest idle, else to a new one."""
+        with self._lock:
+            idle = [w for w in self._idle if w.alive()]
+            lent = [next((w for w in idle if w.rank == r), None) for r in range(n)]
+            rest = iter([w for w in idle if w not in lent])
+            lent = [w if w is not None else next(rest, None) for w in lent]
+            self._idle = [w for w in idle if w not in lent]
+            warm = sum(w is not None for w in lent)
+            workers = [w if w is not None else self._start() for w in lent]
+        for rank, worker in enumerate(workers):
+            worker.rank = rank
+        return workers, warm
+
+    def give_back(self, workers: list[RankWorker]) -> None:
+        """Processes whose load was released (`stopped`), ready for the next one."""
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._idle += [w for w in workers if w.alive()]
+        for worker in workers if closed else []:
+            worker.end()
+
+    def maintain(self, wanted: int) -> None:
+        """Keep max(`warm`, `wanted`) processes idle (`wanted`: the most ranks a replica of this node has, so that
+        its next version loads on started processes), starting what is missing and ending what is beyond."""
+        target = max(self.warm, wanted)
+        with self._lock:
+            if self._closed:
+                return
+            self._idle = [w for w in self._idle if w.alive()]
+            extra, self._idle = self._idle[target:], self._idle[:target]
+            if time.monotonic() >= self._next_start:
+                self._idle += [self._start() for _ in range(target - len(self._idle))]
+        for worker in extra:
+            worker.end()
+
+    def idle(self) -> list[RankWorker]:
+        with self._lock:
+            return list(self._idle)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.end()
+
+
 def _report(callback: Callable[..., None], *args: Any) -> None:
     """Progress goes to the status; failing to write it must not fail the load."""
     try:
@@ -125,23 +312,28 @@ def _combine(failures: Mapping[int, str]) -> str:
 
 
 class RankProcesses:
+    """The rank processes of one replica's load, lent by `pool`."""
+
     def __init__(
         self,
         launch: RankLaunch,
+        pool: RankPool,
         *,
         progress: Callable[[int, int, str], None] = lambda *_: None,
         note: Callable[[str], None] = lambda _m: None,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.launch = launch
+        self._pool = pool
         self._progress = progress
         self._note = note
         self._wake = wake
-        self._procs: list[subprocess.Popen[str]] = []
-        self._events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        self._workers: list[RankWorker] = []
+        self._events: queue.Queue[tuple[int, Event] | None] = queue.Queue()
         self._leases: dict[int, int] = {}
         self._exits: dict[int, int] = {}
         self._serving = False
+        self._loaded = False
         self._lock = threading.Lock()
         self._tcp: Any = None
 
@@ -151,7 +343,7 @@ class RankProcesses:
         import torch.distributed as dist
 
         n = self.launch.world_size
-        # Port 0: the OS picks a free one, so concurrent replicas never collide. Closed once all ranks loaded.
+        # Port 0: the OS picks a free one, so concurrent replicas never collide. Dropped once all ranks loaded.
         self._tcp = dist.TCPStore(
             "127.0.0.1",
             0,
@@ -161,47 +353,39 @@ class RankProcesses:
             timeout=dt.timedelta(seconds=self.launch.timeout_s),
         )
         store = f"127.0.0.1:{self._tcp.port}"
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-        for rank in range(n):
-            proc = subprocess.Popen(
-                self.launch.argv(rank, store),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            self._procs.append(proc)
-            threading.Thread(target=self._read, args=(rank, proc), name=f"ferry-rank{rank}", daemon=True).start()
-        log.info("%s/%s: started %d rank processes (store %s)", self.launch.namespace, self.launch.replica, n, store)
+        self._workers, warm = self._pool.take(n)
+        for rank, worker in enumerate(self._workers):
+            worker.lend(lambda event, rank=rank: self._events.put((rank, event)))
+            worker.send(f"load {self.launch.job(rank, store).to_json()}")
+        log.info(
+            "%s/%s: %d rank processes (pids %s; %d were started before), store %s",
+            self.launch.namespace,
+            self.launch.replica,
+            n,
+            ",".join(str(w.pid) for w in self._workers),
+            warm,
+            store,
+        )
 
-    def _read(self, rank: int, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                log.warning("rank %d printed a non-event line: %s", rank, line.rstrip())
-                continue
-            if isinstance(event, dict):
-                self._events.put((rank, event))
-        self._events.put((rank, {"event": "exit", "code": proc.wait()}))
-
-    def wait_loaded(self, timeout_s: float) -> list[dict[str, Any]]:
-        """Every rank's `serving` event, by rank; LoadFailed (all ranks stopped) if any rank fails."""
+    def wait_loaded(self, timeout_s: float) -> list[Event]:
+        """Every rank's `serving` event, by rank; LoadFailed (all ranks killed) if any rank fails."""
         n = self.launch.world_size
-        serving: dict[int, dict[str, Any]] = {}
-        failed: dict[int, dict[str, Any]] = {}
+        serving: dict[int, Event] = {}
+        failed: dict[int, Event] = {}
         progress: dict[int, tuple[int, int, str]] = {}
         deadline = time.monotonic() + timeout_s
         grace_end: float | None = None
         while len(serving) < n:
             end = deadline if grace_end is None else min(deadline, grace_end)
             try:
-                rank, event = self._events.get(timeout=max(0.0, end - time.monotonic()))
+                item = self._events.get(timeout=max(0.0, end - time.monotonic()))
             except queue.Empty:
                 if not failed:
                     failed[-1] = {"message": f"the ranks did not finish loading within {timeout_s:g}s"}
                 break
+            if item is None:
+                continue
+            rank, event = item
             kind = event.get("event")
             if kind == "progress":
                 progress[rank] = (int(event["done"]), int(event["total"]), str(event["source"]))
@@ -233,7 +417,7 @@ class RankProcesses:
             raise LoadFailed(_combine({r: str(f["message"]) for r, f in failed.items()}), attempts)
         self._tcp = None
         with self._lock:
-            self._serving = True
+            self._serving = self._loaded = True
         threading.Thread(target=self._follow, name="ferry-ranks", daemon=True).start()
         return [serving[r] for r in range(n)]
 
@@ -241,22 +425,19 @@ class RankProcesses:
 
     def _follow(self) -> None:
         """After loading: keep lease counts and exits current, waking the agent on each change."""
-        while True:
-            rank, event = self._events.get()
+        while (item := self._events.get()) is not None:
+            rank, event = item
             with self._lock:
                 if event.get("event") == "leases":
                     self._leases[rank] = int(event["count"])
                 elif event.get("event") == "exit":
                     self._exits[rank] = event["code"]
-                    if len(self._exits) == len(self._procs):
-                        self._wake()
-                        return
                 else:
                     continue
             self._wake()
 
     def pid(self, rank: int) -> int:
-        return self._procs[rank].pid
+        return self._workers[rank].pid
 
     def active_leases(self) -> int:
         with self._lock:
@@ -271,24 +452,25 @@ class RankProcesses:
             return f"rank {rank} of {self.launch.replica} exited with code {code} while serving"
 
     def stop(self, drain_s: float = 10.0) -> None:
-        """Drain every rank (readers finish, within `drain_s`), then end them; kill what does not end."""
+        """Release the replica: every rank drains its readers (within `drain_s`) and lets its share go, and goes
+        back to the pool. Ranks that had not all loaded are killed instead (they may be blocked in a collective, or
+        hold a half-loaded share), as is any that does not stop in time."""
         with self._lock:
             self._serving = False
-        for proc in self._procs:
-            if proc.poll() is None and proc.stdin is not None:
-                try:
-                    if drain_s > 0:
-                        proc.stdin.write(f"drain {drain_s:g}\n")
-                    proc.stdin.write("stop\n")
-                    proc.stdin.close()
-                except (BrokenPipeError, OSError):
-                    pass
-        end = time.monotonic() + drain_s + 10.0
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=max(0.1, end - time.monotonic()) if drain_s > 0 else 2.0)
-            except subprocess.TimeoutExpired:
-                log.warning("rank process %d did not stop; killing it", proc.pid)
-                proc.kill()
-                proc.wait()
+            loaded = self._loaded
+        workers, self._workers = self._workers, []
+        if loaded:
+            for worker in workers:
+                worker.send(*([f"drain {drain_s:g}"] if drain_s > 0 else []), "stop")
+            end = time.monotonic() + drain_s + 10.0
+            for worker in workers:
+                if not worker.stopped.wait(max(0.1, end - time.monotonic())):
+                    worker.kill()
+        else:
+            for worker in workers:
+                worker.kill()
+        for worker in workers:
+            worker.unlend()
+        self._events.put(None)  # ends `_follow`
+        self._pool.give_back([w for w in workers if w.stopped.is_set() and w.alive()])
         self._tcp = None

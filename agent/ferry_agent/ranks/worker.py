@@ -1,12 +1,20 @@
-"""`python -m ferry_agent.ranks.worker`: one rank of a multi-rank WeightReplica, as its own process.
+"""`python -m ferry_agent.ranks.worker`: a rank process of the node agent, which lends it to one rank of one
+multi-rank WeightReplica at a time.
 
-The node agent starts one per rank (one per GPU) with a shared TCPStore address; the ranks join a gloo group,
-run the desired-version cold start (`replica_load.load_rank`), and each then serves its share of the tensors
-to peers with its own NIXL agent and worker service. A CPU share lives in sealed memfd chunks of the rank's own
-`HostStore`; the `serving` event names their descriptors, which the node agent opens through /proc to offer the
-share for attach. It reports to the node agent in JSON lines on stdout
-(`Reporter`) and takes commands on stdin: `drain SECONDS`, `stop`. End of stdin (the agent died) stops it
-too, releasing everything: the lease-holding node agent is gone, so no reader may keep reading.
+The agent keeps such processes started (`ranks.supervisor.RankPool`): torch, the S3 model, the API client, the
+worker tokens and a NIXL agent of its own are set up once, when the process starts, not per load. It says `ready`,
+and then takes loads one after another, each as a `load {json}` line on stdin: which replica, which rank of how
+many, the TCPStore the ranks rendezvous at. The ranks join a gloo group for that load, run the desired-version cold
+start (`replica_load.load_rank`), and each then serves its share of the tensors to peers with its NIXL agent and a
+worker service of that load. A CPU share lives in sealed memfd chunks of the rank's own `HostStore` (or, for a
+follower of an S3 cold start, the chunks its local leader landed it in: `ranks.landing`); the `serving` event names
+their descriptors, which the node agent opens through /proc to offer the share for attach.
+
+It reports to the node agent in JSON lines on stdout (`Reporter`: `ready`, `progress`, `note`, `serving`,
+`leases`, `failed`, `stopped`) and takes commands on stdin: `load JSON`, then `drain SECONDS` and `stop`, which end
+the load (readers finish, the share is released) and leave the process ready for the next one. A load that fails
+ends the process: its gloo group may be broken, and the agent starts a fresh one. End of stdin (the agent died or
+let the process go) ends it too, releasing everything.
 
 The node agent alone writes the WeightReplica status; a rank only reads the API, and retries those reads while
 the apiserver is unreachable (a loaded rank no longer needs it at all).
@@ -15,16 +23,21 @@ the apiserver is unreachable (a loaded rank no longer needs it at all).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
+import functools
+import gc
 import json
 import logging
 import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ferry import s3
@@ -60,19 +73,32 @@ class Reporter:
             self._out.flush()
 
 
+@dataclass(frozen=True)
+class Job:
+    """One load the agent lends this process to: the `load` command's JSON."""
+
+    namespace: str  # of the WeightReplica
+    replica: str
+    rank: int
+    world_size: int
+    store: str  # HOST:PORT of the TCPStore the ranks of this load rendezvous at
+    version: str  # the version this rank is configured to load; rank 0's wins, a different one is fatal
+    timeout_s: float = 3600.0  # bound on every collective
+
+    @classmethod
+    def parse(cls, text: str) -> Job:
+        job = cls(**json.loads(text))
+        if job.world_size < 1 or not 0 <= job.rank < job.world_size:
+            raise ValueError(f"rank {job.rank} is outside a world of {job.world_size}")
+        return job
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ferry-rank", description=__doc__.splitlines()[0])
-    p.add_argument("--namespace", required=True, help="the namespace of the WeightReplica")
-    p.add_argument("--replica", required=True, help="the WeightReplica this rank belongs to")
-    p.add_argument("--rank", type=int, required=True, help="this rank, from 0")
-    p.add_argument("--world-size", type=int, required=True, help="the replica's number of ranks")
-    p.add_argument("--store", required=True, metavar="HOST:PORT", help="the TCPStore the ranks rendezvous at")
-    p.add_argument(
-        "--desired-version",
-        default=os.environ.get("FERRY_DESIRED_VERSION", ""),
-        help="the version this rank is configured to load; rank 0's wins, a different one is fatal",
-    )
-    p.add_argument("--agent-name", required=True, help="prefix of this rank's NIXL agent name")
+    p.add_argument("--agent-name", required=True, help="this process's NIXL agent name (unique on the node)")
     p.add_argument("--bind-address", default="127.0.0.1", help="address peers reach this rank's worker service on")
     p.add_argument("--checkpoint-dir", type=Path, help="the node's checkpoint store (shared by its ranks)")
     p.add_argument("--checkpoint-quota-gib", type=float, default=500.0, help="most the checkpoint store may hold")
@@ -91,15 +117,15 @@ def _parser() -> argparse.ArgumentParser:
         default=LogFormat.PLAIN,
         help="plain text, or one JSON object a line (the agent passes its own)",
     )
-    p.add_argument("--timeout-seconds", type=float, default=3600.0, help="bound on every collective")
     p.add_argument("--parent-pid", type=int, help="the node agent's pid: this rank ends when the agent does")
     p.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this rank's node (env NODE_NAME)")
     worker_auth.add_arguments(p)
     return p
 
 
-def _wait_for_commands(server: Any, stdin: Any) -> None:
-    """Serve until told to stop (or the agent goes away); `drain S` first lets readers finish."""
+def _wait_for_commands(server: Any, stdin: Any) -> bool:
+    """Serve until told to stop (True) or the agent goes away (False); `drain S` first lets readers finish."""
+    stopped = False
     for line in stdin:
         command, _, arg = line.strip().partition(" ")
         if command == "drain":
@@ -108,10 +134,12 @@ def _wait_for_commands(server: Any, stdin: Any) -> None:
             except TimeoutError:
                 log.warning("readers still active after %ss; stopping anyway", arg)
         elif command == "stop":
+            stopped = True
             break
         elif command:
-            log.warning("unknown command %r", command)
+            log.warning("unknown command %r while serving", command)
     server.stop()
+    return stopped
 
 
 def _watch_leases(server: Any, report: Reporter, stop: threading.Event) -> None:
@@ -123,100 +151,155 @@ def _watch_leases(server: Any, report: Reporter, stop: threading.Event) -> None:
             published = count
 
 
-def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
-    if args.world_size < 1 or not 0 <= args.rank < args.world_size:
-        raise SystemExit(f"rank {args.rank} is outside a world of {args.world_size}")
-    if not args.node:
-        raise SystemExit("--node (or NODE_NAME) is required")
-    # The S3 model parsed while the rank starts (NIXL, the API, the rendezvous), not when its cold start needs S3.
-    threading.Thread(target=s3.prewarm, name="ferry-s3-prewarm", daemon=True).start()
-    api = bound_requests(kube_client())
-    try:
-        tokens, auth = worker_auth.from_arguments(args, api, args.node)
-    except ValueError as exc:
-        raise SystemExit(f"ferry-rank: {exc}") from exc
-    sources = ApiSources(api, args.namespace)
-    spec = sources.replica(args.replica)["spec"]
-    store = None
-    if args.checkpoint_dir:
-        store = CheckpointStore(args.checkpoint_dir, int(args.checkpoint_quota_gib * 2**30))
-    peer = NixlPeer(f"{args.agent_name}-r{args.rank}")
-    host, _, port = args.store.rpartition(":")
-    tcp = dist.TCPStore(
-        host, int(port), args.world_size, is_master=False, timeout=dt.timedelta(seconds=args.timeout_seconds)
-    )
-    group = TorchRankGroup.init(
-        rank=args.rank, world_size=args.world_size, store=tcp, timeout=dt.timedelta(seconds=args.timeout_seconds)
-    )
+class RankProcess:
+    """What a rank process keeps from one load to the next: the API client and worker credentials, the node's
+    checkpoint store, its NIXL agent and its host memory."""
 
-    def progress(done: int, total: int, source: str) -> None:
-        report("progress", done=done, total=total, source=source)
+    def __init__(self, args: argparse.Namespace, report: Reporter) -> None:
+        if not args.node:
+            raise SystemExit("--node (or NODE_NAME) is required")
+        # The S3 model parsed while the process starts (NIXL, the API), not when a cold start needs S3.
+        threading.Thread(target=s3.prewarm, name="ferry-s3-prewarm", daemon=True).start()
+        self.args = args
+        self.report = report
+        self.api = bound_requests(kube_client())
+        try:
+            self.tokens, self.auth = worker_auth.from_arguments(args, self.api, args.node)
+        except ValueError as exc:
+            raise SystemExit(f"ferry-rank: {exc}") from exc
+        self.store = None
+        if args.checkpoint_dir:
+            self.store = CheckpointStore(args.checkpoint_dir, int(args.checkpoint_quota_gib * 2**30))
+        self.peer = NixlPeer(args.agent_name)
+        self.host = HostStore()  # the shares this process serves, on `cpu`: sealed memfd chunks the agent adopts
 
-    ctx = rank_context(group, args.replica, spec)
-    host = HostStore()  # this rank's share, on `cpu`: sealed memfd chunks the node agent adopts for attach
-    label = f"{args.namespace}/{spec['modelName']}/{args.desired_version}#{args.rank}"
-    try:
-        result = load_rank(
-            group,
-            ctx,
-            sources=sources,
+    def serve(self, job: Job, stdin: Any) -> bool | None:
+        """Load `job`'s rank and serve it until told to stop. None: the load failed (reported); else whether the
+        process goes on (False: stdin ended)."""
+        args, report = self.args, self.report
+        _log_as(args, job)
+        sources = ApiSources(self.api, job.namespace)
+        spec = sources.replica(job.replica)["spec"]
+        host, _, port = job.store.rpartition(":")
+        timeout = dt.timedelta(seconds=job.timeout_s)
+        tcp = dist.TCPStore(host, int(port), job.world_size, is_master=False, timeout=timeout)
+        group = TorchRankGroup.init(rank=job.rank, world_size=job.world_size, store=tcp, timeout=timeout)
+
+        def progress(done: int, total: int, source: str) -> None:
+            report("progress", done=done, total=total, source=source)
+
+        ctx = rank_context(group, job.replica, spec)
+        key = (job.namespace, job.replica)
+        label = f"{job.namespace}/{spec['modelName']}/{job.version}#{job.rank}"
+        sealed = None
+        try:
+            result = load_rank(
+                group,
+                ctx,
+                sources=sources,
+                spec=spec,
+                configured=job.version or None,
+                peer=self.peer,
+                store=self.store,
+                s3_endpoint=args.s3_endpoint,
+                seeds=dict(args.seed),
+                progress=progress,
+                note=lambda text: report("note", message=text),
+                credentials=self.tokens,
+                allocate=self.host.allocator(key, label),
+                map_sealed=functools.partial(self.host.map_sealed, key),
+            )
+            memory = None
+            if result.resident.host is not None:
+                # The READ's registration goes first: sealing needs no pinned, writable pages.
+                self.peer.deregister(result.resident)
+                sealed = self.host.seal(result.resident, label, ctx.version, ctx.version_uid)
+                memory = {
+                    "fds": sealed.fds,
+                    "chunks": sealed.chunk_sizes,
+                    "tensors": [{**e.to_json(), "sha256": e.sha256} for e in sealed.entries],
+                }
+        except Exception as exc:
+            fatal = isinstance(exc, StrategyRecoveryError)
+            log.error("rank %d of %s: load failed%s: %s", job.rank, job.replica, " (fatal)" if fatal else "", exc)
+            report("failed", message=str(exc), fatal=fatal, attempts=[a.to_status() for a in ctx.attempts])
+            return None
+        finally:
+            group.close()
+        server, entry = serve_rank(
+            result.resident,
+            self.peer,
+            rank=job.rank,
+            host=args.bind_address,
             spec=spec,
-            configured=args.desired_version or None,
-            peer=peer,
-            store=store,
-            s3_endpoint=args.s3_endpoint,
-            seeds=dict(args.seed),
-            progress=progress,
-            note=lambda text: report("note", message=text),
-            credentials=tokens,
-            allocate=host.allocator((args.namespace, args.replica), label),
+            guard=read_guard(self.auth, job.namespace, ctx),
         )
-        memory = None
-        if result.resident.host is not None:
-            peer.deregister(result.resident)  # the READ's registration: sealing needs no pinned, writable pages
-            sealed = host.seal(result.resident, label, ctx.version, ctx.version_uid)
-            memory = {
-                "fds": sealed.fds,
-                "chunks": sealed.chunk_sizes,
-                "tensors": [{**e.to_json(), "sha256": e.sha256} for e in sealed.entries],
-            }
-    except Exception as exc:
-        fatal = isinstance(exc, StrategyRecoveryError)
-        log.error("rank %d of %s: load failed%s: %s", args.rank, args.replica, " (fatal)" if fatal else "", exc)
-        report("failed", message=str(exc), fatal=fatal, attempts=[a.to_status() for a in ctx.attempts])
-        peer.shutdown()
-        return 1
-    finally:
-        group.close()
-    server, entry = serve_rank(
-        result.resident,
-        peer,
-        rank=args.rank,
-        host=args.bind_address,
-        spec=spec,
-        guard=read_guard(auth, args.namespace, ctx),
-    )
-    report(
-        "serving",
-        rank=args.rank,
-        version=ctx.version,
-        source=result.source_label,
-        bytes=result.bytes_moved,
-        entry=entry,
-        attempts=[a.to_status() for a in ctx.attempts],
-        version_uid=ctx.version_uid,
-        memory=memory,
-    )
-    stop = threading.Event()
-    threading.Thread(target=_watch_leases, args=(server, report, stop), daemon=True).start()
+        report(
+            "serving",
+            rank=job.rank,
+            version=ctx.version,
+            source=result.source_label,
+            bytes=result.bytes_moved,
+            entry=entry,
+            attempts=[a.to_status() for a in ctx.attempts],
+            version_uid=ctx.version_uid,
+            memory=memory,
+        )
+        stop = threading.Event()
+        threading.Thread(target=_watch_leases, args=(server, report, stop), daemon=True).start()
+        try:
+            return _wait_for_commands(server, stdin)
+        finally:
+            stop.set()
+            self.peer.deregister(result.resident)
+            if sealed is not None:  # this process's hold; the agent's (and attached pods') may keep the pages
+                sealed.unref()
+
+
+def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
+    me = RankProcess(args, report)
+    report("ready", agent=me.peer.name)
     try:
-        _wait_for_commands(server, stdin)
+        for line in stdin:
+            command, _, arg = line.strip().partition(" ")
+            if command == "load":
+                job = Job.parse(arg)
+                try:
+                    going_on = me.serve(job, stdin)
+                except Exception as exc:  # around the load (API, rendezvous): say why, not just "exit 1"
+                    log.exception("rank %d of %s failed", job.rank, job.replica)
+                    report("failed", message=f"rank {job.rank}: {type(exc).__name__}: {exc}", fatal=False, attempts=[])
+                    return 1
+                if going_on is None:
+                    return 1
+                gc.collect()  # what the load held (its share's mappings, the worker service) goes now, not later
+                if torch.cuda.is_initialized():
+                    torch.cuda.empty_cache()  # a GPU share's memory goes back to the device, not to a cache of ours
+                _log_as(args)
+                report("stopped", rank=job.rank)
+                if not going_on:
+                    break
+            elif command in ("drain", "stop"):
+                continue  # nothing is served: nothing to drain or stop
+            elif command:
+                log.warning("unknown command %r", command)
     finally:
-        stop.set()
-        peer.deregister(result.resident)
-        peer.shutdown()
-    report("stopped", rank=args.rank)
+        me.peer.shutdown()
     return 0
+
+
+def _log_as(args: argparse.Namespace, job: Job | None = None) -> None:
+    """Log lines say which load they belong to, if any."""
+    if job is None:
+        logs.configure(LogFormat(args.log_format), stream=sys.stderr, prefix=f"{args.agent_name} ")
+        return
+    logs.configure(
+        LogFormat(args.log_format),
+        stream=sys.stderr,
+        prefix=f"rank{job.rank}/{job.world_size} ",
+        replica=f"{job.namespace}/{job.replica}",
+        rank=job.rank,
+    )
 
 
 def _die_with(parent_pid: int | None) -> None:
@@ -234,13 +317,7 @@ def _die_with(parent_pid: int | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     _die_with(args.parent_pid)
-    logs.configure(
-        LogFormat(args.log_format),
-        stream=sys.stderr,
-        prefix=f"rank{args.rank}/{args.world_size} ",
-        replica=f"{args.namespace}/{args.replica}",
-        rank=args.rank,
-    )
+    _log_as(args)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of a replica share one node
     # Events keep the original stdout to themselves; anything else printed there (NIXL logs to stdout, C++
     # libraries write to fd 1) goes to stderr with the logs.
@@ -249,9 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     report = Reporter(events)
     try:
         code = run(args, report, sys.stdin)
-    except Exception as exc:  # before or around the load (API, store, rendezvous): say why, not just "exit 1"
-        log.exception("rank %d of %s failed", args.rank, args.replica)
-        report("failed", message=f"rank {args.rank}: {type(exc).__name__}: {exc}", fatal=False, attempts=[])
+    except Exception as exc:  # while the process starts (API, credentials, store): say why, not just "exit 1"
+        log.exception("rank process %s failed", args.agent_name)
+        report("failed", message=f"{type(exc).__name__}: {exc}", fatal=False, attempts=[])
         code = 1
     sys.exit(code)
 

@@ -1,0 +1,26 @@
+"""The chart's warm rank processes: `agent.warmRanks` reaches the agent as FERRY_WARM_RANKS, which its settings take
+as `--warm-ranks`; the schema refuses what is not a count."""
+
+from __future__ import annotations
+
+import pytest
+
+from ferry_agent.config import AgentConfig
+from tests.cluster.test_helm_memory import agent_env
+from tests.support.helm import CHART, KUBE_VERSION, helm, render, sets
+
+pytestmark = pytest.mark.cluster
+
+
+def test_warm_ranks_reach_the_agent(helm_env, monkeypatch):
+    assert agent_env(render(helm_env))["FERRY_WARM_RANKS"] == "0"
+    env = agent_env(render(helm_env, *sets(agent__warmRanks="8")))
+    monkeypatch.setenv("FERRY_WARM_RANKS", env["FERRY_WARM_RANKS"])
+    assert AgentConfig.from_args(["--node", "n"]).warm_ranks == 8
+
+
+@pytest.mark.parametrize("value", ["-1", "two"])
+def test_warm_ranks_that_are_not_a_count_are_refused(helm_env, value):
+    args = ("template", "ferry", str(CHART), "--kube-version", KUBE_VERSION, *sets(agent__warmRanks=value))
+    proc = helm(helm_env, *args, check=False)
+    assert proc.returncode != 0 and "warmRanks" in proc.stderr
