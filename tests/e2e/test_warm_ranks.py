@@ -96,7 +96,11 @@ def test_rank_processes_are_started_ahead_lent_given_back_and_replaced(cluster, 
         assert len(rank_processes(agent)) == 4  # two serving, two idle: nothing else was started
 
         # An idle rank process that dies is replaced.
+        def idle(pid: int) -> bool:  # given back to the pool (its share released a moment before)
+            return re.search(rf"rank process {pid} \(\S+\) is idle", agent.log_path.read_text()) is not None
+
         wait_for(lambda: not any(memfds(p) for p in spares), 30, "v2's rank processes released", describe)
+        wait_for(lambda: all(idle(p) for p in spares), 30, "v2's rank processes back in the pool", describe)
         victim = min(spares)
         os.kill(victim, 9)
         wait_for(

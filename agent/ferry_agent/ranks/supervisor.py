@@ -264,8 +264,10 @@ class RankPool:
         """Processes whose load was released (`stopped`), ready for the next one."""
         with self._lock:
             closed = self._closed
-            if not closed:
-                self._idle += [w for w in workers if w.alive()]
+            back = [] if closed else [w for w in workers if w.alive()]
+            self._idle += back
+        for worker in back:
+            log.info("rank process %d (%s) is idle", worker.pid, worker.name)
         for worker in workers if closed else []:
             worker.end()
 
