@@ -218,6 +218,21 @@ def _map_readonly(chunk: Chunk, at: int | None) -> int | None:
         os.close(ro)
 
 
+def _tensors(
+    mappings: Sequence[_Mapping], specs: Iterable[TensorSpec], places: Mapping[str, tuple[int, int]]
+) -> dict[str, torch.Tensor]:
+    """Each spec's tensor: a view at its place (chunk index, offset) in the mapped chunks, checked against it."""
+    pools = [m.tensor() for m in mappings]
+    tensors: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        index, offset = places[spec.name]
+        raw = pools[index][offset : offset + spec.nbytes]
+        tensors[spec.name] = raw.view(parse_dtype(spec.dtype)).reshape(spec.shape)
+        if spec_of(spec.name, tensors[spec.name]) != spec:
+            raise ValueError(f"inconsistent manifest entry {spec}")
+    return tensors
+
+
 @dataclass
 class _Building:
     """A version being loaded into host memory: its chunks (fresh ones writable, shared ones sealed already)."""
@@ -443,14 +458,7 @@ class HostStore:
             shared[name] = entry
         try:
             mappings = [_Mapping(c, writable=i < len(sizes)) for i, c in enumerate(chunks)]
-            pools = [m.tensor() for m in mappings]
-            tensors: dict[str, torch.Tensor] = {}
-            for spec in specs:
-                index, offset = places[spec.name]
-                raw = pools[index][offset : offset + spec.nbytes]
-                tensors[spec.name] = raw.view(parse_dtype(spec.dtype)).reshape(spec.shape)
-                if spec_of(spec.name, tensors[spec.name]) != spec:
-                    raise ValueError(f"inconsistent manifest entry {spec}")
+            tensors = _tensors(mappings, specs, places)
         except BaseException:
             for chunk in chunks:
                 chunk.unref()
@@ -514,14 +522,7 @@ class HostStore:
             self._chunks.update((id(c), c) for c in chunks)
         try:
             mappings = [_Mapping(c, writable=False) for c in chunks]
-            pools = [m.tensor() for m in mappings]
-            tensors: dict[str, torch.Tensor] = {}
-            for spec in specs:
-                index, offset = places[spec.name]
-                raw = pools[index][offset : offset + spec.nbytes]
-                tensors[spec.name] = raw.view(parse_dtype(spec.dtype)).reshape(spec.shape)
-                if spec_of(spec.name, tensors[spec.name]) != spec:
-                    raise ValueError(f"inconsistent manifest entry {spec}")
+            tensors = _tensors(mappings, specs, places)
         except BaseException:
             for chunk in chunks:
                 chunk.unref()
