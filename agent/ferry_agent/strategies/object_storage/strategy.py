@@ -22,9 +22,11 @@ ModelExpress semantics, in four phases:
    delta changes are not copied at all: the new version shares the base's chunks), check their adler32, apply
    each delta in place (streamed zstd, numpy XOR) checking the exact decoded size and adler32 after each, and
    write the result to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
-   A one-rank replay into a CPU pool writes `materialized/<target>` behind the load instead, from the new pool
-   (`stream.store_materialized_behind`); the ranks of a multi-rank replica read the store, so their leader
-   writes it in the pass.
+   The ranks of a multi-rank replica read the store, so their leader builds this way. A one-rank replay into a
+   CPU pool whose base the store holds streams instead (`replay`): the deltas the store lacks are fetched with
+   ranged GETs into memory, each tensor is built (base XOR each decoded frame, adler32 after each) in the
+   thread its last frame lands in, straight into the new pool, and the fetched deltas and `materialized/<target>`
+   are written behind the load. A chain whose base the store lacks is fetched into the store first (above).
 
 A write-behind stores and activates only after the load returned; until then the store stays at its last
 activated version, and a crash leaves only what `CheckpointStore.recover()` removes.
@@ -65,12 +67,8 @@ from ferry_agent.strategies.object_storage.build import build, unchanged_since
 from ferry_agent.strategies.object_storage.checkpoint import Link, LoadError, Plan
 from ferry_agent.strategies.object_storage.download import download
 from ferry_agent.strategies.object_storage.plan import Planner
-from ferry_agent.strategies.object_storage.stream import (
-    Streamed,
-    store_full_behind,
-    store_materialized_behind,
-    stream,
-)
+from ferry_agent.strategies.object_storage.replay import replay, store_replay_behind
+from ferry_agent.strategies.object_storage.stream import Streamed, store_full_behind, stream
 from ferry_agent.strategies.progress import Progress
 from ferry_agent.transport.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
 
@@ -341,8 +339,11 @@ class ObjectStorageStrategy:
             # A multi-rank leader: the other ranks' shares land in shared memory they map, not in the store.
             resident, landed = self._stream_ranks(ctx, plan, pool, timings, needed)
             return resident, downloaded, landed
-        # A one-rank replay into a CPU pool: materialized/<target> is written behind, from the new pool.
-        behind = alone and bool(plan.deltas) and torch.device(ctx.device).type == "cpu"
+        if alone and plan.deltas and plan.base.path is not None and torch.device(ctx.device).type == "cpu":
+            # A one-rank replay on a stored base into a CPU pool: the deltas stream, the store is written behind.
+            resident, fetched = self._replay(ctx, plan, pool, timings, needed)
+            store_replay_behind(self._store, plan, resident, fetched)
+            return resident, downloaded, None
         with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
             try:
                 self._store.reserve(needed)
@@ -350,12 +351,20 @@ class ObjectStorageStrategy:
                 raise LoadError(str(exc)) from exc
             if fetch:
                 download(self._store, fetch, pool, timings, report=self._progress, range_bytes=self._range_bytes)
-            resident = build(self._store, self._allocate, ctx, plan, pool, timings, materialize=not behind)
-            if not behind:
-                update.commit(activate=activate)
-        if behind:
-            store_materialized_behind(self._store, plan, resident)
+            resident = build(self._store, self._allocate, ctx, plan, pool, timings)
+            update.commit(activate=activate)
         return resident, downloaded, None
+
+    def _replay(
+        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
+    ) -> tuple[ResidentWeights, dict[str, dict[str, bytearray]]]:
+        """A one-rank replay whose base the store holds: the deltas it lacks stream from S3 and each tensor is
+        built as its frames land (`replay`); the caller writes the store behind from what it returns."""
+        resident = self._allocate_for(ctx, plan, needed, timings)
+        fetched = replay(
+            plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes, workers=self._workers
+        )
+        return resident, fetched
 
     def _stream_ranks(
         self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
@@ -399,8 +408,17 @@ class ObjectStorageStrategy:
     ) -> tuple[ResidentWeights, Streamed]:
         """A full load the store lacks, streamed from S3 into the new pool (tensors it lacks into `into`); the
         caller writes the store behind from what it returns."""
+        resident = self._allocate_for(ctx, plan, needed, timings)
+        streamed = stream(
+            plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes, into=into
+        )
+        return resident, streamed
+
+    def _allocate_for(self, ctx: LoadContext, plan: Plan, needed: int, timings: dict[str, float]) -> ResidentWeights:
+        """The new pool of a load whose store entries are written behind: the store's room for them is checked
+        first (refused up front, as when the store is written first)."""
         try:
-            self._store.reserve(needed)  # refused up front, as when the store is written first
+            self._store.reserve(needed)
         except CheckpointCacheCapacityError as exc:
             raise LoadError(str(exc)) from exc
         t = time.monotonic()
@@ -410,7 +428,4 @@ class ObjectStorageStrategy:
             nbytes = sum(s.nbytes for s in plan.specs)
             raise LoadError(f"cannot allocate {nbytes} bytes on {ctx.device}: {exc}") from exc
         timings["allocate"] = time.monotonic() - t
-        streamed = stream(
-            plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes, into=into
-        )
-        return resident, streamed
+        return resident
