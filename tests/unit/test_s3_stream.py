@@ -19,6 +19,7 @@ from ferry_agent.strategies.chain import StrategyFailed
 from ferry_agent.strategies.object_storage import stream as stream_module
 from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
 from tests.support.s3 import (
+    DELTA,
     FULL,
     KEY,
     MAT,
@@ -97,6 +98,79 @@ def test_a_replay_writes_its_materialized_version_behind_the_load(
     assert store.state(KEY).version == "v2" and not debris(store.root)
     again = strategy(store, s3, versions).load(ctx("v2"))
     assert (again.reused, again.bytes_downloaded, resident_shas(again)) == ("materialized/v2", 0, shas(w2))
+    store.close()
+
+
+def publish_delta(s3: MemoryS3, versions: dict[str, Any], files: Mapping[str, bytes]) -> None:
+    s3.objects.update({f"m/v2/{name}": data for name, data in files.items()})
+    versions["v2"] = wv("v2", "XorDelta", "v1", uri=f"s3://{BUCKET}/m/v2/{ckpt.INDEX_NAME}")
+
+
+def test_a_delta_replay_streams_and_writes_every_store_entry_behind_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w1 = weights(12)
+    w2 = evolve(w1, 13, ["embed.weight", "mask"])
+    s3, versions = publish(full(w1))
+    publish_delta(s3, versions, delta(w1, w2, "v2", "v1"))
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    strategy(store, s3, versions).load(ctx("v1"))
+    store.flush()  # the store holds v1, not v2's delta
+    gate, writes = threading.Event(), []
+    write = store.write
+
+    def gated(ref: ArtifactRef, *args: Any, **kwargs: Any) -> Any:
+        writes.append((ref, threading.current_thread().name))
+        if threading.current_thread().name.startswith("ferry-store-writer"):
+            assert gate.wait(60)
+        return write(ref, *args, **kwargs)
+
+    monkeypatch.setattr(store, "write", gated)
+    result = strategy(store, s3, versions).load(ctx("v2"))
+    assert resident_shas(result) == shas(w2) and result.reused == "full/v1" and result.bytes_downloaded > 0
+    # Served before any store entry of v2 exists: the writer waits at its first one (read without the lock,
+    # which would wait for it).
+    assert not store.path(ArtifactRef(KEY, DELTA, "v2")).exists()
+    assert not store.path(ArtifactRef(KEY, MAT, "v2")).exists()
+    gate.set()
+    store.flush()
+    assert [ref for ref, _ in writes] == [ArtifactRef(KEY, DELTA, "v2"), ArtifactRef(KEY, MAT, "v2")]
+    assert all(thread.startswith("ferry-store-writer") for _, thread in writes)  # none on the load's path
+    assert store.state(KEY).version == "v2" and not debris(store.root)
+    # The stored delta is the one fetched: without materialized/v2 the replay reads it, and nothing from S3.
+    store.discard(ArtifactRef(KEY, MAT, "v2"))
+    gets = s3.gets
+    again = strategy(store, s3, versions).load(ctx("v2"))
+    assert (again.reused, again.bytes_downloaded, s3.gets) == ("full/v1", 0, gets)
+    assert resident_shas(again) == shas(w2)
+    store.close()
+
+
+def test_a_flipped_byte_of_a_streamed_delta_frame_fails_its_tensor_and_stores_nothing(tmp_path: Path) -> None:
+    w1 = weights(14)
+    w2 = evolve(w1, 15, ["embed.weight"], scramble=True)
+    files = delta(w1, w2, "v2", "v1")
+    shard = ckpt.delta_shard_name(0, 1)
+    header_len, header = ckpt.parse_safetensors_header(files[shard])
+    begin, end = header["embed.weight"]["data_offsets"]
+    s3, versions = publish(full(w1))
+    publish_delta(s3, versions, files)
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    strategy(store, s3, versions).load(ctx("v1"))
+    store.flush()
+    s3.flips[f"m/v2/{shard}"] = ckpt.HEADER_PREFIX_BYTES + header_len + (begin + end) // 2
+
+    with pytest.raises(StrategyFailed) as exc:
+        strategy(store, s3, versions).load(ctx("v2"))
+    message = str(exc.value)
+    assert not exc.value.mutated and "'embed.weight'" in message and "adler32" in message
+    assert f"s3://{BUCKET}/m/v2/{shard}" in message and "applying v2 on v1" in message
+    store.flush()
+    assert store.artifact(ArtifactRef(KEY, DELTA, "v2")) is None and store.artifact(ArtifactRef(KEY, MAT, "v2")) is None
+    assert store.state(KEY) == StoreState(StoreStatus.READY, "v1", ("v1",)) and not debris(store.root)
+
+    s3.flips.clear()
+    assert resident_shas(strategy(store, s3, versions).load(ctx("v2"))) == shas(w2)
     store.close()
 
 

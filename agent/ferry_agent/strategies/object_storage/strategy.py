@@ -176,9 +176,11 @@ class ObjectStorageStrategy:
             ):
                 plan = self._planner.plan(ctx, links, pool)
                 timings["validate"] = time.monotonic() - t0
-                resident, downloaded, landed = self._execute(ctx, plan, pool, timings, activate=activate, land=land)
+                resident, downloaded, landed, behind = self._execute(
+                    ctx, plan, pool, timings, activate=activate, land=land
+                )
         ctx.version_uid = links[-1].uid
-        return self._result(ctx, plan, resident, downloaded, t0, timings, landed)
+        return self._result(ctx, plan, resident, downloaded, t0, timings, landed, behind=behind)
 
     def attach(self, ctx: LoadContext, chain: Sequence[str]) -> None:
         """Another rank's check that its local leader prepared `chain` in the node's store."""
@@ -281,10 +283,12 @@ class ObjectStorageStrategy:
         t0: float,
         timings: dict[str, float],
         landed: Landed | None = None,
+        *,
+        behind: bool = False,
     ) -> S3LoadResult:
         seconds = time.monotonic() - t0
         log.info(
-            "rank %d/%d loaded %s (%d bytes, chain %s) from %s in %.2fs, %d bytes downloaded",
+            "rank %d/%d loaded %s (%d bytes, chain %s) from %s in %.2fs, %d bytes downloaded%s",
             ctx.rank,
             ctx.world_size,
             ctx.version,
@@ -293,6 +297,7 @@ class ObjectStorageStrategy:
             plan.reused or "S3",
             seconds,
             downloaded,
+            "; streamed, the store is written behind" if behind else "",
         )
         return S3LoadResult(
             resident=resident,
@@ -326,7 +331,8 @@ class ObjectStorageStrategy:
         *,
         activate: bool,
         land: bool = False,
-    ) -> tuple[ResidentWeights, int, Landed | None]:
+    ) -> tuple[ResidentWeights, int, Landed | None, bool]:
+        """The new pool, the bytes downloaded, the other ranks' landing, and whether the store is written behind."""
         fetch = [c for c in (plan.base, *plan.deltas) if c.path is None]
         downloaded = sum(c.stored_bytes for c in fetch)
         needed = downloaded + (plan.base.stored_bytes if plan.deltas else 0)  # + the materialized target
@@ -334,16 +340,16 @@ class ObjectStorageStrategy:
         if alone and fetch == [plan.base]:
             resident, streamed = self._stream(ctx, plan, pool, timings, needed)
             store_full_behind(self._store, plan, streamed)
-            return resident, downloaded, None
+            return resident, downloaded, None, True
         if land and not activate and ctx.world_size > 1 and fetch == [plan.base] and not plan.deltas:
             # A multi-rank leader: the other ranks' shares land in shared memory they map, not in the store.
             resident, landed = self._stream_ranks(ctx, plan, pool, timings, needed)
-            return resident, downloaded, landed
+            return resident, downloaded, landed, True
         if alone and plan.deltas and plan.base.path is not None and torch.device(ctx.device).type == "cpu":
             # A one-rank replay on a stored base into a CPU pool: the deltas stream, the store is written behind.
             resident, fetched = self._replay(ctx, plan, pool, timings, needed)
             store_replay_behind(self._store, plan, resident, fetched)
-            return resident, downloaded, None
+            return resident, downloaded, None, True
         with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
             try:
                 self._store.reserve(needed)
@@ -353,7 +359,7 @@ class ObjectStorageStrategy:
                 download(self._store, fetch, pool, timings, report=self._progress, range_bytes=self._range_bytes)
             resident = build(self._store, self._allocate, ctx, plan, pool, timings)
             update.commit(activate=activate)
-        return resident, downloaded, None
+        return resident, downloaded, None, False
 
     def _replay(
         self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
