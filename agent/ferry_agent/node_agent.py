@@ -388,6 +388,7 @@ class NodeAgent:
                 note=note,
                 credentials=self._worker_tokens,
                 allocate=self._host.allocator((namespace, name), label),
+                held=lambda: self._host.versions((namespace, name)),
             )
             sealed = None
             if result.resident.host is not None:

@@ -7,7 +7,7 @@ of a multi-rank one, so both run exactly the same code: `load_rank` over a `Rank
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +95,11 @@ def load_rank(
     note: Callable[[str], None],
     credentials: SourceCredentials | None = None,
     allocate: Allocate = ResidentWeights.allocate,
+    held: Callable[[], Sequence[Any]] = tuple,
 ) -> LoadResult:
     """Load this rank (`ctx` from `rank_context`) of a replica, agreeing on everything with the other ranks, and
-    return the chain's result. Every strategy allocates its target with `allocate`."""
+    return the chain's result. Every strategy allocates its target with `allocate`; `held()` lists the replica's
+    versions sealed in the agent's host memory, which an S3 replay may start from."""
     settings = TransferSettings.from_spec(spec.get("transfer") or {})
     replica = ctx.target_id
     version = configured or ""
@@ -121,6 +123,7 @@ def load_rank(
             progress=progress,
             timeout_s=settings.timeout_s,
             allocate=allocate,
+            held=held,
         )
     local = LocalFileStrategy(seeds, sources.namespace, sources.version, allocate)
     return run_cold_start(

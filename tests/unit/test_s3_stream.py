@@ -14,6 +14,7 @@ from botocore.exceptions import ClientError
 from botocore.response import StreamingBody
 
 from ferry import checkpoint_format as ckpt
+from ferry_agent.attach.memstore import HostStore
 from ferry_agent.store.checkpoints import ArtifactRef, CheckpointStore, StoreState, StoreStatus
 from ferry_agent.strategies.chain import StrategyFailed
 from ferry_agent.strategies.object_storage import stream as stream_module
@@ -174,7 +175,60 @@ def test_a_flipped_byte_of_a_streamed_delta_frame_fails_its_tensor_and_stores_no
     store.close()
 
 
-def strategy(store: CheckpointStore, s3: MemoryS3, versions: Mapping[str, Any]) -> ObjectStorageStrategy:
+def test_a_delta_replays_on_the_version_held_in_host_memory_when_the_store_lacks_it(tmp_path: Path) -> None:
+    w1 = weights(16)
+    w2 = evolve(w1, 17, ["embed.weight", "mask"])
+    s3, versions = publish(full(w1))
+    files2 = delta(w1, w2, "v2", "v1")
+    publish_delta(s3, versions, files2)
+    host, key = HostStore(), (NAMESPACE, "replica-0")
+    # v1 came from elsewhere (a peer, say): it is held in host memory, and this node's store is empty.
+    elsewhere = CheckpointStore(tmp_path / "elsewhere", 1 << 30)
+    v1 = strategy(elsewhere, s3, versions, allocate=host.allocator(key, "r")).load(ctx("v1"))
+    elsewhere.close()
+    sealed = host.seal(v1.resident, "r:v1", "v1", versions["v1"]["metadata"]["uid"])
+    del v1
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+
+    def on(store: CheckpointStore) -> ObjectStorageStrategy:  # what the agent gives a one-rank load
+        return strategy(store, s3, versions, allocate=host.allocator(key, "r"), held=lambda: host.versions(key))
+
+    result = on(store).load(ctx("v2"))
+    assert resident_shas(result) == shas(w2)
+    # Only the delta was fetched (not v1's data), and the tensors it leaves alone are v1's very chunks.
+    assert (result.reused, result.bytes_downloaded) == ("held/v1", sum(map(len, files2.values())))
+    assert result.resident.shared == {n for n, a in w1.items() if a.nbytes} - {"embed.weight", "mask"}
+    store.flush()
+    assert store.state(KEY).version == "v2" and not debris(store.root)
+    assert store.artifact(ArtifactRef(KEY, FULL, "v1")) is None
+    del result
+    sealed.unref()  # v1 is gone from memory: the store's materialized/v2 alone serves v2 again
+    again = strategy(store, s3, versions).load(ctx("v2"))
+    assert (again.reused, again.bytes_downloaded, resident_shas(again)) == ("materialized/v2", 0, shas(w2))
+    store.close()
+
+
+def test_a_held_version_of_another_weightversion_object_is_not_a_base(tmp_path: Path) -> None:
+    w1 = weights(18)
+    w2 = evolve(w1, 19, ["embed.weight"])
+    s3, versions = publish(full(w1))
+    publish_delta(s3, versions, delta(w1, w2, "v2", "v1"))
+    host, key = HostStore(), (NAMESPACE, "replica-0")
+    elsewhere = CheckpointStore(tmp_path / "elsewhere", 1 << 30)
+    v1 = strategy(elsewhere, s3, versions, allocate=host.allocator(key, "r")).load(ctx("v1"))
+    elsewhere.close()
+    # Held as v1 of a WeightVersion object since deleted: the chain's v1 now has another uid.
+    sealed = host.seal(v1.resident, "r:v1", "v1", "uid-of-the-deleted-v1")
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    held = strategy(store, s3, versions, allocate=host.allocator(key, "r"), held=lambda: host.versions(key))
+    result = held.load(ctx("v2"))
+    assert result.reused is None and result.bytes_downloaded > sum(a.nbytes for a in w1.values())
+    assert resident_shas(result) == shas(w2) and not result.resident.shared
+    sealed.unref()
+    store.close()
+
+
+def strategy(store: CheckpointStore, s3: MemoryS3, versions: Mapping[str, Any], **kwargs: Any) -> ObjectStorageStrategy:
     out = ObjectStorageStrategy(
         namespace=NAMESPACE,
         fetch_version=versions.get,
@@ -182,6 +236,7 @@ def strategy(store: CheckpointStore, s3: MemoryS3, versions: Mapping[str, Any]) 
         store=store,
         download_workers=3,
         range_bytes=RANGE_BYTES,
+        **kwargs,
     )
     out._client = lambda link: s3  # type: ignore[method-assign]
     out._planner._client = out._client

@@ -49,7 +49,7 @@ class _Base:
 
     def __init__(self, plan: Plan, resident: ResidentWeights, stack: contextlib.ExitStack) -> None:
         base = plan.base
-        held = resident.shared_from
+        held = plan.held if plan.held is not None else resident.shared_from
         self.checksums = dict(base.checksums)
         self._arrays: dict[str, np.ndarray] = {}
         self._files: dict[str, tuple[int, int]] = {}

@@ -122,11 +122,13 @@ class ObjectStorageStrategy:
         range_bytes: int = DEFAULT_RANGE_BYTES,
         timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
         allocate: Callable[[Sequence[TensorSpec], str], ResidentWeights] = ResidentWeights.allocate,
+        held: Callable[[], Sequence[Any]] = tuple,
     ) -> None:
         """`fetch_version(name)`: the WeightVersion object (a dict) of that name in the replica's `namespace`, or
         None. `credentials(storage)`: S3 credentials for a `spec.storage` dict, or None for the environment's.
         `timeout_s` bounds each S3 request, all its tries together (the replica's `spec.transfer.timeoutSeconds`).
-        `allocate(specs, device)`: the target's memory (the agent's host store on `cpu`)."""
+        `allocate(specs, device)`: the target's memory (the agent's host store on `cpu`). `held()`: the versions of
+        the replica sealed in that host store (`memstore.SealedVersion`), which a one-rank replay may start from."""
         if download_workers < 1 or range_bytes < 1 or timeout_s <= 0:
             raise ValueError("download_workers, range_bytes and timeout_s must be positive")
         self._namespace = namespace
@@ -139,6 +141,7 @@ class ObjectStorageStrategy:
         self._progress = progress
         self._range_bytes = range_bytes
         self._allocate = allocate
+        self._held = held
         self._planner = Planner(
             namespace=namespace, fetch_version=fetch_version, store=store, client=self._client, progress=progress
         )
@@ -173,14 +176,31 @@ class ObjectStorageStrategy:
             with (
                 self._store.lock(),
                 ThreadPoolExecutor(self._workers, thread_name_prefix="ferry-s3") as pool,
+                self._holding(ctx, activate) as held,
             ):
-                plan = self._planner.plan(ctx, links, pool)
+                plan = self._planner.plan(ctx, links, pool, held=held)
                 timings["validate"] = time.monotonic() - t0
                 resident, downloaded, landed, behind = self._execute(
                     ctx, plan, pool, timings, activate=activate, land=land
                 )
         ctx.version_uid = links[-1].uid
         return self._result(ctx, plan, resident, downloaded, t0, timings, landed, behind=behind)
+
+    @contextlib.contextmanager
+    def _holding(self, ctx: LoadContext, activate: bool) -> Iterator[list[Any]]:
+        """The held versions a one-rank CPU replay may start from, each referenced until the load is done (one
+        freed meanwhile is left out)."""
+        held: list[Any] = []
+        if activate and ctx.world_size == 1 and torch.device(ctx.device).type == "cpu":
+            for version in self._held():
+                with contextlib.suppress(RuntimeError):
+                    version.ref()
+                    held.append(version)
+        try:
+            yield held
+        finally:
+            for version in held:
+                version.unref()
 
     def attach(self, ctx: LoadContext, chain: Sequence[str]) -> None:
         """Another rank's check that its local leader prepared `chain` in the node's store."""
@@ -333,7 +353,9 @@ class ObjectStorageStrategy:
         land: bool = False,
     ) -> tuple[ResidentWeights, int, Landed | None, bool]:
         """The new pool, the bytes downloaded, the other ranks' landing, and whether the store is written behind."""
-        fetch = [c for c in (plan.base, *plan.deltas) if c.path is None]
+        fetch = [c for c in plan.deltas if c.path is None]
+        if plan.base.path is None and plan.held is None:
+            fetch.insert(0, plan.base)
         downloaded = sum(c.stored_bytes for c in fetch)
         needed = downloaded + (plan.base.stored_bytes if plan.deltas else 0)  # + the materialized target
         alone = activate and ctx.world_size == 1  # no other rank reads what this load stores
@@ -345,8 +367,10 @@ class ObjectStorageStrategy:
             # A multi-rank leader: the other ranks' shares land in shared memory they map, not in the store.
             resident, landed = self._stream_ranks(ctx, plan, pool, timings, needed)
             return resident, downloaded, landed, True
-        if alone and plan.deltas and plan.base.path is not None and torch.device(ctx.device).type == "cpu":
-            # A one-rank replay on a stored base into a CPU pool: the deltas stream, the store is written behind.
+        stored_or_held = plan.base.path is not None or plan.held is not None
+        if alone and plan.deltas and stored_or_held and torch.device(ctx.device).type == "cpu":
+            # A one-rank replay on a stored or held base into a CPU pool: the deltas stream, the store is written
+            # behind.
             resident, fetched = self._replay(ctx, plan, pool, timings, needed)
             store_replay_behind(self._store, plan, resident, fetched)
             return resident, downloaded, None, True
@@ -364,8 +388,9 @@ class ObjectStorageStrategy:
     def _replay(
         self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
     ) -> tuple[ResidentWeights, dict[str, dict[str, bytearray]]]:
-        """A one-rank replay whose base the store holds: the deltas it lacks stream from S3 and each tensor is
-        built as its frames land (`replay`); the caller writes the store behind from what it returns."""
+        """A one-rank replay whose base the store or host memory holds: the deltas the store lacks stream from S3
+        and each tensor is built as its frames land (`replay`); the caller writes the store behind from what it
+        returns."""
         resident = self._allocate_for(ctx, plan, needed, timings)
         fetched = replay(
             plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes, workers=self._workers
