@@ -84,7 +84,7 @@ def test_a_delta_replays_on_the_held_base_in_host_memory(cluster, s3, namespace,
             # The agent's one-rank loads take the streaming paths (not the store first, as a multi-rank leader's):
             # v1 straight from S3 into host memory, v2's delta frames decoded as they land; each store written behind.
             log = agent.log_path.read_text(errors="replace")
-            for version, source in (("v1", "S3"), ("v2", "full/v1")):
+            for version, source in (("v1", "S3"), ("v2", "held/v1")):
                 line = f"loaded {version} .* from {source} in .*; streamed, the store is written behind"
                 assert re.search(line, log), describe()
             assert (status()["residentBytes"], status()["residentVersions"]) == (total + changed_bytes, ["v1", "v2"])
