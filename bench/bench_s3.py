@@ -63,6 +63,7 @@ from ferry_agent.ranks.agreement import TorchRankGroup
 from ferry_agent.ranks.cold_start import run_cold_start
 from ferry_agent.store.checkpoints import CheckpointStore, model_key
 from ferry_agent.strategies.chain import LoadContext
+from ferry_agent.strategies.object_storage.replay import ranges_of
 from ferry_agent.strategies.object_storage.strategy import DEFAULT_RANGE_BYTES, ObjectStorageStrategy, S3LoadResult
 from ferry_agent.transport.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
 from ferry_dev.localcluster import S3Server
@@ -240,6 +241,7 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
     full_objects = {f"v1/{f}": len(d) for f, d in stored["v1"].items() if f != ckpt.INDEX_NAME}
     object_shas = {f"v1/{f}": hashlib.sha256(d).hexdigest() for f, d in stored["v1"].items()}
     delta_bytes = sum(len(d) for d in stored["v2"].values())
+    delta_objects = {f"v2/{f}": len(d) for f, d in stored["v2"].items() if f != ckpt.INDEX_NAME}
     del stored
     creds = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
 
@@ -328,7 +330,11 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
         ranked_shas.append(union)
         return seconds
 
-    delta = delta_rows(strategy, empty_store, stores, work, ctx, w1, w2, total, args.reps)
+    def raw_delta_gets() -> None:  # the S3 floor of a delta load: its frames' bytes, in the load's ranges
+        size = ranges_of(sum(delta_objects.values()), range_bytes, args.workers)
+        raw_ranged_gets(client, delta_objects, args.workers, size)
+
+    delta = delta_rows(strategy, empty_store, stores, work, ctx, w1, w2, total, args.reps, raw_delta_gets)
     results: dict[str, Any] = dict(delta["results"])
     verified = delta["verified"]
     full_ratios: dict[str, float] = {}
@@ -411,10 +417,12 @@ def delta_rows(
     w2: dict[str, np.ndarray],
     total: int,
     reps: int,
+    raw_delta_gets: Callable[[], None],
 ) -> dict[str, Any]:
     """The delta rows, in the same rounds as their numpy baseline (each round runs each once): the whole load of
     v2 on a store holding v1 (its build phase too), the same with v1 also held in the agent's host memory (its
-    sealed chunks: what a replica that serves v1 replays on), and the decoder alone on in-memory frames."""
+    sealed chunks: what a replica that serves v1 replays on), the decoder alone on in-memory frames, and the S3 floor
+    (plain boto3 ranged GETs of the delta's objects into memory)."""
     # Baselines for the delta: the same XOR in memory (numpy only), and the decoder on in-memory frames.
     xors = {n: np.bitwise_xor(w1[n].reshape(-1).view(np.uint8), w2[n].reshape(-1).view(np.uint8)) for n in w1}
     targets = {n: w1[n].reshape(-1).view(np.uint8).copy() for n in w1}
@@ -467,6 +475,7 @@ def delta_rows(
         "decoder_in_memory": decoder_in_memory,
         "strategy_delta_load": delta_load,
         "strategy_delta_load_v1_held": delta_load_held,
+        "raw_boto3_delta_gets": raw_delta_gets,
     }
     paired = rounds(fns, reps)
     verified = shas(dict(last["delta"].resident.tensors)) == shas(w2) and shas(
@@ -483,6 +492,7 @@ def delta_rows(
         "decoder_vs_numpy_xor": round(med["decoder_in_memory"] / base, 3),
         "delta_load_vs_numpy_xor": round(med["strategy_delta_load"] / base, 3),
         "delta_load_v1_held_vs_numpy_xor": round(med["strategy_delta_load_v1_held"] / base, 3),
+        "delta_load_vs_delta_gets": round(med["strategy_delta_load"] / med["raw_boto3_delta_gets"], 3),
     }
     return {"results": results, "ratios": ratios, "verified": verified, "timings": phases[1:]}
 
@@ -563,6 +573,9 @@ def markdown(report: dict[str, Any]) -> str:
             f"{ratio['delta_build_vs_numpy_xor']:.2f} |",
             f"| delta load end to end, v1 held in host memory (and stored) | {cell('strategy_delta_load_v1_held')} | "
             f"same numpy baseline | {ratio['delta_load_v1_held_vs_numpy_xor']:.2f} |",
+            f"| delta load end to end, store holds v1 | {cell('strategy_delta_load')} | "
+            f"{cell('raw_boto3_delta_gets')} boto3 ranged GETs of the delta's objects alone (its S3 floor) | "
+            f"{ratio['delta_load_vs_delta_gets']:.2f} |",
             "",
             *([f"The purpose-built clients' throughput over boto3's: {against_boto3}."] if against_boto3 else []),
             *report["skipped"],

@@ -28,10 +28,16 @@ from ferry_agent.store.resident import ResidentWeights
 from ferry_agent.strategies.object_storage.build import Failure, load_error
 from ferry_agent.strategies.object_storage.checkpoint import Checkpoint, LoadError, Plan
 from ferry_agent.strategies.object_storage.download import _Progress
-from ferry_agent.strategies.object_storage.files import Countdown, mapped, pread_into, pwrite_all, run_tasks
+from ferry_agent.strategies.object_storage.files import Countdown, mapped, pwrite_all, run_tasks
 from ferry_agent.strategies.object_storage.stream import Artifact, _fetch_range, _Piece, materialized, store_behind
 
 MIN_RANGE_BYTES = 4 << 20
+
+
+def ranges_of(total: int, range_bytes: int, workers: int) -> int:
+    """The ranged GETs' size for `total` bytes of deltas: small enough that every worker has some and decoding
+    starts early (a delta is small), at most `range_bytes`."""
+    return max(MIN_RANGE_BYTES, min(range_bytes, -(-total // (2 * workers))))
 
 
 @dataclass(frozen=True)
@@ -44,50 +50,34 @@ class _Step:
 
 
 class _Base:
-    """Where a tensor's base bytes are: the held version's sealed chunks (mapped read-only for the load), or the
-    store's copy of the base (read with pread, never mapped: a file changed under a mapping would SIGBUS)."""
+    """A tensor's base bytes, mapped read-only for the load: the held version's sealed chunks, or the store's copy
+    of the base (immutable once renamed into place; a discarded one is unlinked, never truncated, so a mapping of
+    it stays valid). XORing straight from the mapping into the new pool reads the base once."""
 
     def __init__(self, plan: Plan, resident: ResidentWeights, stack: contextlib.ExitStack) -> None:
         base = plan.base
         held = plan.held if plan.held is not None else resident.shared_from
         self.checksums = dict(base.checksums)
-        self._arrays: dict[str, np.ndarray] = {}
-        self._files: dict[str, tuple[int, int]] = {}
+        self.arrays: dict[str, np.ndarray] = {}
         self.in_memory = held is not None and (held.version, held.uid) == (base.link.name, base.link.uid)
         if self.in_memory:
-            maps: dict[int, mmap.mmap] = {}
+            chunks: dict[int, mmap.mmap] = {}
             for e in held.entries:
-                if e.chunk not in maps:
-                    maps[e.chunk] = stack.enter_context(_mapped_fd(held.chunks[e.chunk].fd))
-                self._arrays[e.name] = np.frombuffer(maps[e.chunk], dtype=np.uint8, count=e.nbytes, offset=e.offset)
+                if e.chunk not in chunks:
+                    chunks[e.chunk] = stack.enter_context(_mapped_fd(held.chunks[e.chunk].fd))
+                self.arrays[e.name] = np.frombuffer(chunks[e.chunk], dtype=np.uint8, count=e.nbytes, offset=e.offset)
                 self.checksums[e.name] = f"{e.adler32:08x}"
-            stack.callback(self._arrays.clear)  # before the mappings close
-            return
-        assert base.path is not None
-        fds: dict[str, int] = {}
-        for shard in base.shards.values():
-            fds[shard.name] = os.open(base.path / shard.name, os.O_RDONLY)
-            stack.callback(os.close, fds[shard.name])
-        for name, (shard, info) in plan.layout.items():
-            self._files[name] = (fds[shard.name], shard.layout.data_start + info.begin)
-
-    def array(self, name: str) -> np.ndarray | None:
-        """The base bytes in memory, to XOR from without a copy; None: `read_into` first."""
-        return self._arrays.get(name)
-
-    def read_into(self, name: str, target: np.ndarray) -> None:
-        source = self._arrays.get(name)
-        if source is not None:
-            np.copyto(target, source)
         else:
-            fd, offset = self._files[name]
-            pread_into(fd, memoryview(target), offset)
+            assert base.path is not None
+            shards = {name: stack.enter_context(mapped(base.path / name)) for name in base.shards}
+            for name, (shard, info) in plan.layout.items():
+                offset = shard.layout.data_start + info.begin
+                self.arrays[name] = np.frombuffer(shards[shard.name], dtype=np.uint8, count=info.nbytes, offset=offset)
+        stack.callback(self.arrays.clear)  # before the mappings close
 
-    def error(self, name: str, nbytes: int) -> str | None:
-        """Why the base bytes of `name` are not the ones the base version has (read again), or None."""
-        host = np.empty(nbytes, dtype=np.uint8)
-        self.read_into(name, host)
-        got = ckpt.adler32_hex(host)
+    def error(self, name: str) -> str | None:
+        """Why the base bytes of `name` are not the ones the base version has, or None."""
+        got = ckpt.adler32_hex(self.arrays[name])
         expected = self.checksums[name]
         return None if got == expected else f"fails its adler32 check: got {got}, expected {expected}"
 
@@ -103,27 +93,25 @@ def _mapped_fd(fd: int) -> Any:
 
 
 def _build(plan: Plan, name: str, target: np.ndarray, base: _Base, steps: list[_Step]) -> None:
-    """One tensor: the base bytes, then each delta in order, checking the adler32 after each (of the base bytes
-    when there is none). Raises the load's error; a bad base is not blamed on a good delta."""
+    """One tensor: the base bytes, then each delta in order (the first XORed from the base straight into the
+    target), checking the adler32 after each (of the base bytes when there is none). Raises the load's error; a
+    bad base is not blamed on a good delta."""
     failure: Failure | None = None
     if not steps:
-        base.read_into(name, target)
+        np.copyto(target, base.arrays[name])
         got = ckpt.adler32_hex(target)
         if got != base.checksums[name]:
             failure = Failure(name, f"fails its adler32 check: got {got}, expected {base.checksums[name]}", -1)
     for i, step in enumerate(steps):
-        source = base.array(name) if i == 0 else None
-        if i == 0 and source is None:
-            base.read_into(name, target)
         try:
-            got = ckpt.apply_xor_delta_into(target, step.frame(), source)
+            got = ckpt.apply_xor_delta_into(target, step.frame(), base.arrays[name] if i == 0 else None)
             error = None
             if got != step.checksum:
                 error = f"fails its adler32 check after the delta: got {got}, expected {step.checksum}"
         except ValueError as exc:
             error = str(exc)
         if error is not None:
-            base_error = base.error(name, target.size)
+            base_error = base.error(name)
             failure = Failure(name, base_error, -1) if base_error else Failure(name, error, step.origin)
             break
     if failure is None:
@@ -170,9 +158,7 @@ def replay(
                     steps.setdefault(name, []).append(_Step(frame, shard.layout.checksums[name], origin))
                     if delta.path is None:
                         spans.setdefault((delta.link.name, shard.name), []).append((begin, begin + info.nbytes, name))
-        # Ranges small enough that every worker has some and decoding starts early (a delta is small).
-        total = sum(s.layout.size for d in remote for s in d.shards.values())
-        size = max(MIN_RANGE_BYTES, min(range_bytes, -(-total // (2 * workers))))
+        size = ranges_of(sum(s.layout.size for d in remote for s in d.shards.values()), range_bytes, workers)
         ranges: dict[tuple[str, str], list[tuple[int, int]]] = {}
         for delta in remote:
             for shard in delta.shards.values():
