@@ -188,7 +188,7 @@ def replay(
                     pieces = []
                     at = b
                     for begin, end, name in sorted(spans.get(key, ())):
-                        if end <= b or begin >= e or begin == end:
+                        if not (b < end and e > begin):  # as counted in `waits`: every count gets its tick
                             continue
                         if begin > at:
                             pieces.append(_Piece(at, begin, buffer[at:begin], None))
