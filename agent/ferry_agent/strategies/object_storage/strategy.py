@@ -60,7 +60,7 @@ from ferry import s3
 from ferry.api.models import SourceKind
 from ferry_agent.ranks.landing import Landing, MappedLanding
 from ferry_agent.ranks.sharding import rank_of_tensors
-from ferry_agent.store.checkpoints import CheckpointCacheCapacityError, CheckpointStore
+from ferry_agent.store.checkpoints import CheckpointCacheCapacityError, CheckpointStore, chain_refs
 from ferry_agent.store.resident import ResidentWeights, TensorSpec, manifest_digest
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
 from ferry_agent.strategies.object_storage.build import build, unchanged_since
@@ -447,9 +447,9 @@ class ObjectStorageStrategy:
 
     def _allocate_for(self, ctx: LoadContext, plan: Plan, needed: int, timings: dict[str, float]) -> ResidentWeights:
         """The new pool of a load whose store entries are written behind: the store's room for them is checked
-        first (refused up front, as when the store is written first)."""
+        first (refused up front, as when the store is written first), evicting nothing the load reads."""
         try:
-            self._store.reserve(needed)
+            self._store.reserve(needed, protect=chain_refs(plan.model, plan.chain) | {plan.base.ref})
         except CheckpointCacheCapacityError as exc:
             raise LoadError(str(exc)) from exc
         t = time.monotonic()
