@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
 import torch
 
 # Offsets inside an allocated pool are rounded up to this, which satisfies every dtype's alignment.
@@ -98,12 +97,7 @@ class ResidentWeights:
         for spec in specs:
             offsets.append(size)
             size += -(-spec.nbytes // _POOL_ALIGN) * _POOL_ALIGN
-        if torch.device(device).type == "cpu":
-            # numpy advises transparent huge pages on large allocations, torch does not: a fresh pool's first
-            # write (the whole load) then faults 2 MiB pages in, not 4 KiB ones (4x faster here).
-            pool = torch.from_numpy(np.empty(max(size, 1), dtype=np.uint8))
-        else:
-            pool = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+        pool = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
         tensors: dict[str, torch.Tensor] = {}
         for spec, offset in zip(specs, offsets, strict=True):
             dtype = parse_dtype(spec.dtype)
