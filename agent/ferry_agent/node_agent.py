@@ -24,7 +24,7 @@ from typing import Any
 from kubernetes import client
 
 from ferry.api.conditions import now_rfc3339
-from ferry.api.models import AttemptOutcome, ReplicaPhase, ReplicaReason
+from ferry.api.models import AttemptOutcome, ReplicaPhase, ReplicaReason, SourceKind
 from ferry.errors import LoadFailed
 from ferry_agent import metrics
 from ferry_agent.attach.memstore import HostStore, MemoryBudgetExceeded, SealedVersion, adopt_rank
@@ -37,7 +37,7 @@ from ferry_agent.kube.replicas import NodeReplicas
 from ferry_agent.kube.sources import ApiSources
 from ferry_agent.ranks.agreement import SingleRank
 from ferry_agent.ranks.supervisor import RankLaunch, RankPool, RankProcesses, WorkerSettings
-from ferry_agent.replica_load import load_rank, rank_context, read_guard, serve_rank
+from ferry_agent.replica_load import deltas_first, load_rank, rank_context, read_guard, serve_rank
 from ferry_agent.store.checkpoints import CheckpointStore, model_key
 from ferry_agent.store.resident import ResidentWeights
 from ferry_agent.strategies.peer import TransferSettings
@@ -395,11 +395,17 @@ class NodeAgent:
         group = SingleRank()
         ctx = rank_context(group, name, spec)
         label = f"{namespace}/{spec['modelName']}/{spec['version']}"
+        sources = ApiSources(self._api, namespace, self._stopping)
+
+        def held() -> list[SealedVersion]:  # the replica's versions in host memory, which a replay may start from
+            return self._host.versions((namespace, name))
+
+        spec = self._deltas_first((namespace, name), spec, sources, held())
         try:
             result = load_rank(
                 group,
                 ctx,
-                sources=ApiSources(self._api, namespace, self._stopping),
+                sources=sources,
                 spec=spec,
                 configured=spec["version"],
                 peer=self._peer,
@@ -410,6 +416,7 @@ class NodeAgent:
                 note=note,
                 credentials=self._worker_tokens,
                 allocate=self._host.allocator((namespace, name), label),
+                held=held,
             )
             sealed = None
             if result.resident.host is not None:
@@ -430,6 +437,36 @@ class NodeAgent:
         handle = InProcessReplica(result.resident, server, self._peer, sealed)
         attempts = [a.to_status() for a in ctx.attempts]
         return Loaded(handle, result.source_label, result.bytes_moved, attempts, [entry], ctx.version_uid)
+
+    def _deltas_first(
+        self, key: tuple[str, str], spec: Mapping[str, Any], sources: ApiSources, held: list[SealedVersion]
+    ) -> Mapping[str, Any]:
+        """`spec` with ObjectStorage before Peer when the replica holds a version of the target's chain and the
+        deltas after it are small (`replica_load.deltas_first`): every replica of a rollout then applies them to
+        what it holds instead of copying the whole version from the first to load it. Only the default order
+        (peers first, then S3) is changed, and only on a CPU replica with a checkpoint store."""
+        order = [SourceKind(s) for s in spec.get("sourceOrder") or ()]
+        if order != [SourceKind.PEER, SourceKind.OBJECT_STORAGE] or self._store is None or not held:
+            return spec
+        if spec.get("device", "cpu") != "cpu":
+            return spec
+        try:
+            first = deltas_first(spec["version"], sources.version, held)
+        except Exception as exc:  # an optimisation: the load reads the same objects and fails on its own
+            log.warning("%s/%s: cannot size the deltas to %s: %s", *key, spec["version"], describe(exc))
+            return spec
+        if first is None:
+            return spec
+        version, deltas, total = first
+        log.info(
+            "%s/%s holds %s: %d bytes of deltas to %s (a %d-byte model) come from object storage before peers",
+            *key,
+            version,
+            deltas,
+            spec["version"],
+            total,
+        )
+        return {**spec, "sourceOrder": [SourceKind.OBJECT_STORAGE, SourceKind.PEER]}
 
     def _check_budget(self, key: tuple[str, str], spec: Mapping[str, Any]) -> None:
         """Refuse, before any byte moves, a CPU version whose recorded size does not fit the host-memory budget (the

@@ -7,7 +7,7 @@ of a multi-rank one, so both run exactly the same code: `load_rank` over a `Rank
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,38 @@ def serve_rank(
     return server, entry
 
 
+# A replica holding a version of the target's chain reads the deltas after it from S3 before trying peers when they
+# are at most this share of the model: each replica then reads a small delta instead of all of them copying the
+# whole version from the first to load it (a rollout's fan-out through one source).
+DELTAS_FIRST_SHARE = 0.25
+
+
+def deltas_first(
+    target: str, lookup: Callable[[str], Mapping[str, Any] | None], held: Sequence[Any]
+) -> tuple[str, int, int] | None:
+    """Whether to load `target` from object storage first: the newest version of its chain (`status.chain`) held in
+    host memory (`memstore.SealedVersion`, matched by name and uid), the stored bytes of the deltas after it
+    (`status.totalBytes`) and the model's bytes, when those deltas are small enough; else None."""
+    ours = {(v.version, v.uid): v for v in held}
+    body = lookup(target)
+    chain = ((body or {}).get("status") or {}).get("chain") or []
+    if not ours or not chain or chain[-1] != target:
+        return None
+    deltas = 0
+    for i in range(len(chain) - 1, 0, -1):
+        link = body if i == len(chain) - 1 else lookup(chain[i])
+        size = ((link or {}).get("status") or {}).get("totalBytes")
+        base = lookup(chain[i - 1])
+        if not isinstance(size, int) or base is None:
+            return None
+        deltas += size
+        version = ours.get((chain[i - 1], (base.get("metadata") or {}).get("uid")))
+        if version is not None:
+            small = deltas <= version.total_bytes * DELTAS_FIRST_SHARE
+            return (version.version, deltas, version.total_bytes) if small else None
+    return None
+
+
 def rank_device(device: str, rank: int) -> str:
     """The device of a rank: every rank of a replica runs on its own GPU of the node."""
     return f"cuda:{rank}" if device == "cuda" else device
@@ -97,10 +129,12 @@ def load_rank(
     credentials: SourceCredentials | None = None,
     allocate: Allocate = ResidentWeights.allocate,
     map_sealed: MapSealed = unaccounted,
+    held: Callable[[], Sequence[Any]] = tuple,
 ) -> LoadResult:
     """Load this rank (`ctx` from `rank_context`) of a replica, agreeing on everything with the other ranks, and
     return the chain's result. Every strategy allocates its target with `allocate`; a follower's share of its
-    leader's landing is taken over by `map_sealed`."""
+    leader's landing is taken over by `map_sealed`; `held()` lists the replica's versions sealed in the agent's
+    host memory, which an S3 replay may start from."""
     settings = TransferSettings.from_spec(spec.get("transfer") or {})
     replica = ctx.target_id
     version = configured or ""
@@ -124,6 +158,7 @@ def load_rank(
             progress=progress,
             timeout_s=settings.timeout_s,
             allocate=allocate,
+            held=held,
         )
     local = LocalFileStrategy(seeds, sources.namespace, sources.version, allocate)
     return run_cold_start(

@@ -1,10 +1,12 @@
 """A delta from S3 replays on the base version a pod still holds in the agent's host memory: the base's bytes come
 from that sealed memory (the store's copy on disk is corrupted first, so a replay that read it would fail its
-checks), unchanged tensors share the base's chunks, and the replica's residentBytes say so."""
+checks), unchanged tensors share the base's chunks, and the replica's residentBytes say so; the delta's frames
+stream from S3 and the store is written behind."""
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -79,6 +81,12 @@ def test_a_delta_replays_on_the_held_base_in_host_memory(cluster, s3, namespace,
             assert status()["source"] == "s3"
             # Never read: still the bytes written over it (a failed replay discards and fetches the copy again).
             assert all(set(data_of(p)) == {0x5A} for p in stored), describe()
+            # The agent's one-rank loads take the streaming paths (not the store first, as a multi-rank leader's):
+            # v1 straight from S3 into host memory, v2's delta frames decoded as they land; each store written behind.
+            log = agent.log_path.read_text(errors="replace")
+            for version, source in (("v1", "S3"), ("v2", "held/v1")):
+                line = f"loaded {version} .* from {source} in .*; streamed, the store is written behind"
+                assert re.search(line, log), describe()
             assert (status()["residentBytes"], status()["residentVersions"]) == (total + changed_bytes, ["v1", "v2"])
             with attach("serve", socket_dir=pod_dir, timeout=30, version="v2", verify=True) as new:
                 for name, expected in v2.items():

@@ -7,6 +7,8 @@ apiserver + SeaweedFS, each replica's bytes read back over NIXL by an independen
 - A node seed serves only the WeightVersion it names (namespace/model/version) and only if its tensors match.
 - S3 frozen (SIGSTOP, sockets open) during a load: the load fails within the transfer timeout, PeerStalled names
   the s3:// object it waits on, and the replica serves once S3 is back.
+- A delta frame corrupted in S3: the streamed replay fails its tensor's check, the served version stays, nothing
+  of the delta is stored; repaired, it serves.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from ferry import checkpoint_format as ckpt
 from tests.support.agents import content_sha256, node, read_back, seed_arg, start_agent
 from tests.support.objects import (
     apply,
@@ -28,6 +31,7 @@ from tests.support.objects import (
     get,
     ml_body,
     publish_full,
+    put_files,
     tensors,
     uri,
     wait_for,
@@ -246,5 +250,67 @@ def test_a_frozen_s3_fails_the_load_in_bounded_time_and_the_stall_names_it(clust
     finally:
         if frozen:
             os.kill(s3.process.proc.pid, signal.SIGCONT)
+        cluster.kubectl("delete", "ml", "serve", "-n", namespace, "--wait=false", check=False)
+        agent.stop()
+
+
+def test_a_corrupt_delta_frame_in_s3_never_serves_and_the_repaired_one_does(cluster, s3, namespace, operator, tmp_path):
+    """A byte of v2's delta frame flipped in S3 after publishing (the operator checks headers, not tensor data, so
+    v2 is Ready): the agent's streamed replay fails that tensor's check, v1 keeps serving and nothing of v2 is
+    stored; once the object is repaired, the retry serves v2's bytes."""
+    node(cluster, f"{namespace}-n", {"ferry.dev/pool": namespace})
+    agent = start_agent(cluster, tmp_path, f"{namespace}-n", s3=s3)
+    v1 = tensors(505, n=4, shape=(64, 64))
+    changed = "layer1.weight"
+    v2 = {**v1, changed: np.random.default_rng(506).standard_normal((64, 64)).astype(np.float32)}
+    good = ckpt.build_xor_delta(v1, v2, version="v2", base_version="v1")
+    shard = ckpt.delta_shard_name(0, 1)
+    header_len, header = ckpt.parse_safetensors_header(good[shard])
+    begin, end = header[changed]["data_offsets"]
+    bad = bytearray(good[shard])
+    bad[ckpt.HEADER_PREFIX_BYTES + header_len + (begin + end) // 2] ^= 0x10
+
+    def describe() -> str:
+        return json.dumps([r.get("status") for r in replicas(cluster, namespace)]) + agent.log_tail(20)
+
+    try:
+        v1_uid = publish(cluster, s3, namespace, v1)["metadata"]["uid"]
+        put_files(s3, namespace, "v2", {**good, shard: bytes(bad)})
+        apply(cluster, namespace, wv_body(namespace, "v2", base="v1"))
+        wait_reason(cluster, namespace, "v2", "Ready", "True", "Verified")
+        apply(cluster, namespace, modelload(namespace, namespace))
+        name = serving(cluster, namespace, describe)["metadata"]["name"]
+
+        cluster.kubectl(
+            "patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"desiredVersion":"v2"}}'
+        )
+        failed = wait_for(
+            lambda: (
+                (s := replicas(cluster, namespace)[0]["status"]).get("loadingVersion") == "v2" and s.get("reason") and s
+            ),
+            90,
+            "v2 failed",
+            describe,
+        )
+        message = failed["message"]
+        assert f"{uri(namespace, 'v2').rpartition('/')[0]}/{shard}" in message and repr(changed) in message, message
+        assert "adler32" in message or "does not decode" in message, message
+        assert (failed["phase"], failed["version"], failed["versionUid"]) == ("Serving", "v1", v1_uid)
+        store = tmp_path / f"store-{namespace}-n"
+        assert not [p for p in store.rglob("*") if "/v2" in str(p)], "nothing of v2 is stored"
+
+        put_files(s3, namespace, "v2", good)  # repaired: the retry (with backoff) loads it
+        done = wait_for(
+            lambda: (
+                (s := replicas(cluster, namespace)[0]["status"]).get("phase") == "Serving"
+                and s.get("version") == "v2"
+                and s
+            ),
+            90,
+            "v2 served",
+            describe,
+        )
+        assert read_back(done["ranks"][0], name) == sha(v2)
+    finally:
         cluster.kubectl("delete", "ml", "serve", "-n", namespace, "--wait=false", check=False)
         agent.stop()

@@ -275,3 +275,48 @@ def test_parallel_keeps_the_old_version_serving_until_the_new_one_is(cluster, s3
             os.kill(s3.process.proc.pid, signal.SIGCONT)
         for a in agents.values():
             a.stop()
+
+
+def test_every_replica_applies_a_small_delta_to_the_version_it_holds(cluster, s3, namespace, operator, tmp_path):
+    """3 replicas serve v1 (one read S3, the others copied it from a peer, so their stores lack it); v2 changes one
+    tensor of eight. Every replica replays v2's delta from S3 on the v1 it holds in host memory (the newest of the
+    chain it holds, by uid), none copies the whole of v2 from a peer, and all serve v2's bytes."""
+    v1 = tensors(711, n=8, shape=(128, 128))
+    changed = "layer3.weight"
+    v2 = {**v1, changed: v1[changed] + 1}
+    publish_full(s3, namespace, "v1", v1)
+    publish_delta(s3, namespace, "v2", "v1", v1, v2)
+    apply(cluster, namespace, wv_body(namespace, "v1"), wv_body(namespace, "v2", base="v1"))
+    for version in ("v1", "v2"):
+        wait_reason(cluster, namespace, version, "Ready", "True", "Verified")
+    agents = start_nodes(cluster, s3, namespace, tmp_path, 3)
+
+    def describe() -> str:
+        states = {n: r.get("status") for n, r in replicas(cluster, namespace).items()}
+        logs = "".join(a.log_tail(15) for a in agents.values())
+        return json.dumps([ml_status(cluster, namespace), states], indent=1) + logs
+
+    try:
+        apply(cluster, namespace, ml_body(namespace, "v1", 3, transfer={"timeoutSeconds": 30}))
+        wait_for(lambda: ml_status(cluster, namespace).get("ready") == "3/3", 120, "3/3 on v1", describe)
+        on_v1 = {name: r["status"]["source"] for name, r in replicas(cluster, namespace).items()}
+        assert any(source.startswith("peer/") for source in on_v1.values()), on_v1  # a store without v1
+
+        set_desired(cluster, namespace, "v2")
+        wait_for(
+            lambda: (s := ml_status(cluster, namespace)).get("ready") == "3/3" and s.get("loadedVersion") == "v2",
+            180,
+            "3/3 on v2",
+            describe,
+        )
+        for name, r in replicas(cluster, namespace).items():
+            status = r["status"]
+            tried = [a["source"] for a in status["attempts"] if a["outcome"] != "Skipped"]
+            assert (status["version"], status["source"], tried) == ("v2", "s3", ["ObjectStorage"]), describe()
+            assert read_back(status["ranks"][0], name) == sha(v2), f"{name} serves v2's bytes"
+        for agent in agents.values():  # each replayed on the v1 in its host memory, not on a store copy
+            log = agent.log_path.read_text(errors="replace")
+            assert "come from object storage before peers" in log and "from held/v1" in log, describe()
+    finally:
+        for a in agents.values():
+            a.stop()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -321,8 +322,11 @@ def test_eviction_order_never_touches_active_chains(tmp_path: Path) -> None:
             with pytest.raises(CheckpointCacheCapacityError, match="active chains") as exc:
                 store.reserve(store.quota_bytes)
             assert "ns/m:full/v1" in str(exc.value)
+            # What a load outside an update reads (a streamed replay's base) is spared: the next candidate goes.
+            free = store.quota_bytes - store.usage()
+            assert store.reserve(free + 1, protect=[order[3].ref]) == [order[4].ref]
         remaining = {a.ref for a in store.artifacts()}
-        assert protected <= remaining and {a.ref for a in order[3:]} <= remaining  # a failed reserve evicts nothing
+        assert protected <= remaining and order[3].ref in remaining  # the failed reserve evicted nothing (nor [4])
         assert store.reserve(0) == []
     finally:
         store.close()
@@ -343,10 +347,24 @@ def test_streamed_xor_matches_the_reference_decoder() -> None:
     info = layout.infos["w"]
     frame = shard[layout.data_start + info.begin : layout.data_start + info.end]
     target = base.view(np.uint8).copy()
-    ckpt.apply_xor_delta_into(target, frame, chunk_bytes=4096)
+    # It returns the adler32 of what it wrote, computed block by block as it goes.
+    assert ckpt.apply_xor_delta_into(target, frame, chunk_bytes=4096) == layout.checksums["w"]
     reference = ckpt.apply_xor_delta(base, frame, layout.checksums["w"])
     assert target.tobytes() == reference.tobytes() == new.tobytes()
     assert ckpt.adler32_hex(target) == layout.checksums["w"]
+    # From a base elsewhere (a held version's memory) straight into fresh memory: the base is only read.
+    fresh, source = np.zeros_like(target), base.view(np.uint8).copy()
+    assert ckpt.apply_xor_delta_into(fresh, frame, source, chunk_bytes=5000) == layout.checksums["w"]
+    assert fresh.tobytes() == new.tobytes() and source.tobytes() == base.tobytes()
+    with pytest.raises(ValueError, match="base must be"):
+        ckpt.apply_xor_delta_into(fresh, frame, source[:-1])
+
+
+def test_adler32_is_zlibs() -> None:
+    data = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8)
+    assert ckpt.adler32(data) == zlib.adler32(data)
+    assert ckpt.adler32(data[1000:], ckpt.adler32(data[:1000])) == zlib.adler32(data)
+    assert ckpt.adler32_hex(b"") == "00000001"
 
 
 @pytest.mark.parametrize(

@@ -1,15 +1,17 @@
 """Node seeds: keyed by namespace/model/version, used only for a Ready WeightVersion of the model whose recorded
-tensor count and size the file matches; and the read guard of a loaded rank names what it loaded."""
+tensor count and size the file matches; the read guard of a loaded rank names what it loaded; and when a replica
+holding a version of the target's chain loads the small deltas after it from S3 before peers."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from ferry_agent.replica_load import read_guard
+from ferry_agent.replica_load import deltas_first, read_guard
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
 from ferry_agent.strategies.local_file import LocalFileStrategy, SeedKey, parse_seed
 from ferry_agent.transport.worker_auth import WorkerAuth
@@ -95,3 +97,55 @@ def test_the_read_guard_serves_the_version_the_rank_loaded() -> None:
         "v9",
     )
     assert read_guard(None, "team-a", c) is None
+
+
+# ---------------------------------------------------------------- deltas first
+
+
+@dataclass
+class Held:
+    """What `deltas_first` reads of a sealed version in host memory."""
+
+    version: str
+    uid: str
+    total_bytes: int = 1000
+
+
+def chain(*sizes: int) -> dict[str, dict]:
+    """v0 (a full checkpoint of 1000 bytes) and deltas v1..vn of the given stored sizes, each with its chain."""
+    names = [f"v{i}" for i in range(len(sizes) + 1)]
+    return {
+        name: {
+            "metadata": {"name": name, "uid": f"uid-{name}"},
+            "status": {"chain": names[: i + 1], "totalBytes": ([1000, *sizes])[i]},
+        }
+        for i, name in enumerate(names)
+    }
+
+
+@pytest.mark.parametrize(
+    ("held", "sizes", "expected"),
+    [
+        ([Held("v0", "uid-v0")], (100,), ("v0", 100, 1000)),
+        ([Held("v0", "uid-v0"), Held("v2", "uid-v2")], (100, 100, 200), ("v2", 200, 1000)),  # the newest held
+        ([Held("v0", "uid-v0")], (100, 100, 100), None),  # 300 of 1000: copying from a peer is not worse
+        ([Held("v0", "uid-of-a-deleted-v0")], (100,), None),  # another WeightVersion object of that name
+        ([Held("v1", "uid-v1")], (100,), None),  # the target itself: nothing to replay
+        ([], (100,), None),
+    ],
+)
+def test_deltas_first_when_the_replica_holds_a_version_of_the_chain_and_the_deltas_are_small(
+    held: list[Held], sizes: tuple[int, ...], expected: tuple[str, int, int] | None
+) -> None:
+    versions = chain(*sizes)
+    assert deltas_first(f"v{len(sizes)}", versions.get, held) == expected
+
+
+def test_deltas_first_needs_every_delta_sized_and_the_chain_recorded() -> None:
+    versions = chain(100, 100)
+    del versions["v2"]["status"]["totalBytes"]  # not verified yet
+    assert deltas_first("v2", versions.get, [Held("v0", "uid-v0")]) is None
+    versions = chain(100)
+    del versions["v1"]["status"]["chain"]
+    assert deltas_first("v1", versions.get, [Held("v0", "uid-v0")]) is None
+    assert deltas_first("nope", versions.get, [Held("v0", "uid-v0")]) is None

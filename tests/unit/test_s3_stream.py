@@ -14,11 +14,13 @@ from botocore.exceptions import ClientError
 from botocore.response import StreamingBody
 
 from ferry import checkpoint_format as ckpt
+from ferry_agent.attach.memstore import HostStore
 from ferry_agent.store.checkpoints import ArtifactRef, CheckpointStore, StoreState, StoreStatus
 from ferry_agent.strategies.chain import StrategyFailed
 from ferry_agent.strategies.object_storage import stream as stream_module
 from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
 from tests.support.s3 import (
+    DELTA,
     FULL,
     KEY,
     MAT,
@@ -100,7 +102,133 @@ def test_a_replay_writes_its_materialized_version_behind_the_load(
     store.close()
 
 
-def strategy(store: CheckpointStore, s3: MemoryS3, versions: Mapping[str, Any]) -> ObjectStorageStrategy:
+def publish_delta(s3: MemoryS3, versions: dict[str, Any], files: Mapping[str, bytes]) -> None:
+    s3.objects.update({f"m/v2/{name}": data for name, data in files.items()})
+    versions["v2"] = wv("v2", "XorDelta", "v1", uri=f"s3://{BUCKET}/m/v2/{ckpt.INDEX_NAME}")
+
+
+def test_a_delta_replay_streams_and_writes_every_store_entry_behind_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w1 = weights(12)
+    w2 = evolve(w1, 13, ["embed.weight", "mask"])
+    s3, versions = publish(full(w1))
+    publish_delta(s3, versions, delta(w1, w2, "v2", "v1"))
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    strategy(store, s3, versions).load(ctx("v1"))
+    store.flush()  # the store holds v1, not v2's delta
+    gate, writes = threading.Event(), []
+    write = store.write
+
+    def gated(ref: ArtifactRef, *args: Any, **kwargs: Any) -> Any:
+        writes.append((ref, threading.current_thread().name))
+        if threading.current_thread().name.startswith("ferry-store-writer"):
+            assert gate.wait(60)
+        return write(ref, *args, **kwargs)
+
+    monkeypatch.setattr(store, "write", gated)
+    result = strategy(store, s3, versions).load(ctx("v2"))
+    assert resident_shas(result) == shas(w2) and result.reused == "full/v1" and result.bytes_downloaded > 0
+    # Served before any store entry of v2 exists: the writer waits at its first one (read without the lock,
+    # which would wait for it).
+    assert not store.path(ArtifactRef(KEY, DELTA, "v2")).exists()
+    assert not store.path(ArtifactRef(KEY, MAT, "v2")).exists()
+    gate.set()
+    store.flush()
+    assert [ref for ref, _ in writes] == [ArtifactRef(KEY, DELTA, "v2"), ArtifactRef(KEY, MAT, "v2")]
+    assert all(thread.startswith("ferry-store-writer") for _, thread in writes)  # none on the load's path
+    assert store.state(KEY).version == "v2" and not debris(store.root)
+    # The stored delta is the one fetched: without materialized/v2 the replay reads it, and nothing from S3.
+    store.discard(ArtifactRef(KEY, MAT, "v2"))
+    gets = s3.gets
+    again = strategy(store, s3, versions).load(ctx("v2"))
+    assert (again.reused, again.bytes_downloaded, s3.gets) == ("full/v1", 0, gets)
+    assert resident_shas(again) == shas(w2)
+    store.close()
+
+
+def test_a_flipped_byte_of_a_streamed_delta_frame_fails_its_tensor_and_stores_nothing(tmp_path: Path) -> None:
+    w1 = weights(14)
+    w2 = evolve(w1, 15, ["embed.weight"], scramble=True)
+    files = delta(w1, w2, "v2", "v1")
+    shard = ckpt.delta_shard_name(0, 1)
+    header_len, header = ckpt.parse_safetensors_header(files[shard])
+    begin, end = header["embed.weight"]["data_offsets"]
+    s3, versions = publish(full(w1))
+    publish_delta(s3, versions, files)
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    strategy(store, s3, versions).load(ctx("v1"))
+    store.flush()
+    s3.flips[f"m/v2/{shard}"] = ckpt.HEADER_PREFIX_BYTES + header_len + (begin + end) // 2
+
+    with pytest.raises(StrategyFailed) as exc:
+        strategy(store, s3, versions).load(ctx("v2"))
+    message = str(exc.value)
+    assert not exc.value.mutated and "'embed.weight'" in message and "adler32" in message
+    assert f"s3://{BUCKET}/m/v2/{shard}" in message and "applying v2 on v1" in message
+    store.flush()
+    assert store.artifact(ArtifactRef(KEY, DELTA, "v2")) is None and store.artifact(ArtifactRef(KEY, MAT, "v2")) is None
+    assert store.state(KEY) == StoreState(StoreStatus.READY, "v1", ("v1",)) and not debris(store.root)
+
+    s3.flips.clear()
+    assert resident_shas(strategy(store, s3, versions).load(ctx("v2"))) == shas(w2)
+    store.close()
+
+
+def test_a_delta_replays_on_the_version_held_in_host_memory_when_the_store_lacks_it(tmp_path: Path) -> None:
+    w1 = weights(16)
+    w2 = evolve(w1, 17, ["embed.weight", "mask"])
+    s3, versions = publish(full(w1))
+    files2 = delta(w1, w2, "v2", "v1")
+    publish_delta(s3, versions, files2)
+    host, key = HostStore(), (NAMESPACE, "replica-0")
+    # v1 came from elsewhere (a peer, say): it is held in host memory, and this node's store is empty.
+    elsewhere = CheckpointStore(tmp_path / "elsewhere", 1 << 30)
+    v1 = strategy(elsewhere, s3, versions, allocate=host.allocator(key, "r")).load(ctx("v1"))
+    elsewhere.close()
+    sealed = host.seal(v1.resident, "r:v1", "v1", versions["v1"]["metadata"]["uid"])
+    del v1
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+
+    def on(store: CheckpointStore) -> ObjectStorageStrategy:  # what the agent gives a one-rank load
+        return strategy(store, s3, versions, allocate=host.allocator(key, "r"), held=lambda: host.versions(key))
+
+    result = on(store).load(ctx("v2"))
+    assert resident_shas(result) == shas(w2)
+    # Only the delta was fetched (not v1's data), and the tensors it leaves alone are v1's very chunks.
+    assert (result.reused, result.bytes_downloaded) == ("held/v1", sum(map(len, files2.values())))
+    assert result.resident.shared == {n for n, a in w1.items() if a.nbytes} - {"embed.weight", "mask"}
+    store.flush()
+    assert store.state(KEY).version == "v2" and not debris(store.root)
+    assert store.artifact(ArtifactRef(KEY, FULL, "v1")) is None
+    del result
+    sealed.unref()  # v1 is gone from memory: the store's materialized/v2 alone serves v2 again
+    again = strategy(store, s3, versions).load(ctx("v2"))
+    assert (again.reused, again.bytes_downloaded, resident_shas(again)) == ("materialized/v2", 0, shas(w2))
+    store.close()
+
+
+def test_a_held_version_of_another_weightversion_object_is_not_a_base(tmp_path: Path) -> None:
+    w1 = weights(18)
+    w2 = evolve(w1, 19, ["embed.weight"])
+    s3, versions = publish(full(w1))
+    publish_delta(s3, versions, delta(w1, w2, "v2", "v1"))
+    host, key = HostStore(), (NAMESPACE, "replica-0")
+    elsewhere = CheckpointStore(tmp_path / "elsewhere", 1 << 30)
+    v1 = strategy(elsewhere, s3, versions, allocate=host.allocator(key, "r")).load(ctx("v1"))
+    elsewhere.close()
+    # Held as v1 of a WeightVersion object since deleted: the chain's v1 now has another uid.
+    sealed = host.seal(v1.resident, "r:v1", "v1", "uid-of-the-deleted-v1")
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    held = strategy(store, s3, versions, allocate=host.allocator(key, "r"), held=lambda: host.versions(key))
+    result = held.load(ctx("v2"))
+    assert result.reused is None and result.bytes_downloaded > sum(a.nbytes for a in w1.values())
+    assert resident_shas(result) == shas(w2) and not result.resident.shared
+    sealed.unref()
+    store.close()
+
+
+def strategy(store: CheckpointStore, s3: MemoryS3, versions: Mapping[str, Any], **kwargs: Any) -> ObjectStorageStrategy:
     out = ObjectStorageStrategy(
         namespace=NAMESPACE,
         fetch_version=versions.get,
@@ -108,6 +236,7 @@ def strategy(store: CheckpointStore, s3: MemoryS3, versions: Mapping[str, Any]) 
         store=store,
         download_workers=3,
         range_bytes=RANGE_BYTES,
+        **kwargs,
     )
     out._client = lambda link: s3  # type: ignore[method-assign]
     out._planner._client = out._client

@@ -558,9 +558,10 @@ class CheckpointStore:
                     refs |= chain_refs(model, state.chain) | chain_refs(model, state.target_chain)
         return refs
 
-    def reserve(self, nbytes: int) -> list[ArtifactRef]:
+    def reserve(self, nbytes: int, protect: Iterable[ArtifactRef] = ()) -> list[ArtifactRef]:
         """Make room for `nbytes` more within the quota and the filesystem's free space, evicting unprotected
-        artifacts (materialized → deltas → full, least recently used first). Returns what was evicted."""
+        artifacts (materialized → deltas → full, least recently used first; never one of `protect`, e.g. what a
+        load outside an `update` reads). Returns what was evicted."""
         with self.lock():
             usage = self.usage()
             free_disk = shutil.disk_usage(self.root).free
@@ -568,7 +569,7 @@ class CheckpointStore:
             over_disk = nbytes - free_disk
             if over_quota <= 0 and over_disk <= 0:
                 return []
-            protected = self.protected()
+            protected = self.protected() | set(protect)
             candidates = sorted(
                 (a for a in self.artifacts() if a.ref not in protected),
                 key=lambda a: (EVICTION_ORDER.index(a.ref.kind), a.mtime),

@@ -41,7 +41,7 @@ class _Step:
 
 
 @dataclass(frozen=True)
-class _Failure:
+class Failure:
     tensor: str
     message: str
     origin: int  # -1: the base checkpoint; i: plan.deltas[i]
@@ -50,10 +50,9 @@ class _Failure:
 def _apply_step(host: np.ndarray, step: _Step) -> str | None:
     frame = np.frombuffer(step.source, dtype=np.uint8, count=step.end - step.begin, offset=step.begin)
     try:
-        ckpt.apply_xor_delta_into(host, frame)
+        got = ckpt.apply_xor_delta_into(host, frame)
     except ValueError as exc:
         return str(exc)
-    got = ckpt.adler32_hex(host)
     return (
         None
         if got == step.checksum
@@ -76,7 +75,7 @@ def _build_tensor(
     checksum: str,
     steps: Sequence[_Step],
     out: tuple[int, int, Countdown] | None,
-) -> _Failure | None:
+) -> Failure | None:
     """One tensor, in one pass: read its base bytes (fd, offset) into the resident pool, apply its deltas in
     order, checking adler32 after each (or of the base bytes when there is none), and write the result to the
     materialized shard (fd, offset, countdown to its fsync) when there is one. `tensor` is None for a tensor
@@ -88,14 +87,14 @@ def _build_tensor(
     if not steps:
         got = ckpt.adler32_hex(host)
         if got != checksum:
-            return _Failure(name, f"fails its adler32 check: got {got}, expected {checksum}", -1)
+            return Failure(name, f"fails its adler32 check: got {got}, expected {checksum}", -1)
     for step in steps:
         error = _apply_step(host, step)
         if error is not None:
             # The checks after each delta cover the base too; only on a failure is the base checked on its own
             # (re-read), so that a bad base is not blamed on a good delta.
             base_error = _base_error(source, host.size, checksum)
-            return _Failure(name, base_error, -1) if base_error else _Failure(name, error, step.origin)
+            return Failure(name, base_error, -1) if base_error else Failure(name, error, step.origin)
     if out is not None:
         pwrite_all(out[0], host, out[1])
         out[2].tick()
@@ -127,13 +126,10 @@ def build(
     plan: Plan,
     pool: ThreadPoolExecutor,
     timings: dict[str, float],
-    *,
-    materialize: bool = True,
 ) -> ResidentWeights:
-    """Fill a new pool from the base, applying the deltas on the way, and (when there are deltas and
-    `materialize`) write the result to materialized/<target> in the same pass; without `materialize` the caller
-    stores it from the pool (`stream.store_materialized_behind`). The base is read, never changed or renamed, so
-    the previous good version stays intact until the new one is committed."""
+    """Fill a new pool from the base, applying the deltas on the way, and (when there are deltas) write the result
+    to materialized/<target> in the same pass (the other ranks of a replica read it from the store). The base is
+    read, never changed or renamed, so the previous good version stays intact until the new one is committed."""
     base = plan.base
     assert base.path is not None and all(d.path is not None for d in plan.deltas)
     t = time.monotonic()
@@ -158,7 +154,7 @@ def build(
             sources[shard] = os.open(base.path / shard, os.O_RDONLY)
             stack.callback(os.close, sources[shard])
         outputs: dict[str, tuple[int, Countdown]] = {}
-        if plan.deltas and materialize:
+        if plan.deltas:
             identity = base.identity + tuple(i for d in plan.deltas for i in d.identity)
             tmp = stack.enter_context(
                 store.write(plan.head, {"uri": plan.deltas[-1].link.uri, "chain": list(plan.chain)}, identity)
@@ -207,7 +203,7 @@ def build(
             )
         failure = next((f for f in run_tasks(pool, tasks) if f is not None), None)
         if failure is not None:
-            raise _failure(plan, failure)
+            raise load_error(plan, failure)
         timings["build"] = time.monotonic() - t
         t = time.monotonic()
     if outputs:
@@ -215,7 +211,8 @@ def build(
     return resident
 
 
-def _failure(plan: Plan, failure: _Failure) -> LoadError:
+def load_error(plan: Plan, failure: Failure) -> LoadError:
+    """The load's error for a tensor that failed its check; the artifact at fault is discarded."""
     if failure.origin < 0:
         shard = plan.layout[failure.tensor][0].name
         return LoadError(

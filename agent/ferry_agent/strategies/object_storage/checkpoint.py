@@ -100,6 +100,9 @@ class Plan:
     layout: dict[str, tuple[Shard, ckpt.TensorInfo]]  # tensor → where it lives in base (and so in the target)
     specs: list[TensorSpec]
     reused: str | None
+    # The base version held in the agent's host memory (a `memstore.SealedVersion`, referenced by the load): replay
+    # reads the base bytes from its sealed chunks, so the store need not hold the base.
+    held: Any = None
     head: ArtifactRef = field(init=False)
 
     def __post_init__(self) -> None:

@@ -120,9 +120,19 @@ class Planner:
             )
         return links
 
-    def plan(self, ctx: LoadContext, links: list[Link], pool: ThreadPoolExecutor, *, remote: bool = True) -> Plan:
+    def plan(
+        self,
+        ctx: LoadContext,
+        links: list[Link],
+        pool: ThreadPoolExecutor,
+        *,
+        remote: bool = True,
+        held: Sequence[Any] = (),
+    ) -> Plan:
         """What to read and apply. With `remote=False` everything must already be in the store (a rank loading
-        what its local leader prepared)."""
+        what its local leader prepared). `held`: the versions of the replica sealed in the agent's host memory
+        (`memstore.SealedVersion`); the newest one of the chain is the base unless the store holds a newer one (the
+        bytes of the very WeightVersion object, by uid, checked when it was loaded and sealed since)."""
         model = self.key(ctx)
 
         def fetch(ref: ArtifactRef, link: Link) -> Checkpoint:
@@ -141,8 +151,16 @@ class Planner:
                 break
         if base is None:
             ref = ArtifactRef(model, ArtifactKind.FULL, links[0].name)
-            base = self._stored(ref, links[0]) or fetch(ref, links[0])
+            base = self._stored(ref, links[0])
+        in_memory = self._held_base(links, held, than=start if base is not None else -1)
+        if in_memory is not None:
+            start, version = in_memory
+            base = self._held_checkpoint(model, links, start, version, base, fetch)
+        elif base is None:
+            base = fetch(ArtifactRef(model, ArtifactKind.FULL, links[0].name), links[0])
         reused = None if base.path is None else f"{base.ref.kind}/{base.ref.version}"
+        if in_memory is not None:
+            reused = f"held/{links[start].name}"  # in host memory
         deltas = []
         for link in links[start + 1 :]:
             ref = ArtifactRef(model, ArtifactKind.DELTA, link.name)
@@ -179,7 +197,45 @@ class Planner:
                 f"the manifest of {ctx.version} in object storage has digest {manifest_digest(specs)}, "
                 f"but the replica expects {expected}"
             )
-        return Plan(model, chain, base, deltas, layout, specs, reused)
+        return Plan(model, chain, base, deltas, layout, specs, reused, in_memory[1] if in_memory else None)
+
+    @staticmethod
+    def _held_base(links: list[Link], held: Sequence[Any], *, than: int) -> tuple[int, Any] | None:
+        """The newest version of the chain held in host memory, and its index, unless the store's base is newer
+        (`than`: its index, -1 if none; the same version is read from memory) or it is the target itself
+        (something must be replayed on it)."""
+        uids = {(link.name, link.uid): i for i, link in enumerate(links[:-1]) if link.uid}
+        found = [(uids[(v.version, v.uid)], v) for v in held if (v.version, v.uid) in uids]
+        best = max(found, key=lambda pair: pair[0], default=None)
+        return best if best is not None and best[0] >= than else None
+
+    @staticmethod
+    def _held_checkpoint(
+        model: str,
+        links: list[Link],
+        at: int,
+        version: Any,
+        root: Checkpoint | None,
+        fetch: Callable[[ArtifactRef, Link], Checkpoint],
+    ) -> Checkpoint:
+        """The base of a replay on a version held in host memory: the root's layout (index and shard headers,
+        from the store or S3; every version of a chain has it), the held bytes' adler32 as checksums."""
+        if root is None:
+            root = fetch(ArtifactRef(model, ArtifactKind.FULL, links[0].name), links[0])
+        entries = {e.name: e for e in version.entries}
+        if set(entries) != {n for shard in root.shards.values() for n in shard.layout.infos}:
+            raise LoadError(f"{links[at].name} held in host memory has other tensors than {links[0].name}'s checkpoint")
+        link = links[at]
+        return Checkpoint(
+            link,
+            ArtifactRef(model, ArtifactKind.MATERIALIZED, link.name),
+            root.index_raw,
+            root.index,
+            root.shards,
+            {name: f"{e.adler32:08x}" for name, e in entries.items()},
+            None,
+            tuple(k.expected for k in links[: at + 1]),
+        )
 
     @staticmethod
     def _parse_index(raw: bytes, link: Link, delta: bool, where: str) -> ckpt.CheckpointIndex:

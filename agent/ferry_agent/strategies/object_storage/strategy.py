@@ -22,9 +22,11 @@ ModelExpress semantics, in four phases:
    delta changes are not copied at all: the new version shares the base's chunks), check their adler32, apply
    each delta in place (streamed zstd, numpy XOR) checking the exact decoded size and adler32 after each, and
    write the result to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
-   A one-rank replay into a CPU pool writes `materialized/<target>` behind the load instead, from the new pool
-   (`stream.store_materialized_behind`); the ranks of a multi-rank replica read the store, so their leader
-   writes it in the pass.
+   The ranks of a multi-rank replica read the store, so their leader builds this way. A one-rank replay into a
+   CPU pool whose base the store holds streams instead (`replay`): the deltas the store lacks are fetched with
+   ranged GETs into memory, each tensor is built (base XOR each decoded frame, adler32 after each) in the
+   thread its last frame lands in, straight into the new pool, and the fetched deltas and `materialized/<target>`
+   are written behind the load. A chain whose base the store lacks is fetched into the store first (above).
 
 A write-behind stores and activates only after the load returned; until then the store stays at its last
 activated version, and a crash leaves only what `CheckpointStore.recover()` removes.
@@ -58,19 +60,15 @@ from ferry import s3
 from ferry.api.models import SourceKind
 from ferry_agent.ranks.landing import Landing, MappedLanding
 from ferry_agent.ranks.sharding import rank_of_tensors
-from ferry_agent.store.checkpoints import CheckpointCacheCapacityError, CheckpointStore
+from ferry_agent.store.checkpoints import CheckpointCacheCapacityError, CheckpointStore, chain_refs
 from ferry_agent.store.resident import ResidentWeights, TensorSpec, manifest_digest
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
 from ferry_agent.strategies.object_storage.build import build, unchanged_since
 from ferry_agent.strategies.object_storage.checkpoint import Link, LoadError, Plan
 from ferry_agent.strategies.object_storage.download import download
 from ferry_agent.strategies.object_storage.plan import Planner
-from ferry_agent.strategies.object_storage.stream import (
-    Streamed,
-    store_full_behind,
-    store_materialized_behind,
-    stream,
-)
+from ferry_agent.strategies.object_storage.replay import replay, store_replay_behind
+from ferry_agent.strategies.object_storage.stream import Streamed, store_full_behind, stream
 from ferry_agent.strategies.progress import Progress
 from ferry_agent.transport.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
 
@@ -124,11 +122,13 @@ class ObjectStorageStrategy:
         range_bytes: int = DEFAULT_RANGE_BYTES,
         timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
         allocate: Callable[[Sequence[TensorSpec], str], ResidentWeights] = ResidentWeights.allocate,
+        held: Callable[[], Sequence[Any]] = tuple,
     ) -> None:
         """`fetch_version(name)`: the WeightVersion object (a dict) of that name in the replica's `namespace`, or
         None. `credentials(storage)`: S3 credentials for a `spec.storage` dict, or None for the environment's.
         `timeout_s` bounds each S3 request, all its tries together (the replica's `spec.transfer.timeoutSeconds`).
-        `allocate(specs, device)`: the target's memory (the agent's host store on `cpu`)."""
+        `allocate(specs, device)`: the target's memory (the agent's host store on `cpu`). `held()`: the versions of
+        the replica sealed in that host store (`memstore.SealedVersion`), which a one-rank replay may start from."""
         if download_workers < 1 or range_bytes < 1 or timeout_s <= 0:
             raise ValueError("download_workers, range_bytes and timeout_s must be positive")
         self._namespace = namespace
@@ -141,6 +141,7 @@ class ObjectStorageStrategy:
         self._progress = progress
         self._range_bytes = range_bytes
         self._allocate = allocate
+        self._held = held
         self._planner = Planner(
             namespace=namespace, fetch_version=fetch_version, store=store, client=self._client, progress=progress
         )
@@ -175,12 +176,31 @@ class ObjectStorageStrategy:
             with (
                 self._store.lock(),
                 ThreadPoolExecutor(self._workers, thread_name_prefix="ferry-s3") as pool,
+                self._holding(ctx, activate) as held,
             ):
-                plan = self._planner.plan(ctx, links, pool)
+                plan = self._planner.plan(ctx, links, pool, held=held)
                 timings["validate"] = time.monotonic() - t0
-                resident, downloaded, landed = self._execute(ctx, plan, pool, timings, activate=activate, land=land)
+                resident, downloaded, landed, behind = self._execute(
+                    ctx, plan, pool, timings, activate=activate, land=land
+                )
         ctx.version_uid = links[-1].uid
-        return self._result(ctx, plan, resident, downloaded, t0, timings, landed)
+        return self._result(ctx, plan, resident, downloaded, t0, timings, landed, behind=behind)
+
+    @contextlib.contextmanager
+    def _holding(self, ctx: LoadContext, activate: bool) -> Iterator[list[Any]]:
+        """The held versions a one-rank CPU replay may start from, each referenced until the load is done (one
+        freed meanwhile is left out)."""
+        held: list[Any] = []
+        if activate and ctx.world_size == 1 and torch.device(ctx.device).type == "cpu":
+            for version in self._held():
+                with contextlib.suppress(RuntimeError):
+                    version.ref()
+                    held.append(version)
+        try:
+            yield held
+        finally:
+            for version in held:
+                version.unref()
 
     def attach(self, ctx: LoadContext, chain: Sequence[str]) -> None:
         """Another rank's check that its local leader prepared `chain` in the node's store."""
@@ -283,10 +303,12 @@ class ObjectStorageStrategy:
         t0: float,
         timings: dict[str, float],
         landed: Landed | None = None,
+        *,
+        behind: bool = False,
     ) -> S3LoadResult:
         seconds = time.monotonic() - t0
         log.info(
-            "rank %d/%d loaded %s (%d bytes, chain %s) from %s in %.2fs, %d bytes downloaded",
+            "rank %d/%d loaded %s (%d bytes, chain %s) from %s in %.2fs, %d bytes downloaded%s",
             ctx.rank,
             ctx.world_size,
             ctx.version,
@@ -295,6 +317,7 @@ class ObjectStorageStrategy:
             plan.reused or "S3",
             seconds,
             downloaded,
+            "; streamed, the store is written behind" if behind else "",
         )
         return S3LoadResult(
             resident=resident,
@@ -328,21 +351,29 @@ class ObjectStorageStrategy:
         *,
         activate: bool,
         land: bool = False,
-    ) -> tuple[ResidentWeights, int, Landed | None]:
-        fetch = [c for c in (plan.base, *plan.deltas) if c.path is None]
+    ) -> tuple[ResidentWeights, int, Landed | None, bool]:
+        """The new pool, the bytes downloaded, the other ranks' landing, and whether the store is written behind."""
+        fetch = [c for c in plan.deltas if c.path is None]
+        if plan.base.path is None and plan.held is None:
+            fetch.insert(0, plan.base)
         downloaded = sum(c.stored_bytes for c in fetch)
         needed = downloaded + (plan.base.stored_bytes if plan.deltas else 0)  # + the materialized target
         alone = activate and ctx.world_size == 1  # no other rank reads what this load stores
         if alone and fetch == [plan.base]:
             resident, streamed = self._stream(ctx, plan, pool, timings, needed)
             store_full_behind(self._store, plan, streamed)
-            return resident, downloaded, None
+            return resident, downloaded, None, True
         if land and not activate and ctx.world_size > 1 and fetch == [plan.base] and not plan.deltas:
             # A multi-rank leader: the other ranks' shares land in shared memory they map, not in the store.
             resident, landed = self._stream_ranks(ctx, plan, pool, timings, needed)
-            return resident, downloaded, landed
-        # A one-rank replay into a CPU pool: materialized/<target> is written behind, from the new pool.
-        behind = alone and bool(plan.deltas) and torch.device(ctx.device).type == "cpu"
+            return resident, downloaded, landed, True
+        stored_or_held = plan.base.path is not None or plan.held is not None
+        if alone and plan.deltas and stored_or_held and torch.device(ctx.device).type == "cpu":
+            # A one-rank replay on a stored or held base into a CPU pool: the deltas stream, the store is written
+            # behind.
+            resident, fetched = self._replay(ctx, plan, pool, timings, needed)
+            store_replay_behind(self._store, plan, resident, fetched)
+            return resident, downloaded, None, True
         with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
             try:
                 self._store.reserve(needed)
@@ -350,12 +381,21 @@ class ObjectStorageStrategy:
                 raise LoadError(str(exc)) from exc
             if fetch:
                 download(self._store, fetch, pool, timings, report=self._progress, range_bytes=self._range_bytes)
-            resident = build(self._store, self._allocate, ctx, plan, pool, timings, materialize=not behind)
-            if not behind:
-                update.commit(activate=activate)
-        if behind:
-            store_materialized_behind(self._store, plan, resident)
-        return resident, downloaded, None
+            resident = build(self._store, self._allocate, ctx, plan, pool, timings)
+            update.commit(activate=activate)
+        return resident, downloaded, None, False
+
+    def _replay(
+        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
+    ) -> tuple[ResidentWeights, dict[str, dict[str, bytearray]]]:
+        """A one-rank replay whose base the store or host memory holds: the deltas the store lacks stream from S3
+        and each tensor is built as its frames land (`replay`); the caller writes the store behind from what it
+        returns."""
+        resident = self._allocate_for(ctx, plan, needed, timings)
+        fetched = replay(
+            plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes, workers=self._workers
+        )
+        return resident, fetched
 
     def _stream_ranks(
         self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
@@ -399,8 +439,17 @@ class ObjectStorageStrategy:
     ) -> tuple[ResidentWeights, Streamed]:
         """A full load the store lacks, streamed from S3 into the new pool (tensors it lacks into `into`); the
         caller writes the store behind from what it returns."""
+        resident = self._allocate_for(ctx, plan, needed, timings)
+        streamed = stream(
+            plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes, into=into
+        )
+        return resident, streamed
+
+    def _allocate_for(self, ctx: LoadContext, plan: Plan, needed: int, timings: dict[str, float]) -> ResidentWeights:
+        """The new pool of a load whose store entries are written behind: the store's room for them is checked
+        first (refused up front, as when the store is written first), evicting nothing the load reads."""
         try:
-            self._store.reserve(needed)  # refused up front, as when the store is written first
+            self._store.reserve(needed, protect=chain_refs(plan.model, plan.chain) | {plan.base.ref})
         except CheckpointCacheCapacityError as exc:
             raise LoadError(str(exc)) from exc
         t = time.monotonic()
@@ -410,7 +459,4 @@ class ObjectStorageStrategy:
             nbytes = sum(s.nbytes for s in plan.specs)
             raise LoadError(f"cannot allocate {nbytes} bytes on {ctx.device}: {exc}") from exc
         timings["allocate"] = time.monotonic() - t
-        streamed = stream(
-            plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes, into=into
-        )
-        return resident, streamed
+        return resident

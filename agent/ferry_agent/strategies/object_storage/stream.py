@@ -172,30 +172,35 @@ def stream(
     return Streamed(base, hosts)
 
 
-def store_behind(
-    store: CheckpointStore,
-    plan: Plan,
-    ref: ArtifactRef,
-    source: dict[str, Any],
-    identity: tuple[VersionIdentity, ...],
-    fill: Callable[[Path], None],
-    nbytes: int,
-) -> None:
-    """Queue the store write of what a load built in memory: the artifact `ref` (its files written by
-    `fill(tmp)`, then tmp + fsync + rename by `CheckpointStore.write`) and then the store's active version, unless
-    another load changed it meanwhile. Called under the store lock, once the load's own update is over."""
+@dataclass(frozen=True)
+class Artifact:
+    """A store entry to write behind a load: `fill(tmp)` writes its files, then `CheckpointStore.write` fsyncs
+    and renames them into place."""
+
+    ref: ArtifactRef
+    source: dict[str, Any]
+    identity: tuple[VersionIdentity, ...]
+    fill: Callable[[Path], None]
+    nbytes: int
+
+
+def store_behind(store: CheckpointStore, plan: Plan, artifacts: list[Artifact]) -> None:
+    """Queue the store write of what a load built in memory: each artifact in order (tmp + fsync + rename each),
+    and then the store's active version, unless another load changed it meanwhile. Called under the store lock,
+    once the load's own update is over."""
     before = store.state(plan.model)
 
     def job() -> None:
         with store.lock(), store.update(plan.model, plan.chain[-1], plan.chain) as update:
-            if store.artifact(ref, identity) is None:
-                store.reserve(nbytes)
-                with store.write(ref, source, identity) as tmp:
-                    fill(tmp)
+            for artifact in artifacts:
+                if store.artifact(artifact.ref, artifact.identity) is None:
+                    store.reserve(artifact.nbytes)
+                    with store.write(artifact.ref, artifact.source, artifact.identity) as tmp:
+                        artifact.fill(tmp)
             if update.previous == before:  # else another load activated a version meanwhile: keep it
                 update.commit(activate=True)
 
-    store.write_behind(job, str(ref))
+    store.write_behind(job, ", ".join(str(a.ref) for a in artifacts))
 
 
 def store_full_behind(store: CheckpointStore, plan: Plan, streamed: Streamed) -> None:
@@ -208,10 +213,10 @@ def store_full_behind(store: CheckpointStore, plan: Plan, streamed: Streamed) ->
             write_shard(tmp / shard.name, shard, streamed.hosts)
 
     source = {"uri": checkpoint.link.uri}
-    store_behind(store, plan, checkpoint.ref, source, checkpoint.identity, fill, checkpoint.stored_bytes)
+    store_behind(store, plan, [Artifact(checkpoint.ref, source, checkpoint.identity, fill, checkpoint.stored_bytes)])
 
 
-def store_materialized_behind(store: CheckpointStore, plan: Plan, resident: ResidentWeights) -> None:
+def materialized(plan: Plan, resident: ResidentWeights) -> Artifact:
     """materialized/<target> of a replayed chain, from the new version's memory (a CPU pool holding every tensor:
     checked after each delta, and never written once handed out)."""
     base = plan.base
@@ -230,7 +235,7 @@ def store_materialized_behind(store: CheckpointStore, plan: Plan, resident: Resi
 
     identity = base.identity + tuple(i for d in plan.deltas for i in d.identity)
     source = {"uri": plan.deltas[-1].link.uri, "chain": list(plan.chain)}
-    store_behind(store, plan, plan.head, source, identity, fill, base.stored_bytes)
+    return Artifact(plan.head, source, identity, fill, base.stored_bytes)
 
 
 def write_shard(path: os.PathLike[str], shard: Shard, hosts: dict[str, np.ndarray]) -> None:
