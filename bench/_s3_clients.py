@@ -2,7 +2,9 @@
 
 - the Run:ai model streamer (`runai-model-streamer` + `runai-model-streamer-s3`): `SafetensorsStreamer` reading
   the checkpoint's safetensors shards from s3:// into CPU tensors, its C++ reader on the AWS CRT S3 client;
-- obstore (Rust `object_store`): parallel ranged GETs into memory, the same shape as the boto3 baseline.
+- obstore (Rust `object_store`): parallel ranged GETs into memory, the same shape as the boto3 baseline;
+- s3torchconnector (Amazon's S3 connector for PyTorch, on the Mountpoint client over the AWS CRT): whole objects
+  read into preallocated memory, the CRT splitting each GET into parallel part requests itself.
 
 They come with the `bench` extra (`pip install -e '.[bench]'`, which `make bench` does) and are never needed by
 Ferry itself; `missing` says which are not installed, and the bench skips their rows with that note.
@@ -25,6 +27,7 @@ REFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
         "runai-model-streamer, runai-model-streamer-s3",
     ),
     "obstore": (("obstore",), "obstore"),
+    "s3torchconnector": (("s3torchconnector",), "s3torchconnector"),
 }
 
 
@@ -110,5 +113,40 @@ def obstore_ranged_gets(store: Any, objects: dict[str, int], workers: int, range
     jobs = [(k, b, min(b + range_bytes, size)) for k, size in objects.items() for b in range(0, size, range_bytes)]
     with ThreadPoolExecutor(workers) as pool:
         for future in [pool.submit(fetch, *job) for job in jobs]:
+            future.result()
+    return buffers
+
+
+def crt_environment(endpoint: str, credentials: Mapping[str, str]) -> dict[str, str]:
+    """What the CRT client needs in os.environ: it takes static keys only from there."""
+    return {**credentials, "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true", "AWS_REGION": REGION}
+
+
+def s3torchconnector_client(endpoint: str, credentials: Mapping[str, str], part_bytes: int) -> Any:
+    """An s3torchconnector client on `endpoint`, path-style (as ferry/s3.py), with requests of `part_bytes`."""
+    from s3torchconnector._s3client import S3Client, S3ClientConfig
+
+    with environment(crt_environment(endpoint, credentials)):
+        return S3Client(
+            REGION, endpoint=endpoint, s3client_config=S3ClientConfig(force_path_style=True, part_size=part_bytes)
+        )
+
+
+def s3torchconnector_load(
+    client: Any, endpoint: str, credentials: Mapping[str, str], bucket: str, objects: dict[str, int], workers: int
+) -> dict[str, bytearray]:
+    """Every object read whole into preallocated memory (`readinto`), the objects on `workers` threads; the CRT
+    fetches each one's parts in parallel."""
+    from s3torchconnector import S3ReaderConstructor
+
+    buffers = {key: bytearray(size) for key, size in objects.items()}
+
+    def fetch(key: str) -> None:
+        reader = client.get_object(bucket, key, reader_constructor=S3ReaderConstructor.sequential())
+        if reader.readinto(buffers[key]) != objects[key]:
+            raise OSError(f"s3torchconnector read a short {key}")
+
+    with environment(crt_environment(endpoint, credentials)), ThreadPoolExecutor(workers) as pool:
+        for future in [pool.submit(fetch, key) for key in objects]:
             future.result()
     return buffers

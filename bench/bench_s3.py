@@ -53,7 +53,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from _common import summary
-from _s3_clients import missing, obstore_ranged_gets, obstore_store, runai_streamer_load
+from _s3_clients import (
+    missing,
+    obstore_ranged_gets,
+    obstore_store,
+    runai_streamer_load,
+    s3torchconnector_client,
+    s3torchconnector_load,
+)
 
 from ferry import checkpoint_format as ckpt
 from ferry import s3
@@ -323,7 +330,7 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
         raw_ranged_gets(client, full_objects, args.workers, range_bytes)
 
     # The purpose-built clients, on the same objects (their rows are skipped when the bench extra is absent).
-    notes = [note for note in (missing("obstore"), missing("runai_streamer")) if note]
+    notes = [note for note in (missing("obstore"), missing("runai_streamer"), missing("s3torchconnector")) if note]
     references: dict[str, Callable[[], None]] = {}
     got: dict[str, Any] = {}
     if not missing("obstore"):
@@ -348,6 +355,15 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
 
         references["runai_streamer"] = runai_streamer
         references["runai_streamer_reusing_memory"] = runai_streamer_reusing
+    if not missing("s3torchconnector"):
+        crt = s3torchconnector_client(server.endpoint, creds, range_bytes)
+
+        def s3torchconnector_gets() -> None:
+            got["s3torchconnector"] = s3torchconnector_load(
+                crt, server.endpoint, creds, BUCKET, full_objects, args.workers
+            )
+
+        references["s3torchconnector"] = s3torchconnector_gets
 
     ranked_shas: list[dict[str, str]] = []
     ranks: Ranks | None = None
@@ -381,9 +397,12 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
             and shas(dict(last["warm"].resident.tensors)) == shas(w1)
             and all(union == shas(w1) for union in ranked_shas)
             and (
-                "obstore" not in got
-                or {k: hashlib.sha256(v).hexdigest() for k, v in got["obstore"].items()}
-                == {k: object_shas[k] for k in full_objects}
+                all(
+                    {k: hashlib.sha256(v).hexdigest() for k, v in got[reader].items()}
+                    == {k: object_shas[k] for k in full_objects}
+                    for reader in ("obstore", "s3torchconnector")
+                    if reader in got
+                )
             )
             and all(shas(got[k]) == shas(w1) for k in ("runai", "runai_reusing") if k in got)
         )
@@ -415,7 +434,7 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
         "host": f"{platform.node()} ({os.cpu_count()} cpus)",
         "torch": torch.__version__,
         "boto3": boto3.__version__,
-        "clients": {dist: _version(dist) for dist in ("obstore", "runai-model-streamer")},
+        "clients": {dist: _version(dist) for dist in ("obstore", "runai-model-streamer", "s3torchconnector")},
         "only": args.only,
         "reps": args.reps,
         "bytes": total,
@@ -554,6 +573,8 @@ def markdown(report: dict[str, Any]) -> str:
         "runai_streamer": "Run:ai model streamer, `SafetensorsStreamer` from s3:// into CPU tensors (same "
         "concurrency and request size), into fresh memory",
         "runai_streamer_reusing_memory": "same streamer, its previous load's memory freed just before (reused)",
+        "s3torchconnector": "s3torchconnector (Mountpoint client on the AWS CRT): whole objects read into memory, "
+        "the CRT's parallel part GETs of the same size",
     }
     clients = [
         f"| full, empty store | {cell('strategy_full_load')} | {cell(name)} {label} | "
