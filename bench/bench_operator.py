@@ -12,6 +12,10 @@ The floor (`--floor`, on by default): the same N versions applied the same way i
 until the apiserver has delivered every one on the watch, with the apiserver + etcd's and this client's CPU
 seconds. No operator can make all of them Ready sooner than that on the same machine.
 
+The operator rows run with the chart's MutatingAdmissionPolicy that creates each version with the release finalizer,
+as a chart install on Kubernetes 1.36 has it (`--no-admission-policy`: without it, the operator patches the
+finalizer onto each version itself).
+
 Rows: `--rows 1,100,1000,10000,10000x100` (`NxM`: N versions over M namespaces). Writes bench/results/operator.json
 and operator.md.
 """
@@ -23,6 +27,7 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,8 +40,9 @@ from kubernetes import client, config, watch
 from ferry import checkpoint_format as cf
 from ferry.api.conditions import is_true
 from ferry.api.models import API_VERSION, GROUP, VERSION, WeightVersionConditionType
-from ferry_dev.localcluster import LocalCluster, local_stack, start_operator, wait_until
+from ferry_dev.localcluster import LocalCluster, binary, local_stack, start_operator, wait_until
 
+CHART = Path(__file__).resolve().parents[1] / "charts" / "ferry"
 BUCKET = "bench"
 SINGLE_PROBES = 5  # single versions applied one at a time after each row
 CREATE_THREADS = 8
@@ -204,8 +210,35 @@ def parse_rows(text: str) -> list[tuple[int, int]]:
     return rows
 
 
-def measure(n: int, spread: int) -> dict:
+def install_finalizer_policy(cluster: LocalCluster) -> None:
+    """The chart's MutatingAdmissionPolicy that creates each WeightVersion with the release finalizer (as a chart
+    install on Kubernetes 1.36 has it), rendered by helm; returns once the apiserver applies it."""
+    rendered = subprocess.run(
+        [
+            *(binary("helm"), "template", "bench", str(CHART), "--kube-version", "1.36.3"),
+            *("--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"),
+            *("-s", "templates/operator-finalizer-policy.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    cluster.kubectl("apply", "-f", "-", input=rendered)
+    probe = json.dumps(
+        {**body("probe", f"s3://{BUCKET}/m/{cf.INDEX_NAME}"), "metadata": {"name": "probe", "namespace": "default"}}
+    )
+
+    def applied() -> bool:
+        out = cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=probe).stdout
+        return bool(json.loads(out)["metadata"].get("finalizers"))
+
+    wait_until(applied, 30, "the release finalizer policy")
+
+
+def measure(n: int, spread: int, policy: bool) -> dict:
     with local_stack() as (cluster, s3):
+        if policy:
+            install_finalizer_policy(cluster)
         s3.create_bucket(BUCKET)
         weights = {f"w{i}": np.ones((256, 256), np.float32) for i in range(8)}
         for name, data in cf.build_full_checkpoint(weights, shard_bytes=1 << 20).items():
@@ -274,10 +307,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="1,100,1000", help="comma-separated N or NxM (N versions over M namespaces)")
     parser.add_argument("--no-floor", dest="floor", action="store_false", help="skip the apiserver-alone rows")
+    parser.add_argument(
+        "--no-admission-policy",
+        dest="policy",
+        action="store_false",
+        help="without the chart's release finalizer policy: the operator patches the finalizer onto each version",
+    )
     args = parser.parse_args()
     rows, floors = [], []
     for n, spread in parse_rows(args.rows):
-        row = measure(n, spread)
+        row = measure(n, spread, args.policy)
+        row["admission_policy"] = args.policy
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.floor:

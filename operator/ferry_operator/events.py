@@ -32,7 +32,7 @@ from ferry.api.models import (
     WeightVersionConditionType,
     WeightVersionReadyReason,
 )
-from ferry_operator import kubeapi
+from ferry_operator import kubeaio
 
 ANNOUNCED = frozenset(
     {ModelLoadConditionType.READY, ModelLoadConditionType.DEGRADED, ModelLoadConditionType.PEER_STALLED}
@@ -209,7 +209,7 @@ class EventPoster:
         while True:
             body, tries = await self._queue.get()
             try:
-                await asyncio.to_thread(kubeapi.create_event, body["metadata"]["namespace"], body)
+                await kubeaio.create_event(body["metadata"]["namespace"], body)
             except Exception as exc:
                 why = f"{exc.status} {exc.reason}: {exc.body}" if isinstance(exc, ApiException) else repr(exc)
                 if isinstance(exc, ApiException) and exc.status in FINAL_STATUSES:

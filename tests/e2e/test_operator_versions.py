@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 import urllib.request
 from itertools import pairwise
 
 import pytest
+import yaml
 
 from ferry import checkpoint_format as cf
 from ferry_dev.localcluster import free_port
+from tests.support.helm import render
 from tests.support.objects import (
     apply,
     condition,
@@ -305,6 +308,65 @@ def test_the_release_finalizer_is_added_without_a_refused_patch(cluster, s3, nam
     wait_for(lambda: get(cluster, namespace, "wv", "v3") is None, 20, "v3 gone")
 
 
+def _version_patches(cluster) -> int:
+    """PATCHes of WeightVersion objects (not their status) the apiserver has taken so far."""
+    lines = cluster.kubectl("get", "--raw", "/metrics").stdout.splitlines()
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in lines
+        if line.startswith("apiserver_request_total{")
+        and 'resource="weightversions"' in line
+        and 'subresource=""' in line
+        and 'verb="PATCH"' in line
+    )
+
+
+def test_the_charts_admission_policy_creates_versions_with_the_release_finalizer(
+    cluster, s3, namespace, operator, tmp_path
+):
+    """The chart's MutatingAdmissionPolicy (rendered by the real `helm template` for a 1.36 apiserver, bound to this
+    namespace only) adds `ferry.dev/release` at creation: the operator then sends no finalizer patch, and the
+    release still takes the finalizer away."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HELM_") and k != "KUBECONFIG"}
+    for kind in ("CACHE", "CONFIG", "DATA"):
+        env[f"HELM_{kind}_HOME"] = str(tmp_path / kind.lower())
+    docs = render(
+        env,
+        "--api-versions",
+        "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy",
+        "-s",
+        "templates/operator-finalizer-policy.yaml",
+        release=f"p-{namespace}",
+    )
+    assert [d["kind"] for d in docs] == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"]
+    _, binding = docs
+    binding["spec"]["matchResources"] = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+    }
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    try:
+        publish_chain(s3, namespace, ["v1", "v2"])
+        probe = json.dumps(wv_body(namespace, "v1"))
+
+        def mutated() -> bool:  # the policy is live once the admission plugin has read it
+            out = cluster.kubectl(
+                "create", "--dry-run=server", "-n", namespace, "-o", "json", "-f", "-", input=probe
+            ).stdout
+            return json.loads(out)["metadata"].get("finalizers") == ["ferry.dev/release"]
+
+        wait_for(mutated, 30, "the admission policy in force")
+        patches = _version_patches(cluster)
+        apply(cluster, namespace, wv_body(namespace, "v1"), wv_body(namespace, "v2", base="v1"))
+        for name in ("v1", "v2"):
+            wait_reason(cluster, namespace, name, "Ready", "True", "Verified")
+            assert get(cluster, namespace, "wv", name)["metadata"]["finalizers"] == ["ferry.dev/release"]
+        assert _version_patches(cluster) == patches, "the operator patched a finalizer the policy had added"
+        cluster.kubectl("delete", "wv", "v2", "-n", namespace)  # waits for the release
+        assert get(cluster, namespace, "wv", "v2") is None
+    finally:
+        cluster.kubectl("delete", "-f", "-", "--wait=false", input=yaml.safe_dump_all(docs), check=False)
+
+
 def test_a_base_being_released_takes_its_delta_out_of_ready(cluster, s3, namespace, operator):
     """Event-driven: the base's deletion wakes the delta at once; no resync has to find it."""
     publish_chain(s3, namespace, ["v1", "v2"])
@@ -325,7 +387,7 @@ def test_info_log_shows_transitions_not_handler_bookkeeping(cluster, s3, namespa
     cluster.kubectl("delete", "wv", "v2", "-n", namespace)
     log = operator.process.log_tail(100_000)
     assert f"{namespace}/v2 is Ready (chain v1 → v2)" in log
-    mine = [line for line in log.splitlines() if f"[{namespace}/" in line]
+    mine = [line for line in log.splitlines() if f"{namespace}/" in line]
     assert mine and not [line for line in mine if "succeeded." in line or "is processed:" in line], mine
 
 

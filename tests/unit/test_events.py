@@ -136,7 +136,7 @@ def test_the_poster_retries_an_event_without_holding_up_the_others(monkeypatch):
     tried: list[str] = []
     failures = {"first": 1}
 
-    def create_event(namespace: str, body: dict) -> None:
+    async def create_event(namespace: str, body: dict) -> None:
         tried.append(body["message"])
         if body["message"] == "terminating":
             refused = ApiException(status=403, reason="Forbidden")
@@ -146,7 +146,7 @@ def test_the_poster_retries_an_event_without_holding_up_the_others(monkeypatch):
             raise OSError("apiserver restarting")
         posted.append(body["message"])
 
-    monkeypatch.setattr(events_module.kubeapi, "create_event", create_event)
+    monkeypatch.setattr(events_module.kubeaio, "create_event", create_event)
     monkeypatch.setattr(events_module, "POST_BACKOFFS", (0.05,))
     ml = {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelLoad", "metadata": {"name": "m", "namespace": "ns"}}
 
