@@ -23,7 +23,7 @@ from ferry.storage import StorageReport, verify_checkpoint
 from ferry_operator import kubeapi, metrics
 from ferry_operator.config import CONFIG
 from ferry_operator.deadlines import DEADLINES
-from ferry_operator.s3clients import client_for
+from ferry_operator.s3clients import reader_for
 
 # Verifications run on their own bounded pool, so a burst of new versions neither floods S3 nor starves the
 # threads that patch.
@@ -73,7 +73,7 @@ def verify_storage(namespace: str, name: str, spec: WeightVersionSpec) -> Storag
         )
     except ValueError as exc:
         return StorageReport(ok=False, reason=StorageReason.CredentialsMissing, message=str(exc))
-    client = client_for(storage.endpoint or CONFIG.s3_endpoint, storage.region, credentials)
+    client = reader_for(storage.endpoint or CONFIG.s3_endpoint, storage.region, credentials)
     return verify_checkpoint(
         client, storage.uri, fmt=spec.format, version=name, base_version=spec.baseVersion, map_shards=_map_shards
     )
