@@ -94,7 +94,8 @@ async def _write_status(
     if written is not None:  # events older than this write say nothing new (main.py skips them)
         memo["written"] = written["metadata"]["resourceVersion"]
     before = condition_dicts(current.conditions) if current else []
-    emit_transitions(body, before, patch["conditions"], memo.setdefault("announced", {}))
+    first_ready = current is None or not current.readyTime  # readyTime is set the first time it is Ready
+    emit_transitions(body, before, patch["conditions"], memo.setdefault("announced", {}), first_ready=first_ready)
 
 
 async def reconcile(
