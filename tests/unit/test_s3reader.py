@@ -1,13 +1,15 @@
-"""The lean S3 reader (`ferry.s3reader`): its SigV4 signature is botocore's, byte for byte, and its answers and
-failures are boto3's as `ferry.storage` and `ferry.s3.translate` read them (against a local stub server; the e2e
-tests read SeaweedFS through it)."""
+"""The lean asyncio S3 reader (`ferry.s3reader`): its SigV4 signature is botocore's, byte for byte, and its
+answers and failures are boto3's as `ferry.storage` and `ferry.s3.translate` read them (against a local stub
+server; the e2e tests verify through it against SeaweedFS)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import http.server
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from botocore.auth import S3SigV4Auth
@@ -96,12 +98,29 @@ def reader(endpoint: str) -> S3Reader:
     return S3Reader(endpoint, None, creds, s3.verification(pool=2))
 
 
+async def closing(r: S3Reader, work: Any) -> Any:
+    try:
+        return await work
+    finally:
+        await r.close()
+
+
 def test_answers_are_boto3s(endpoint):
-    r = reader(endpoint)
-    whole = r.get_object(Bucket="b", Key="ok")
-    assert whole["ContentLength"] == 10 and whole["ContentRange"] is None and whole["Body"].read() == b"0123456789"
-    assert storage._read_prefix(r, "b", "ok", "shard", 4) == (b"0123", 10)  # the size from the Content-Range
-    assert r.get_object(Bucket="b", Key="flaky")["Body"].read() == b"0123456789"  # a 503 is tried again
+    async def scenario() -> tuple:
+        r = reader(endpoint)
+        try:
+            whole = await r.get_object(Bucket="b", Key="ok")
+            body = await whole["Body"].read()
+            prefix = await storage._aread_prefix(r, "b", "ok", "shard", 4)
+            flaky = await (await r.get_object(Bucket="b", Key="flaky"))["Body"].read()
+            return whole, body, prefix, flaky
+        finally:
+            await r.close()
+
+    whole, body, prefix, flaky = asyncio.run(scenario())
+    assert whole["ContentLength"] == 10 and whole["ContentRange"] is None and body == b"0123456789"
+    assert prefix == (b"0123", 10)  # the size from the Content-Range
+    assert flaky == b"0123456789"  # a 503 is tried again
     path, _, authorization = Stub.seen[0]
     assert path == "/b/ok" and authorization.startswith("AWS4-HMAC-SHA256 Credential=AKID/")
     assert Stub.seen[1][1] == "bytes=0-3"
@@ -112,15 +131,16 @@ def test_answers_are_boto3s(endpoint):
     [("missing", "ObjectMissing"), ("denied", "AccessDenied")],
 )
 def test_failures_are_classified_as_boto3s(endpoint, key, reason):
+    r = reader(endpoint)
     with pytest.raises(storage._Stop) as stop:
-        storage._read(reader(endpoint), "b", key, f"index s3://b/{key}")
+        asyncio.run(closing(r, storage._aread(r, "b", key, f"index s3://b/{key}")))
     assert stop.value.report.reason == reason and f"s3://b/{key}" in stop.value.report.message
 
 
 def test_an_unreachable_endpoint_is_transient():
     dead = S3Reader("http://127.0.0.1:9", None, {s3.ACCESS_KEY: "a", s3.SECRET_KEY: "b"}, s3.verification(pool=1))
     with pytest.raises(storage._Stop) as stop:
-        storage._read(dead, "b", "k", "index s3://b/k")
+        asyncio.run(closing(dead, storage._aread(dead, "b", "k", "index s3://b/k")))
     assert stop.value.report.reason == "EndpointUnreachable" and stop.value.report.transient
 
 
