@@ -23,7 +23,6 @@ and operator.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -35,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 from _common import write_results
-from kubernetes import client, config, watch
+from kubernetes import client, config
+from kubernetes.watch.watch import iter_resp_lines
 
 from ferry import checkpoint_format as cf
 from ferry.api.conditions import is_true
@@ -74,6 +74,7 @@ class Watcher:
         self.ready: dict[tuple[str, str], float] = {}
         self._api = client.CustomObjectsApi(api)
         self._stop = False
+        self._version: str | None = None  # where the watch resumes
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -81,25 +82,52 @@ class Watcher:
         self._stop = True
 
     def _run(self) -> None:
-        # A watch can drop (server timeout, a broken chunk); re-establish it until stopped. The re-list replays
-        # current objects, and `setdefault` keeps the first time each state was seen.
+        # A watch ends (server timeout, a broken chunk); resume it where it stopped, so that the apiserver does not
+        # send every object again each minute (at 10,000 versions that alone would load it). Only a watch the
+        # apiserver can no longer resume (410 Gone) starts over, and `setdefault` keeps the first time each state
+        # was seen.
         while not self._stop:
-            with contextlib.suppress(Exception):
-                self._consume(watch.Watch())
+            try:
+                self._consume()
+            except Exception:  # a dropped connection: resume
+                time.sleep(0.1)
 
-    def _consume(self, w: watch.Watch) -> None:
-        for event in w.stream(
-            self._api.list_cluster_custom_object, GROUP, VERSION, "weightversions", timeout_seconds=60
-        ):
-            now = time.monotonic()
-            obj = event["object"]
-            key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
-            self.seen.setdefault(key, now)
-            conditions = (obj.get("status") or {}).get("conditions") or []
-            if is_true(conditions, WeightVersionConditionType.READY):
-                self.ready.setdefault(key, now)
-            if self._stop:
-                w.stop()
+    def _consume(self) -> None:
+        resume = {"resource_version": self._version} if self._version else {}
+        response = self._api.list_cluster_custom_object(
+            GROUP,
+            VERSION,
+            "weightversions",
+            watch=True,
+            allow_watch_bookmarks=True,
+            timeout_seconds=60,
+            _preload_content=False,  # plain JSON lines: the client's models would cost this process more CPU
+            **resume,
+        )
+        try:
+            for line in iter_resp_lines(response):
+                if not line.strip():
+                    continue
+                now = time.monotonic()
+                event = json.loads(line)
+                obj = event["object"]
+                if event["type"] == "ERROR":
+                    if obj.get("code") == 410:
+                        self._version = None  # too old to resume: the next watch starts with every object
+                    return
+                self._version = obj["metadata"]["resourceVersion"]
+                if event["type"] == "BOOKMARK":
+                    continue
+                key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+                self.seen.setdefault(key, now)
+                conditions = (obj.get("status") or {}).get("conditions") or []
+                if is_true(conditions, WeightVersionConditionType.READY):
+                    self.ready.setdefault(key, now)
+                if self._stop:
+                    return
+        finally:
+            response.close()
+            response.release_conn()
 
 
 def body(name: str, uri: str) -> dict:

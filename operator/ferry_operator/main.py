@@ -1,7 +1,8 @@
 """kopf entry point: `kopf run --standalone -A -m ferry_operator.main` (or `python -m ferry_operator`).
 
-Only the decorated handlers live here: each takes the object kopf hands it and its memo (where `Indexes`, built
-once at startup, sits), and hands off to `handlers/` or wakes the objects the change concerns (`wakeups`).
+Only the handlers live here: the decorated kopf ones, and `version_changed`, which the operator's own watch of
+WeightVersions calls (versionwatch.py). Each takes the object and its memo (where `Indexes`, built once at startup,
+sits), and hands off to `handlers/` or wakes the objects the change concerns (`wakeups`).
 Everything is re-derived from the objects, so a restart at any point converges to the same status.
 """
 

@@ -32,6 +32,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ferry.api.models import InvalidObject
 from ferry.chain import VersionView
+from ferry_operator.config import CONFIG
 from ferry_operator.indexkeys import version_keys
 from ferry_operator.kubeaio import API, custom_path
 from ferry_operator.kubeapi import WV
@@ -149,10 +150,7 @@ class VersionWatch:
         return resource_version
 
     async def _watch(self, resource_version: str) -> None:
-        # Imported here: config imports nothing of this module, but keep the watch timeout next to kopf's.
-        from ferry_operator.config import CONFIG
-
-        timeout = CONFIG.watch_server_timeout
+        timeout = CONFIG.watch_server_timeout  # as kopf's watches
         failures = 0
         while True:
             params = {
