@@ -106,6 +106,7 @@ class S3Reader:
         self._signer = Signer(region)
         self._credentials = dict(credentials or {})
         self._chain: Any = None  # botocore's credentials, when none were given (False: there are none)
+        self._chain_lock = asyncio.Lock()
         self._profile = profile
         self._session: aiohttp.ClientSession | None = None
 
@@ -113,8 +114,10 @@ class S3Reader:
         given = self._credentials
         if given.get(s3.ACCESS_KEY) and given.get(s3.SECRET_KEY):
             return given[s3.ACCESS_KEY], given[s3.SECRET_KEY], given.get(s3.SESSION_TOKEN)
-        if self._chain is None:  # the chain may ask a metadata endpoint or STS: not on the event loop
-            self._chain = await asyncio.to_thread(_credential_chain)
+        if self._chain is None:  # the chain may ask a metadata endpoint or STS: not on the event loop, and once
+            async with self._chain_lock:
+                if self._chain is None:
+                    self._chain = await asyncio.to_thread(_credential_chain)
         if not self._chain:
             raise NoCredentialsError()
         refresh = getattr(self._chain, "refresh_needed", None)

@@ -149,3 +149,21 @@ def test_readers_are_shared_per_endpoint_and_credentials(endpoint):
     one = s3reader.reader(endpoint, None, {s3.ACCESS_KEY: "a", s3.SECRET_KEY: "b"}, profile)
     assert s3reader.reader(endpoint, None, {s3.ACCESS_KEY: "a", s3.SECRET_KEY: "b"}, profile) is one
     assert s3reader.reader(endpoint, None, {s3.ACCESS_KEY: "a", s3.SECRET_KEY: "c"}, profile) is not one
+
+
+def test_without_credentials_the_chain_is_asked_once(endpoint, monkeypatch):
+    """botocore's chain (environment, profile, IRSA) off the event loop, once for many concurrent reads."""
+    asked: list[int] = []
+
+    def chain() -> Credentials:
+        asked.append(1)
+        return Credentials("CHAIN", "SECRET")
+
+    monkeypatch.setattr(s3reader, "_credential_chain", chain)
+    r = S3Reader(endpoint, None, None, s3.verification(pool=4))
+
+    async def reads() -> list[dict]:
+        return list(await asyncio.gather(*(r.get_object(Bucket="b", Key="ok") for _ in range(5))))
+
+    assert len(asyncio.run(closing(r, reads()))) == 5
+    assert asked == [1] and all("Credential=CHAIN/" in seen[2] for seen in Stub.seen)
