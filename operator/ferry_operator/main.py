@@ -20,7 +20,7 @@ from ferry.api.liveness import DEFAULT_LEASE_SECONDS
 from ferry.api.models import GROUP
 
 # the indexes, pod_placement and handlers.retention imports register their handlers
-from ferry_operator import indexes, leadership, logfilter, metrics, pod_placement  # noqa: F401
+from ferry_operator import indexes, kubeaio, leadership, logfilter, metrics, pod_placement  # noqa: F401
 from ferry_operator.config import CONFIG
 from ferry_operator.deadlines import DEADLINES
 from ferry_operator.events import EVENTS
@@ -109,6 +109,7 @@ async def step_down(**_: Any) -> None:
     """After the last handler: hand the Lease over now rather than let the standby wait for it to expire."""
     if _leadership is not None:
         await asyncio.to_thread(_leadership.release)
+    await kubeaio.API.close()
 
 
 # ---------------------------------------------------------------- WeightVersion

@@ -134,7 +134,7 @@ async def reconcile(
         uid = version.metadata.uid
         if RELEASE_FINALIZER in finalizers:
             memo.pop("finalizer", None)  # held: should it go again (an apply that leaves it out), add it again
-        elif not deleting and RELEASE_FINALIZER not in finalizers and memo.get("finalizer") != uid:
+        elif not deleting and memo.get("finalizer") != uid:
             writes.append(_hold(namespace, name, uid, finalizers, memo))
         await asyncio.gather(*writes)  # independent fields: the finalizer costs no round trip of latency
         if deleting and RELEASE_FINALIZER in finalizers:
