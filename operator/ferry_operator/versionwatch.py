@@ -108,8 +108,15 @@ class VersionWatch:
         self._started = False
 
     async def start(self) -> None:
-        """List every version into the index and queue them; then watch. Returns once the index is complete."""
-        resource_version = await self._relist()
+        """List every version into the index and queue them; then watch. Returns once the index is complete (an
+        apiserver that is away is tried again, as the watch would be)."""
+        failures = 0
+        while True:
+            try:
+                resource_version = await self._relist()
+                break
+            except (ApiException, aiohttp.ClientError, TimeoutError) as exc:
+                failures = await self._backoff(failures, exc)
         self._spawn(self._watch(resource_version), "versionwatch")
 
     def begin(self) -> None:
@@ -182,7 +189,7 @@ class VersionWatch:
 
     async def _backoff(self, failures: int, exc: BaseException) -> int:
         delay = WATCH_BACKOFF[min(failures, len(WATCH_BACKOFF) - 1)]
-        log.warning("the WeightVersion watch failed (%r); again in %.1fs", exc, delay)
+        log.warning("listing or watching WeightVersions failed (%r); again in %.1fs", exc, delay)
         await asyncio.sleep(delay)
         return failures + 1
 

@@ -192,6 +192,27 @@ def test_a_broken_watch_resumes_where_it_stopped(monkeypatch):
     assert api.watched_from[:4] == ["10", "11", "11", "11"]
 
 
+def test_the_first_list_is_tried_until_the_apiserver_answers(monkeypatch):
+    async def run() -> VersionWatch:
+        api = FakeApi([wv("v1", 5)], "10")
+        answers = api.request
+        refusals = [ApiException(status=503, reason="starting"), TimeoutError()]
+
+        async def request(*args: Any, **kwargs: Any) -> dict:
+            if refusals:
+                raise refusals.pop(0)
+            return await answers(*args, **kwargs)
+
+        api.request = request  # type: ignore[method-assign]
+        monkeypatch.setattr(versionwatch, "API", api)
+        monkeypatch.setattr(versionwatch, "WATCH_BACKOFF", (0.0,))
+        watch = VersionWatch(VersionIndex(), Recorder(), kopf.Memo(), workers=1)
+        await watch.start()
+        return watch
+
+    assert named("ns", "v1") in asyncio.run(run()).index
+
+
 def test_events_older_than_our_last_status_write_are_skipped():
     memo = kopf.Memo()
     assert not main._older_than_written(wv("v1", 7), memo)  # nothing written yet
