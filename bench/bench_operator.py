@@ -12,6 +12,10 @@ The floor (`--floor`, on by default): the same N versions applied the same way i
 until the apiserver has delivered every one on the watch, with the apiserver + etcd's and this client's CPU
 seconds. No operator can make all of them Ready sooner than that on the same machine.
 
+The operator rows run with the chart's MutatingAdmissionPolicy that creates each version with the release finalizer,
+as a chart install on Kubernetes 1.36 has it (`--no-admission-policy`: without it, the operator patches the
+finalizer onto each version itself).
+
 Rows: `--rows 1,100,1000,10000,10000x100` (`NxM`: N versions over M namespaces). Writes bench/results/operator.json
 and operator.md.
 """
@@ -19,10 +23,10 @@ and operator.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,13 +34,15 @@ from pathlib import Path
 
 import numpy as np
 from _common import write_results
-from kubernetes import client, config, watch
+from kubernetes import client, config
+from kubernetes.watch.watch import iter_resp_lines
 
 from ferry import checkpoint_format as cf
 from ferry.api.conditions import is_true
 from ferry.api.models import API_VERSION, GROUP, VERSION, WeightVersionConditionType
-from ferry_dev.localcluster import LocalCluster, local_stack, start_operator, wait_until
+from ferry_dev.localcluster import LocalCluster, binary, local_stack, start_operator, wait_until
 
+CHART = Path(__file__).resolve().parents[1] / "charts" / "ferry"
 BUCKET = "bench"
 SINGLE_PROBES = 5  # single versions applied one at a time after each row
 CREATE_THREADS = 8
@@ -68,6 +74,7 @@ class Watcher:
         self.ready: dict[tuple[str, str], float] = {}
         self._api = client.CustomObjectsApi(api)
         self._stop = False
+        self._version: str | None = None  # where the watch resumes
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -75,25 +82,52 @@ class Watcher:
         self._stop = True
 
     def _run(self) -> None:
-        # A watch can drop (server timeout, a broken chunk); re-establish it until stopped. The re-list replays
-        # current objects, and `setdefault` keeps the first time each state was seen.
+        # A watch ends (server timeout, a broken chunk); resume it where it stopped, so that the apiserver does not
+        # send every object again each minute (at 10,000 versions that alone would load it). Only a watch the
+        # apiserver can no longer resume (410 Gone) starts over, and `setdefault` keeps the first time each state
+        # was seen.
         while not self._stop:
-            with contextlib.suppress(Exception):
-                self._consume(watch.Watch())
+            try:
+                self._consume()
+            except Exception:  # a dropped connection: resume
+                time.sleep(0.1)
 
-    def _consume(self, w: watch.Watch) -> None:
-        for event in w.stream(
-            self._api.list_cluster_custom_object, GROUP, VERSION, "weightversions", timeout_seconds=60
-        ):
-            now = time.monotonic()
-            obj = event["object"]
-            key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
-            self.seen.setdefault(key, now)
-            conditions = (obj.get("status") or {}).get("conditions") or []
-            if is_true(conditions, WeightVersionConditionType.READY):
-                self.ready.setdefault(key, now)
-            if self._stop:
-                w.stop()
+    def _consume(self) -> None:
+        resume = {"resource_version": self._version} if self._version else {}
+        response = self._api.list_cluster_custom_object(
+            GROUP,
+            VERSION,
+            "weightversions",
+            watch=True,
+            allow_watch_bookmarks=True,
+            timeout_seconds=60,
+            _preload_content=False,  # plain JSON lines: the client's models would cost this process more CPU
+            **resume,
+        )
+        try:
+            for line in iter_resp_lines(response):
+                if not line.strip():
+                    continue
+                now = time.monotonic()
+                event = json.loads(line)
+                obj = event["object"]
+                if event["type"] == "ERROR":
+                    if obj.get("code") == 410:
+                        self._version = None  # too old to resume: the next watch starts with every object
+                    return
+                self._version = obj["metadata"]["resourceVersion"]
+                if event["type"] == "BOOKMARK":
+                    continue
+                key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+                self.seen.setdefault(key, now)
+                conditions = (obj.get("status") or {}).get("conditions") or []
+                if is_true(conditions, WeightVersionConditionType.READY):
+                    self.ready.setdefault(key, now)
+                if self._stop:
+                    return
+        finally:
+            response.close()
+            response.release_conn()
 
 
 def body(name: str, uri: str) -> dict:
@@ -204,8 +238,35 @@ def parse_rows(text: str) -> list[tuple[int, int]]:
     return rows
 
 
-def measure(n: int, spread: int) -> dict:
+def install_finalizer_policy(cluster: LocalCluster) -> None:
+    """The chart's MutatingAdmissionPolicy that creates each WeightVersion with the release finalizer (as a chart
+    install on Kubernetes 1.36 has it), rendered by helm; returns once the apiserver applies it."""
+    rendered = subprocess.run(
+        [
+            *(binary("helm"), "template", "bench", str(CHART), "--kube-version", "1.36.3"),
+            *("--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"),
+            *("-s", "templates/operator-finalizer-policy.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    cluster.kubectl("apply", "-f", "-", input=rendered)
+    probe = json.dumps(
+        {**body("probe", f"s3://{BUCKET}/m/{cf.INDEX_NAME}"), "metadata": {"name": "probe", "namespace": "default"}}
+    )
+
+    def applied() -> bool:
+        out = cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=probe).stdout
+        return bool(json.loads(out)["metadata"].get("finalizers"))
+
+    wait_until(applied, 30, "the release finalizer policy")
+
+
+def measure(n: int, spread: int, policy: bool) -> dict:
     with local_stack() as (cluster, s3):
+        if policy:
+            install_finalizer_policy(cluster)
         s3.create_bucket(BUCKET)
         weights = {f"w{i}": np.ones((256, 256), np.float32) for i in range(8)}
         for name, data in cf.build_full_checkpoint(weights, shard_bytes=1 << 20).items():
@@ -274,10 +335,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="1,100,1000", help="comma-separated N or NxM (N versions over M namespaces)")
     parser.add_argument("--no-floor", dest="floor", action="store_false", help="skip the apiserver-alone rows")
+    parser.add_argument(
+        "--no-admission-policy",
+        dest="policy",
+        action="store_false",
+        help="without the chart's release finalizer policy: the operator patches the finalizer onto each version",
+    )
     args = parser.parse_args()
     rows, floors = [], []
     for n, spread in parse_rows(args.rows):
-        row = measure(n, spread)
+        row = measure(n, spread, args.policy)
+        row["admission_policy"] = args.policy
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.floor:

@@ -1,15 +1,17 @@
 """Verification of a WeightVersion's checkpoint in S3, without downloading tensor data.
 
-The operator reads the index and, per shard, a HEAD plus a ranged GET of the safetensors header. That proves
-every object exists, the index is canonical and the sizes add up, so a truncated upload or a mislabelled delta
-fails at publish time instead of on every node that loads it. Per-tensor checksums are the agent's job (it has
-the bytes).
+The operator reads the index and, per shard, one ranged GET of the safetensors header (the shard's size comes
+with it, in the Content-Range). That proves every object exists, the index is canonical and the sizes add up, so
+a truncated upload or a mislabelled delta fails at publish time instead of on every node that loads it.
+Per-tensor checksums are the agent's job (it has the bytes). The checks are written once (`_verification`), read
+through a blocking boto3-like client (`verify_checkpoint`) or an asyncio one (`verify_checkpoint_async`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,14 +58,22 @@ _REASONS: dict[type[Exception], StorageReason] = {
 }
 
 
+def _classify(exc: BaseException, what: str) -> _Stop:
+    error = s3.translate(exc, what)
+    reason = _REASONS.get(type(error), StorageReason.EndpointUnreachable)
+    return _stop(reason, f"{error}.", transient=reason == StorageReason.EndpointUnreachable)
+
+
 def _call(what: str, fn: Any, **kwargs: Any) -> Any:
     """One S3 request; any failure becomes a classified report."""
     try:
         return fn(**kwargs)
     except (ClientError, BotoCoreError) as exc:
-        error = s3.translate(exc, what)
-        reason = _REASONS.get(type(error), StorageReason.EndpointUnreachable)
-        raise _stop(reason, f"{error}.", transient=reason == StorageReason.EndpointUnreachable) from exc
+        raise _classify(exc, what) from exc
+
+
+def _too_big(what: str, length: int) -> _Stop:
+    return _stop(StorageReason.IndexInvalid, f"{what} is {length} bytes, too big to be an index.")
 
 
 def _read(
@@ -75,10 +85,7 @@ def _read(
     response = _call(what, client.get_object, **kwargs)
     if max_bytes is not None and response["ContentLength"] > max_bytes:
         response["Body"].close()
-        raise _stop(
-            StorageReason.IndexInvalid,
-            f"{what} is {response['ContentLength']} bytes, too big to be an index.",
-        )
+        raise _too_big(what, response["ContentLength"])
     # The body streams; a connection dropped mid-read is as transient as a failed request.
     return _call(what, response["Body"].read)
 
@@ -92,20 +99,101 @@ def _get_prefix(client: Any, bucket: str, key: str, nbytes: int) -> dict[str, An
         raise
 
 
+def _object_size(response: dict[str, Any]) -> int:
+    """From a ranged GET: the size is in its Content-Range (`bytes 0-N/size`), so no HEAD is needed, a request
+    fewer per shard. Without a Content-Range the server sent the whole object (it ignored the Range)."""
+    content_range = response.get("ContentRange") or ""
+    return int(content_range.rpartition("/")[2]) if "/" in content_range else response["ContentLength"]
+
+
 def _read_prefix(client: Any, bucket: str, key: str, what: str, nbytes: int) -> tuple[bytes, int]:
-    """The first `nbytes` of an object and its size, in one ranged GET: the size is in its Content-Range
-    (`bytes 0-N/size`), so no HEAD is needed, a request fewer per shard."""
+    """The first `nbytes` of an object and its size, in one ranged GET."""
     response = _call(what, _get_prefix, client=client, bucket=bucket, key=key, nbytes=nbytes)
     if response is None:
         return b"", 0
-    content_range = response.get("ContentRange") or ""
-    # Without a Content-Range the server sent the whole object (it ignored the Range).
-    size = int(content_range.rpartition("/")[2]) if "/" in content_range else response["ContentLength"]
-    return _call(what, response["Body"].read), size
+    return _call(what, response["Body"].read), _object_size(response)
 
+
+# ---------------------------------------------------------------- the same reads on an asyncio client
+# A client whose `get_object` is a coroutine answering as boto3 does, with a Body whose `read` is a coroutine too
+# (`ferry.s3reader.S3Reader`): no thread per request.
+
+
+async def _acall(what: str, fn: Any, **kwargs: Any) -> Any:
+    try:
+        return await fn(**kwargs)
+    except (ClientError, BotoCoreError) as exc:
+        raise _classify(exc, what) from exc
+
+
+async def _aread(
+    client: Any, bucket: str, key: str, what: str, byte_range: str | None = None, max_bytes: int | None = None
+) -> bytes:
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
+    if byte_range:
+        kwargs["Range"] = byte_range
+    response = await _acall(what, client.get_object, **kwargs)
+    if max_bytes is not None and response["ContentLength"] > max_bytes:
+        response["Body"].close()
+        raise _too_big(what, response["ContentLength"])
+    return await _acall(what, response["Body"].read)
+
+
+async def _aget_prefix(client: Any, bucket: str, key: str, nbytes: int) -> dict[str, Any] | None:
+    try:
+        return await client.get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{nbytes - 1}")
+    except ClientError as exc:
+        if s3.error_code(exc) == "InvalidRange":
+            return None
+        raise
+
+
+async def _aread_prefix(client: Any, bucket: str, key: str, what: str, nbytes: int) -> tuple[bytes, int]:
+    response = await _acall(what, _aget_prefix, client=client, bucket=bucket, key=key, nbytes=nbytes)
+    if response is None:
+        return b"", 0
+    return await _acall(what, response["Body"].read), _object_size(response)
+
+
+# ---------------------------------------------------------------- the verification, apart from its reads
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One GET a verification needs: the whole object (at most `max_bytes`), a `byte_range` of it, or its first
+    `probe` bytes with its size."""
+
+    key: str
+    what: str
+    byte_range: str | None = None
+    max_bytes: int | None = None
+    probe: int | None = None
+
+
+# A verification (`_verification`) yields the reads it needs next (a list: done at once) and is sent back their
+# results in the same order (a failed read's result is its `_Stop`); it returns the report. The two drivers do the
+# reads, blocking or on an event loop; all the checks are written once.
 
 # `map`, or an executor's `map`: runs the shard checks, yielding their results in order.
 ShardMap = Callable[[Callable[[str], Any], Iterable[str]], Iterator[Any]]
+
+
+def _perform(client: Any, bucket: str, read: _Read) -> Any:
+    try:
+        if read.probe is not None:
+            return _read_prefix(client, bucket, read.key, read.what, read.probe)
+        return _read(client, bucket, read.key, read.what, read.byte_range, read.max_bytes)
+    except _Stop as stop:
+        return stop
+
+
+async def _aperform(client: Any, bucket: str, read: _Read) -> Any:
+    try:
+        if read.probe is not None:
+            return await _aread_prefix(client, bucket, read.key, read.what, read.probe)
+        return await _aread(client, bucket, read.key, read.what, read.byte_range, read.max_bytes)
+    except _Stop as stop:
+        return stop
 
 
 def verify_checkpoint(
@@ -114,6 +202,36 @@ def verify_checkpoint(
     """Check the checkpoint at `uri` (its index) is complete and canonical for WeightVersion `version`.
     `map_shards` (e.g. a thread pool's `map`) reads the shard headers; in order either way, so the report names
     the first failing shard of the index."""
+    steps = _verification(uri, fmt=fmt, version=version, base_version=base_version)
+    try:
+        bucket, reads = next(steps)
+        while True:
+            reads = steps.send(list(map_shards(lambda read: _perform(client, bucket, read), reads)))
+    except StopIteration as done:
+        return done.value
+    except _Stop as stop:
+        return stop.report
+
+
+async def verify_checkpoint_async(
+    client: Any, uri: str, *, fmt: str, version: str, base_version: str | None
+) -> StorageReport:
+    """`verify_checkpoint` through an asyncio client: the shard headers read at once on the event loop."""
+    steps = _verification(uri, fmt=fmt, version=version, base_version=base_version)
+    try:
+        bucket, reads = next(steps)
+        while True:
+            reads = steps.send(list(await asyncio.gather(*(_aperform(client, bucket, read) for read in reads))))
+    except StopIteration as done:
+        return done.value
+    except _Stop as stop:
+        return stop.report
+
+
+def _verification(
+    uri: str, *, fmt: str, version: str, base_version: str | None
+) -> Generator[Any, list[Any], StorageReport]:
+    """The steps of a verification: first yields (bucket, the index read), then lists of reads (`_Steps`)."""
     if fmt == WeightFormat.PEER_ONLY:
         return StorageReport(
             ok=True,
@@ -122,22 +240,7 @@ def verify_checkpoint(
         )
     if fmt not in (WeightFormat.FULL_CHECKPOINT, WeightFormat.XOR_DELTA):
         raise ValueError(f"unknown WeightVersion format {fmt!r}")
-    try:
-        return _verify(
-            client,
-            uri,
-            delta=fmt == WeightFormat.XOR_DELTA,
-            version=version,
-            base_version=base_version,
-            map_shards=map_shards,
-        )
-    except _Stop as stop:
-        return stop.report
-
-
-def _verify(
-    client: Any, uri: str, *, delta: bool, version: str, base_version: str | None, map_shards: ShardMap
-) -> StorageReport:
+    delta = fmt == WeightFormat.XOR_DELTA
     try:
         bucket, key = s3.parse_s3_uri(uri)
     except s3.InvalidUri as exc:
@@ -145,7 +248,7 @@ def _verify(
     index_uri = f"s3://{bucket}/{key}"
     prefix = key.rpartition("/")[0] + "/" if "/" in key else ""
 
-    raw = _read(client, bucket, key, f"index {index_uri}", max_bytes=MAX_INDEX_BYTES)
+    (raw,) = _results((yield bucket, [_Read(key, f"index {index_uri}", max_bytes=MAX_INDEX_BYTES)]))
     try:
         index = ckpt.parse_index(raw)
         if delta:
@@ -160,15 +263,24 @@ def _verify(
 
     # Deltas always carry checksums; a full checkpoint does when its index says so (ours always do).
     checksummed = index.metadata.get("checksum_format") == ckpt.CHECKSUM_FORMAT
-
-    def check(shard: str) -> tuple[int, dict[str, ckpt.TensorInfo]]:
-        shard_uri = f"s3://{bucket}/{prefix}{shard}"
-        return _check_shard(client, bucket, prefix + shard, shard_uri, index.tensors_in(shard), checksummed)
-
     total_bytes = 0
     tensor_bytes = 0
-    # A pool's map raises a shard's failure when its turn comes, as the loop would: the first in index order.
-    for size, infos in map_shards(check, index.shards):
+    # Every shard's header is read at once; a failure is reported when its turn comes, as a loop would: the first
+    # in index order.
+    probes = yield [
+        _Read(prefix + shard, f"shard s3://{bucket}/{prefix}{shard}", probe=HEADER_PROBE_BYTES)
+        for shard in index.shards
+    ]
+    for shard, probe in zip(index.shards, probes, strict=True):
+        shard_uri = f"s3://{bucket}/{prefix}{shard}"
+        first, size = _results([probe])[0]
+        header_end = _header_end(first, size, shard_uri)
+        if header_end > len(first):  # a header longer than the probe: the rest of it
+            (rest,) = _results(
+                (yield [_Read(prefix + shard, f"shard {shard_uri}", byte_range=f"bytes={len(first)}-{header_end - 1}")])
+            )
+            first += rest
+        infos = _check_shard(first, size, shard_uri, index.tensors_in(shard), checksummed)
         total_bytes += size
         tensor_bytes += sum(info.nbytes for info in infos.values())
 
@@ -192,27 +304,39 @@ def _verify(
     )
 
 
-def _check_shard(
-    client: Any, bucket: str, key: str, shard_uri: str, expected: set[str], checksummed: bool
-) -> tuple[int, dict[str, ckpt.TensorInfo]]:
-    """One header GET of a shard → (object size, its tensors), checked against the index."""
-    what = f"shard {shard_uri}"
-    first, size = _read_prefix(client, bucket, key, what, HEADER_PROBE_BYTES)
+def _results(results: list[Any]) -> list[Any]:
+    """The reads' results, or the first failure raised."""
+    for result in results:
+        if isinstance(result, _Stop):
+            raise result
+    return results
+
+
+def _header_end(first: bytes, size: int, shard_uri: str) -> int:
+    """Where a shard's safetensors header ends, from its first bytes and its size."""
     if size < ckpt.HEADER_PREFIX_BYTES:
         raise _stop(StorageReason.SizeMismatch, f"shard {shard_uri} is only {size} bytes; it is truncated.")
     try:
         header_len = ckpt.header_length(first)
-        if ckpt.HEADER_PREFIX_BYTES + header_len > size:
-            raise _stop(
-                StorageReason.SizeMismatch,
-                f"shard {shard_uri} is {size} bytes but its header alone needs "
-                f"{ckpt.HEADER_PREFIX_BYTES + header_len}; it is truncated.",
-            )
-        if ckpt.HEADER_PREFIX_BYTES + header_len > len(first):
-            first += _read(client, bucket, key, what, f"bytes={len(first)}-{ckpt.HEADER_PREFIX_BYTES + header_len - 1}")
-        _, header = ckpt.parse_safetensors_header(first)
-        infos = ckpt.tensor_infos(header)
-        checksums = ckpt.shard_checksums(header)
+    except ckpt.InvalidShard as exc:
+        raise _stop(StorageReason.IndexInvalid, f"shard {shard_uri} has a malformed header: {exc}.") from exc
+    if ckpt.HEADER_PREFIX_BYTES + header_len > size:
+        raise _stop(
+            StorageReason.SizeMismatch,
+            f"shard {shard_uri} is {size} bytes but its header alone needs "
+            f"{ckpt.HEADER_PREFIX_BYTES + header_len}; it is truncated.",
+        )
+    return ckpt.HEADER_PREFIX_BYTES + header_len
+
+
+def _check_shard(
+    header: bytes, size: int, shard_uri: str, expected: set[str], checksummed: bool
+) -> dict[str, ckpt.TensorInfo]:
+    """A shard's tensors, from its whole header and its size, checked against the index."""
+    try:
+        header_len, parsed = ckpt.parse_safetensors_header(header)
+        infos = ckpt.tensor_infos(parsed)
+        checksums = ckpt.shard_checksums(parsed)
     except ckpt.InvalidShard as exc:
         raise _stop(StorageReason.IndexInvalid, f"shard {shard_uri} has a malformed header: {exc}.") from exc
 
@@ -237,7 +361,7 @@ def _check_shard(
             StorageReason.IndexInvalid,
             f"shard {shard_uri} has no adler32 checksum for tensors {_names(unchecked)}.",
         )
-    return size, infos
+    return infos
 
 
 def _names(names: list[str], limit: int = 5) -> str:

@@ -32,7 +32,7 @@ from ferry.api.models import (
     WeightVersionConditionType,
     WeightVersionReadyReason,
 )
-from ferry_operator import kubeapi
+from ferry_operator import kubeaio
 
 ANNOUNCED = frozenset(
     {ModelLoadConditionType.READY, ModelLoadConditionType.DEGRADED, ModelLoadConditionType.PEER_STALLED}
@@ -101,12 +101,27 @@ def condition_action(kind: str, type_: str, reason: str) -> EventAction:
     return CONDITION_ACTIONS.get((kind, type_), EventAction.VERIFY if kind == "WeightVersion" else EventAction.SERVE)
 
 
-def emit_transitions(body: Mapping[str, Any], before: list, after: list, announced: dict[str, tuple]) -> None:
+def emit_transitions(
+    body: Mapping[str, Any], before: list, after: list, announced: dict[str, tuple], *, first_ready: bool = False
+) -> None:
     """Post the Events of the condition changes from `before` to `after` (`condition_event` says which).
-    `announced` is the object's memo of what was last posted per condition."""
+    `announced` is the object's memo of what was last posted per condition. `first_ready`: the object has never
+    been Ready (a new WeightVersion): its Ready=True is no Event unless its Ready had an Event before (a problem,
+    whose end this is). The normal end of a create is not news (its status says it: phase, readyTime), and at
+    thousands of versions published at once those Events would cost the apiserver a fifth of its work."""
     old = {c["type"]: c for c in before}
     for c in after:
-        warning = condition_event(c["type"], old.get(c["type"]), c)
+        was = old.get(c["type"])
+        warning = condition_event(c["type"], was, c)
+        if (
+            first_ready
+            and warning is False
+            and c["type"] == WeightVersionConditionType.READY
+            and c["status"] == ConditionStatus.TRUE
+            and c["type"] not in announced
+            and not (was and is_problem(c["type"], was.get("status", ""), was.get("reason", "")))
+        ):
+            continue
         if warning is not None and first_time(announced, c["type"], (c["status"], c["reason"])):
             EVENTS.post(
                 body,
@@ -209,7 +224,7 @@ class EventPoster:
         while True:
             body, tries = await self._queue.get()
             try:
-                await asyncio.to_thread(kubeapi.create_event, body["metadata"]["namespace"], body)
+                await kubeaio.create_event(body["metadata"]["namespace"], body)
             except Exception as exc:
                 why = f"{exc.status} {exc.reason}: {exc.body}" if isinstance(exc, ApiException) else repr(exc)
                 if isinstance(exc, ApiException) and exc.status in FINAL_STATUSES:

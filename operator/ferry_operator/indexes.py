@@ -1,5 +1,6 @@
 """The operator's kopf indexes (one watch per kind; registered by importing this module, main.py does), and
-`Indexes`, the one value through which handlers and woken reconciles read them.
+`Indexes`, the one value through which handlers and woken reconciles read them. WeightVersions are not kopf's:
+their index is the operator's own (versionwatch.py), filled before kopf starts any watch.
 
 kopf fills every index before it runs any handler, keeps them current on every watch event, and passes the same
 index objects to every handler, startup included: `Indexes` is built once, at startup. The indexers are `async`
@@ -10,27 +11,17 @@ event, most of an event's cost at thousands of objects), an async one inline on 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import kopf
 
-from ferry.api.models import GROUP, InvalidObject, WeightReplica, WeightVersion
+from ferry.api.models import GROUP, InvalidObject, WeightReplica
 from ferry.chain import VersionView
-from ferry_operator.indexkeys import named, version_keys
-from ferry_operator.kubeapi import ML, WR, WV
+from ferry_operator.indexkeys import named
+from ferry_operator.kubeapi import ML, WR
 from ferry_operator.versions import attachment_blockers
-
-
-@kopf.index(*WV)
-async def version_index(body: kopf.Body, **_: Any) -> dict:
-    """The one index over every WeightVersion (see indexkeys): chains, dependents, retention, shared folders. A
-    version whose spec does not validate is left out (its own reconcile logs it): to the others it does not exist."""
-    try:
-        return version_keys(VersionView.of(WeightVersion.from_body(body)))
-    except InvalidObject:
-        return {}
 
 
 @kopf.index(*ML)
@@ -94,7 +85,7 @@ async def replica_lease_index(namespace: str, name: str, body: kopf.Body, **_: A
 
 @dataclass(frozen=True)
 class Indexes:
-    versions: kopf.Index[tuple, VersionView]  # keyed by `indexkeys`
+    versions: Mapping[tuple, Collection[VersionView]]  # keyed by `indexkeys`: versionwatch.VersionIndex
     desired: kopf.Index[tuple[str, str], str]  # (namespace, version) -> the ModelLoads desiring it
     leases: kopf.Index[tuple[str, str], str]  # (namespace, version) -> replicas with readers holding it
     attachments: kopf.Index[tuple[str, str], tuple[str, ...]]  # (namespace, version) -> `attachment_blockers`
@@ -105,10 +96,11 @@ class Indexes:
     retention_holds: kopf.Index[tuple[str, str], Any]  # (namespace, model) -> versions each replica holds
 
     @classmethod
-    def of(cls, kwargs: Mapping[str, Any]) -> Indexes:
-        """From a handler's kwargs, where kopf passes each index under its function's name."""
+    def of(cls, kwargs: Mapping[str, Any], versions: Mapping[tuple, Collection[VersionView]]) -> Indexes:
+        """From a handler's kwargs, where kopf passes each index under its function's name, and the operator's own
+        index of WeightVersions (versionwatch.py)."""
         return cls(
-            versions=kwargs["version_index"],
+            versions=versions,
             desired=kwargs["desired_index"],
             leases=kwargs["lease_index"],
             attachments=kwargs["attach_index"],

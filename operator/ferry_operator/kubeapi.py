@@ -36,10 +36,6 @@ def read_secret_data(namespace: str, name: str) -> dict[str, str]:
     return dict(secret.data or {})
 
 
-def create_event(namespace: str, body: dict) -> None:
-    client.CoreV1Api(api_client()).create_namespaced_event(namespace, body)
-
-
 def get_object(plural: str, namespace: str, name: str) -> dict | None:
     """The object as it is now (None: gone): what a reconcile woken in process starts from."""
     try:
@@ -157,11 +153,9 @@ def label_node(node: str, key: str, value: str | None) -> None:
             raise
 
 
-def add_finalizer(plural: str, namespace: str, name: str, uid: str, current: list[str], finalizer: str) -> bool:
-    """Append `finalizer` to that very object's finalizers as they were read (`current`): a JSON patch that tests
-    the uid and the list, so neither another object of that name nor a finalizer added meanwhile by someone else is
-    overwritten, and no resourceVersion (which a status patch moves) is tested. False: the object is gone, or the
-    list changed since it was read (its watch event brings the new one)."""
+def add_finalizer_ops(uid: str, current: list[str], finalizer: str) -> list[dict]:
+    """A JSON patch that tests the uid and the list, so neither another object of that name nor a finalizer added
+    meanwhile by someone else is overwritten, and no resourceVersion (which a status patch moves) is tested."""
     if current:
         ops = [
             {"op": "test", "path": "/metadata/finalizers", "value": current},
@@ -172,7 +166,7 @@ def add_finalizer(plural: str, namespace: str, name: str, uid: str, current: lis
             {"op": "test", "path": "/metadata/finalizers", "value": None},
             {"op": "add", "path": "/metadata/finalizers", "value": [finalizer]},
         ]
-    return _json_patch(plural, namespace, name, [{"op": "test", "path": "/metadata/uid", "value": uid}, *ops])
+    return [{"op": "test", "path": "/metadata/uid", "value": uid}, *ops]
 
 
 def remove_finalizer(plural: str, namespace: str, name: str, uid: str, current: list[str], finalizer: str) -> bool:

@@ -1,7 +1,8 @@
 """kopf entry point: `kopf run --standalone -A -m ferry_operator.main` (or `python -m ferry_operator`).
 
-Only the decorated handlers live here: each takes the object kopf hands it and its memo (where `Indexes`, built
-once at startup, sits), and hands off to `handlers/` or wakes the objects the change concerns (`wakeups`).
+Only the handlers live here: the decorated kopf ones, and `version_changed`, which the operator's own watch of
+WeightVersions calls (versionwatch.py). Each takes the object and its memo (where `Indexes`, built once at startup,
+sits), and hands off to `handlers/` or wakes the objects the change concerns (`wakeups`).
 Everything is re-derived from the objects, so a restart at any point converges to the same status.
 """
 
@@ -19,15 +20,16 @@ from ferry.api.liveness import DEFAULT_LEASE_SECONDS
 from ferry.api.models import GROUP
 
 # the indexes, pod_placement and handlers.retention imports register their handlers
-from ferry_operator import indexes, leadership, logfilter, metrics, pod_placement  # noqa: F401
+from ferry_operator import indexes, kubeaio, leadership, logfilter, metrics, pod_placement  # noqa: F401
 from ferry_operator.config import CONFIG
 from ferry_operator.deadlines import DEADLINES
 from ferry_operator.events import EVENTS
-from ferry_operator.handlers import modelload, retention, weightversion  # noqa: F401 (retention)
+from ferry_operator.handlers import modelload, retention, weightversion
 from ferry_operator.indexes import Indexes, node_view
 from ferry_operator.kubeapi import ML, WR, WV
 from ferry_operator.modelloads import fell_back, renewal_time, renewed_after_expiry
-from ferry_operator.wakeups import WAKEUPS
+from ferry_operator.versionwatch import VersionIndex, VersionWatch
+from ferry_operator.wakeups import RETRY_SECONDS, WAKEUPS
 
 # kopf's own finalizer: no handler here needs one (the release finalizer is the operator's own, see
 # handlers/weightversion.py), so kopf never adds it; kopf strips it wherever it finds it, hence another name.
@@ -55,11 +57,13 @@ class NoDiffBase(kopf.DiffBaseStorage):
 
 # Set by `configure` when FERRY_LEADER_ELECTION is on: several replicas, one active.
 _leadership: leadership.Leadership | None = None
+# Every WeightVersion, listed and watched by the operator itself (not kopf): set by `configure`.
+_versions: VersionWatch | None = None
 
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
-    global _leadership
+    global _leadership, _versions
     settings.persistence.finalizer = KOPF_FINALIZER
     settings.persistence.diffbase_storage = NoDiffBase()
     settings.watching.server_timeout = CONFIG.watch_server_timeout
@@ -68,7 +72,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
     settings.execution.max_workers = 8
     logfilter.install()
     # The operator memo is copied into each object's memo: what is set here, every handler sees.
-    memo.indexes = Indexes.of(kwargs)
+    versions = VersionIndex()
+    memo.indexes = Indexes.of(kwargs, versions)
     memo.stalled = set()  # (namespace, replica) its ModelLoad last found stalled
     WAKEUPS.register(WV[2], weightversion.reconcile_woken)
     WAKEUPS.register(ML[2], modelload.reconcile_woken)
@@ -85,6 +90,18 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
         # Startup handlers run before kopf starts any watch: until this returns, the process is a standby.
         await _leadership.acquire()
     EVENTS.start(_leadership.config.identity if _leadership is not None else None)
+    # Listed before kopf starts its watches, so that a ModelLoad's first reconcile sees every version.
+    _versions = VersionWatch(versions, version_changed, memo)
+    await _versions.start()
+
+
+@kopf.on.event("", "v1", "namespaces")
+async def indexes_filled(**_: Any) -> None:
+    """kopf runs no handler before each of its indexes holds everything listed, and a namespace always exists
+    (`default`): the first namespace event says the ModelLoad, replica and Lease indexes are complete, which a
+    WeightVersion's release and retention read. Only then are the WeightVersions' events handled."""
+    if _versions is not None:
+        _versions.begin()
 
 
 @kopf.on.cleanup()
@@ -92,22 +109,46 @@ async def step_down(**_: Any) -> None:
     """After the last handler: hand the Lease over now rather than let the standby wait for it to expire."""
     if _leadership is not None:
         await asyncio.to_thread(_leadership.release)
+    await kubeaio.API.close()
 
 
 # ---------------------------------------------------------------- WeightVersion
 
 
-@kopf.on.event(*WV)
-async def version_changed(
-    event: dict, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
-) -> None:
-    if event.get("type") == "DELETED":
+async def version_changed(kind: str | None, body: dict[str, Any], memo: kopf.Memo) -> None:
+    """Each event of a WeightVersion (versionwatch.py; `kind` None: found by a list), in order per object. The index
+    already shows it."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    event = {"type": kind, "object": body}
+    if kind == "MODIFIED" and _older_than_written(body, memo):
+        return  # a write of ours is newer, and its own event follows with everything this one has
+    if kind == "DELETED":
         weightversion.forget(namespace, name, body)
     else:
         WAKEUPS.seen(WV[2], namespace, name, memo)
-        await weightversion.reconcile(namespace, name, memo, body, logger)
+        try:
+            await weightversion.reconcile(namespace, name, memo, body, log)
+        except Exception as exc:  # an apiserver restart: the event is not repeated, so wake it again
+            log.warning("reconcile of %s/%s failed (%r); again in %.0fs", namespace, name, exc, RETRY_SECONDS)
+            WAKEUPS.later(WV[2], namespace, name, RETRY_SECONDS)
     weightversion.wake_watchers(event, namespace, name, body, memo)
     weightversion.recheck_releases(namespace, memo.indexes)  # a delta gone frees its base
+    await retention.retention_on_version(
+        event=event, namespace=namespace, body=body, spec=body.get("spec") or {}, memo=memo
+    )
+
+
+def _older_than_written(body: dict[str, Any], memo: kopf.Memo) -> bool:
+    """Whether the object is older than our last status write of it (the finalizer's event, say, when the status
+    patch sent alongside came after it): reconciling it would write that status again. etcd's resourceVersions are
+    integers in commit order; anything else is never taken as older."""
+    written, seen = memo.get("written"), body["metadata"].get("resourceVersion")
+    if written is None or not (str(written).isdigit() and str(seen).isdigit()):
+        return False
+    if int(seen) < int(written):
+        return True
+    del memo["written"]
+    return False
 
 
 # ---------------------------------------------------------------- ModelLoad and what wakes it

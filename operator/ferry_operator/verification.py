@@ -19,18 +19,19 @@ import kopf
 
 from ferry.api.models import StorageReason, WeightVersionSpec
 from ferry.s3 import credentials_from_secret_data
-from ferry.storage import StorageReport, verify_checkpoint
+from ferry.storage import StorageReport, verify_checkpoint, verify_checkpoint_async
 from ferry_operator import kubeapi, metrics
 from ferry_operator.config import CONFIG
 from ferry_operator.deadlines import DEADLINES
-from ferry_operator.s3clients import client_for
+from ferry_operator.s3clients import client_for, reader_for
 
-# Verifications run on their own bounded pool, so a burst of new versions neither floods S3 nor starves the
-# threads that patch.
-_verify_pool = ThreadPoolExecutor(CONFIG.verify_concurrency, thread_name_prefix="verify")
+# At most this many verifications at once, so a burst of new versions does not flood S3. Against an explicit
+# endpoint they run on the event loop (s3reader), a checkpoint's shard headers read at once. AWS's own endpoints
+# go through boto3, blocking: on a bounded pool of threads, the shard headers on a second pool as large (a
+# verification thread waits on them), one round trip per version rather than one per shard. s3clients sizes the
+# connection pool for both.
 _verify_slots = asyncio.Semaphore(CONFIG.verify_concurrency)
-# A checkpoint's shard headers are read at once, on a pool of their own (a verification thread waits on them), as
-# large: one round trip per version rather than one per shard. s3clients sizes the connection pool for both.
+_verify_pool = ThreadPoolExecutor(CONFIG.verify_concurrency, thread_name_prefix="verify")
 _shard_pool = ThreadPoolExecutor(CONFIG.verify_concurrency, thread_name_prefix="verify-shard")
 
 
@@ -58,13 +59,14 @@ def _credentials(namespace: str, secret: str | None) -> dict[str, str] | None:
     return credentials_from_secret_data(kubeapi.read_secret_data(namespace, secret))
 
 
-def verify_storage(namespace: str, name: str, spec: WeightVersionSpec) -> StorageReport:
-    """Blocking: read the checkpoint's index and shard headers from object storage."""
+async def verify_storage(namespace: str, name: str, spec: WeightVersionSpec) -> StorageReport:
+    """Read the checkpoint's index and shard headers from object storage."""
     storage = spec.storage
     if storage is None or not storage.uri:
         return StorageReport(ok=True, reason=StorageReason.NotApplicable, message="PeerOnly: nothing stored")
     try:
-        credentials = _credentials(namespace, storage.credentialsSecret)
+        secret = storage.credentialsSecret
+        credentials = await asyncio.to_thread(_credentials, namespace, secret) if secret else None
     except kubeapi.NotFound:
         return StorageReport(
             ok=False,
@@ -73,9 +75,15 @@ def verify_storage(namespace: str, name: str, spec: WeightVersionSpec) -> Storag
         )
     except ValueError as exc:
         return StorageReport(ok=False, reason=StorageReason.CredentialsMissing, message=str(exc))
-    client = client_for(storage.endpoint or CONFIG.s3_endpoint, storage.region, credentials)
-    return verify_checkpoint(
-        client, storage.uri, fmt=spec.format, version=name, base_version=spec.baseVersion, map_shards=_map_shards
+    endpoint = storage.endpoint or CONFIG.s3_endpoint
+    checkpoint = {"fmt": spec.format, "version": name, "base_version": spec.baseVersion}
+    if endpoint:
+        return await verify_checkpoint_async(
+            reader_for(endpoint, storage.region, credentials), storage.uri, **checkpoint
+        )
+    client = client_for(None, storage.region, credentials)
+    return await asyncio.get_running_loop().run_in_executor(
+        _verify_pool, lambda: verify_checkpoint(client, storage.uri, map_shards=_map_shards, **checkpoint)
     )
 
 
@@ -100,8 +108,7 @@ async def storage_report(
     if recorded is not None and time.monotonic() < backoff.not_before:
         return recorded  # backing off: keep showing the last outcome until the next attempt
     async with _verify_slots:
-        loop = asyncio.get_running_loop()
-        report = await loop.run_in_executor(_verify_pool, verify_storage, namespace, name, spec)
+        report = await verify_storage(namespace, name, spec)
     if report.ok:
         memo.pop("verify_backoff", None)
         DEADLINES.cancel(("verify", uid))

@@ -23,13 +23,16 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api import crdgen, models
-from ferry_dev.localcluster import LocalCluster, binary, write_kubeconfig
+from ferry_dev.localcluster import LocalCluster, binary, wait_until, write_kubeconfig
 from tests.support.helm import CHART, KUBE_VERSION, helm, render, sets
 
 pytestmark = pytest.mark.cluster
 
 CRD_NAMES = ("weightversions.ferry.dev", "modelloads.ferry.dev", "weightreplicas.ferry.dev")
-CLUSTER_SCOPED = "clusterrole,clusterrolebinding,validatingadmissionpolicy,validatingadmissionpolicybinding"
+CLUSTER_SCOPED = (
+    "clusterrole,clusterrolebinding,validatingadmissionpolicy,validatingadmissionpolicybinding,"
+    "mutatingadmissionpolicy,mutatingadmissionpolicybinding"
+)
 
 
 # ---------------------------------------------------------------- helpers
@@ -273,6 +276,26 @@ def test_rendered_objects(helm_env):
     assert "IPC_LOCK" in agent["securityContext"]["capabilities"]["add"]
     assert {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1"} in agent["env"]
     assert "--lease-seconds=20" in agent["command"]
+
+
+def test_the_release_finalizer_policy_renders_where_the_api_is_served(helm_env):
+    """A MutatingAdmissionPolicy (admissionregistration.k8s.io/v1, Kubernetes 1.36) only where the cluster serves
+    it, and not when turned off; the operator adds the finalizer itself without it."""
+    served = ("--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")
+    docs = by_kind(render(helm_env, *served))
+    (policy,) = docs["MutatingAdmissionPolicy"]
+    (binding,) = docs["MutatingAdmissionPolicyBinding"]
+    assert (
+        binding["spec"]
+        == {"policyName": policy["metadata"]["name"]}
+        == {"policyName": "ferry-operator-release-finalizer"}
+    )
+    assert policy["spec"]["failurePolicy"] == "Ignore", "a policy that cannot run must not block a publish"
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["operations"] == ["CREATE"] and rule["resources"] == ["weightversions"]
+    assert "MutatingAdmissionPolicy" not in by_kind(render(helm_env))  # an older cluster (helm's defaults)
+    off = by_kind(render(helm_env, *served, *sets(operator__releaseFinalizerPolicy="false")))
+    assert "MutatingAdmissionPolicy" not in off and "MutatingAdmissionPolicyBinding" not in off
 
 
 def test_monitoring_objects_scrape_the_metrics_ports_and_ship_the_dashboards(helm_env):
@@ -597,6 +620,9 @@ def test_install_then_uninstall_keeps_crds_and_resources(cluster, namespace, hel
                 assert exists(cluster, kind, f"{name}-{component}"), f"{kind}/{name}-{component} missing"
         for kind in ("validatingadmissionpolicy", "validatingadmissionpolicybinding"):
             assert exists(cluster, kind, f"{name}-agent-node-scope"), f"{kind} missing"
+        # The apiserver serves MutatingAdmissionPolicy (1.36): helm installs the release finalizer policy.
+        for kind in ("mutatingadmissionpolicy", "mutatingadmissionpolicybinding"):
+            assert exists(cluster, kind, f"{name}-operator-release-finalizer"), f"{kind} missing"
 
         # A custom resource created while the release is installed.
         wv = {
@@ -609,7 +635,21 @@ def test_install_then_uninstall_keeps_crds_and_resources(cluster, namespace, hel
                 "storage": {"uri": "s3://models/m/keep-me/model.safetensors.index.json"},
             },
         }
-        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(wv))
+
+        # Created with the operator's release finalizer by the policy (once the admission plugin has read it).
+        def create(*dry_run: str) -> dict:
+            args = ("create", *dry_run, "-n", namespace, "-o", "json", "-f", "-")
+            return json.loads(cluster.kubectl(*args, input=json.dumps(wv)).stdout)
+
+        wait_until(
+            lambda: create("--dry-run=server")["metadata"].get("finalizers") == ["ferry.dev/release"],
+            30,
+            "the release finalizer policy in force",
+        )
+        assert create()["metadata"]["finalizers"] == ["ferry.dev/release"]
+        # No operator may run here to release it: let the namespace go at the end.
+        finalizers = '[{"op":"remove","path":"/metadata/finalizers"}]'
+        cluster.kubectl("patch", "weightversion", "keep-me", "-n", namespace, "--type=json", "-p", finalizers)
 
         proc = helm(helm_env, "uninstall", name, *kube)
         assert "uninstalled" in proc.stdout
@@ -625,6 +665,7 @@ def test_install_then_uninstall_keeps_crds_and_resources(cluster, namespace, hel
             assert not exists(cluster, "clusterrole", f"{name}-{component}")
             assert not exists(cluster, "clusterrolebinding", f"{name}-{component}")
         assert not exists(cluster, "validatingadmissionpolicy", f"{name}-agent-node-scope")
+        assert not exists(cluster, "mutatingadmissionpolicy", f"{name}-operator-release-finalizer")
         assert json.loads(helm(helm_env, "list", *kube, "-o", "json").stdout) == []
 
         # Kept: the CRDs (still Established) and every custom resource.

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 import urllib.request
 from itertools import pairwise
 
 import pytest
+import yaml
 
 from ferry import checkpoint_format as cf
 from ferry_dev.localcluster import free_port
+from tests.support.helm import render
 from tests.support.objects import (
     apply,
     condition,
@@ -291,6 +294,9 @@ def test_the_release_finalizer_is_added_without_a_refused_patch(cluster, s3, nam
             f"{name} held",
         )
     assert _refused_version_patches(cluster) == refused
+    # No admission policy here: the finalizer is the operator's own patch, not the creator's.
+    finalizer_owners = _owners(cluster, namespace, "v1", "finalizers")
+    assert finalizer_owners and not finalizer_owners & _owners(cluster, namespace, "v1", "spec")
 
     # Released, the operator takes only its own finalizer away.
     cluster.kubectl("delete", "wv", "v3", "-n", namespace, "--wait=false")
@@ -303,6 +309,65 @@ def test_the_release_finalizer_is_added_without_a_refused_patch(cluster, s3, nam
         "patch", "wv", "v3", "-n", namespace, "--type=json", "-p", '[{"op":"remove","path":"/metadata/finalizers"}]'
     )
     wait_for(lambda: get(cluster, namespace, "wv", "v3") is None, 20, "v3 gone")
+
+
+def _owners(cluster, namespace: str, name: str, field: str) -> set[str]:
+    """The field managers of the version's `metadata.<field>` or `<field>` (its managedFields), those of the status
+    subresource apart."""
+    args = ("get", "wv", name, "-n", namespace, "-o", "json", "--show-managed-fields")
+    managed = json.loads(cluster.kubectl(*args).stdout)["metadata"]["managedFields"]
+    return {
+        m["manager"]
+        for m in managed
+        if not m.get("subresource") and f'"f:{field}"' in json.dumps(m.get("fieldsV1") or {})
+    }
+
+
+def test_the_charts_admission_policy_creates_versions_with_the_release_finalizer(
+    cluster, s3, namespace, operator, tmp_path
+):
+    """The chart's MutatingAdmissionPolicy (rendered by the real `helm template` for a 1.36 apiserver, bound to this
+    namespace only) adds `ferry.dev/release` at creation: the operator then sends no finalizer patch, and the
+    release still takes the finalizer away."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HELM_") and k != "KUBECONFIG"}
+    for kind in ("CACHE", "CONFIG", "DATA"):
+        env[f"HELM_{kind}_HOME"] = str(tmp_path / kind.lower())
+    docs = render(
+        env,
+        "--api-versions",
+        "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy",
+        "-s",
+        "templates/operator-finalizer-policy.yaml",
+        release=f"p-{namespace}",
+    )
+    assert [d["kind"] for d in docs] == ["MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"]
+    _, binding = docs
+    binding["spec"]["matchResources"] = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+    }
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    try:
+        publish_chain(s3, namespace, ["v1", "v2"])
+        probe = json.dumps(wv_body(namespace, "v1"))
+
+        def mutated() -> bool:  # the policy is live once the admission plugin has read it
+            out = cluster.kubectl(
+                "create", "--dry-run=server", "-n", namespace, "-o", "json", "-f", "-", input=probe
+            ).stdout
+            return json.loads(out)["metadata"].get("finalizers") == ["ferry.dev/release"]
+
+        wait_for(mutated, 30, "the admission policy in force")
+        apply(cluster, namespace, wv_body(namespace, "v1"), wv_body(namespace, "v2", base="v1"))
+        for name in ("v1", "v2"):
+            wait_reason(cluster, namespace, name, "Ready", "True", "Verified")
+            assert get(cluster, namespace, "wv", name)["metadata"]["finalizers"] == ["ferry.dev/release"]
+            # Written by the create's admission, not by a patch of the operator's (whose manager would own it).
+            owners = _owners(cluster, namespace, name, "finalizers")
+            assert not owners - _owners(cluster, namespace, name, "spec"), owners
+        cluster.kubectl("delete", "wv", "v2", "-n", namespace)  # waits for the release
+        assert get(cluster, namespace, "wv", "v2") is None
+    finally:
+        cluster.kubectl("delete", "-f", "-", "--wait=false", input=yaml.safe_dump_all(docs), check=False)
 
 
 def test_a_base_being_released_takes_its_delta_out_of_ready(cluster, s3, namespace, operator):
@@ -325,7 +390,7 @@ def test_info_log_shows_transitions_not_handler_bookkeeping(cluster, s3, namespa
     cluster.kubectl("delete", "wv", "v2", "-n", namespace)
     log = operator.process.log_tail(100_000)
     assert f"{namespace}/v2 is Ready (chain v1 → v2)" in log
-    mine = [line for line in log.splitlines() if f"[{namespace}/" in line]
+    mine = [line for line in log.splitlines() if f"{namespace}/" in line]
     assert mine and not [line for line in mine if "succeeded." in line or "is processed:" in line], mine
 
 

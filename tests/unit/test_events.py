@@ -67,15 +67,51 @@ def test_condition_events(type_, before, after, expected):
     assert condition_event(type_, before, after) is expected
 
 
-def test_a_verified_version_is_one_normal_event_and_a_resync_none():
+def posted(monkeypatch) -> list[tuple[str, bool]]:
+    """(reason, warning) of each Event posted from now on."""
+    seen: list[tuple[str, bool]] = []
+    monkeypatch.setattr(
+        events_module.EVENTS, "post", lambda obj, *, reason, warning=False, **_: seen.append((reason, warning))
+    )
+    return seen
+
+
+WV = {"apiVersion": "ferry.dev/v1alpha1", "kind": "WeightVersion", "metadata": {"name": "v1", "namespace": "ns"}}
+
+
+def test_a_new_version_becoming_ready_is_no_event_and_a_resync_none(monkeypatch):
+    """The normal end of a create is not news (thousands at once would be a fifth of the apiserver's work); its
+    status says it. Ready ending a problem is (the Warning's end), and so is Ready lost and regained."""
+    seen = posted(monkeypatch)
     chain = ChainResult(ok=True, reason="Resolved", message="chain of 1", chain=("v1",))
     ok = StorageReport(ok=True, reason=StorageReason.Verified, message="ok", total_bytes=1, tensor_count=1)
     first = plan_version_status(weight_version("v1"), chain, ok, now=T0).patch(None)
-    events = [(x["type"], condition_event(x["type"], None, x)) for x in first["conditions"]]
-    assert [e for e in events if e[1] is not None] == [("Ready", False)]
+    events_module.emit_transitions(WV, [], first["conditions"], {}, first_ready=True)
+    assert seen == []
     again = plan_version_status(weight_version("v1", status=first), chain, ok, now=T0).patch(None)
     old = {x["type"]: x for x in first["conditions"]}
     assert all(condition_event(x["type"], old[x["type"]], x) is None for x in again["conditions"])
+
+    missing = [c("False", "ObjectMissing") | {"type": "Ready"}]
+    events_module.emit_transitions(WV, [], missing, announced := {}, first_ready=True)
+    ready = [c("True", "Verified") | {"type": "Ready"}]
+    events_module.emit_transitions(WV, missing, ready, announced, first_ready=True)
+    assert seen == [("ObjectMissing", True), ("Verified", False)]
+    # A base that was missing, then not ready yet, then Ready: the story began with an Event, it ends with one.
+    waiting = [c("False", "BaseNotReady") | {"type": "Ready"}]
+    events_module.emit_transitions(
+        WV, [], [c("False", "BaseNotFound") | {"type": "Ready"}], announced := {}, first_ready=True
+    )
+    events_module.emit_transitions(
+        WV, [c("False", "BaseNotFound") | {"type": "Ready"}], waiting, announced, first_ready=True
+    )
+    events_module.emit_transitions(WV, waiting, ready, announced, first_ready=True)
+    assert seen[2:] == [("BaseNotFound", True), ("BaseNotReady", False), ("Verified", False)]
+    del seen[2:]
+    lost = [c("False", "BaseNotReady") | {"type": "Ready"}]
+    events_module.emit_transitions(WV, [c("True", "Verified") | {"type": "Ready"}], lost, {}, first_ready=False)
+    events_module.emit_transitions(WV, lost, [c("True", "Verified") | {"type": "Ready"}], {}, first_ready=False)
+    assert seen[2:] == [("BaseNotReady", False), ("Verified", False)]
 
 
 def test_engines_attached_flips_are_normal_events_and_its_birth_is_none():
@@ -136,7 +172,7 @@ def test_the_poster_retries_an_event_without_holding_up_the_others(monkeypatch):
     tried: list[str] = []
     failures = {"first": 1}
 
-    def create_event(namespace: str, body: dict) -> None:
+    async def create_event(namespace: str, body: dict) -> None:
         tried.append(body["message"])
         if body["message"] == "terminating":
             refused = ApiException(status=403, reason="Forbidden")
@@ -146,7 +182,7 @@ def test_the_poster_retries_an_event_without_holding_up_the_others(monkeypatch):
             raise OSError("apiserver restarting")
         posted.append(body["message"])
 
-    monkeypatch.setattr(events_module.kubeapi, "create_event", create_event)
+    monkeypatch.setattr(events_module.kubeaio, "create_event", create_event)
     monkeypatch.setattr(events_module, "POST_BACKOFFS", (0.05,))
     ml = {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelLoad", "metadata": {"name": "m", "namespace": "ns"}}
 

@@ -3,6 +3,7 @@ namespace wake exactly its blocked releases whose blockers changed. And the oper
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ferry.chain import VersionView
-from ferry_operator import kubeapi
+from ferry_operator import kubeaio, kubeapi
 from ferry_operator.handlers import weightversion
 from ferry_operator.indexes import Indexes
 from ferry_operator.indexkeys import based_on
@@ -72,7 +73,8 @@ def test_a_new_blocker_wakes_it_too(woken):
 
 
 def test_the_finalizer_patches_are_json_patches(monkeypatch):
-    """The client sends a list body as a merge patch unless told: the apiserver would refuse it."""
+    """A client sends a list body as a merge patch unless told: the apiserver would refuse it. The addition goes
+    on the event loop (kubeaio), the removal through the blocking client (kubeapi)."""
     sent: list[tuple[str, list]] = []
     api = client.ApiClient(client.Configuration(host="http://127.0.0.1:1"))
 
@@ -82,19 +84,28 @@ def test_the_finalizer_patches_are_json_patches(monkeypatch):
         refused.body = b""
         raise refused
 
+    async def request_async(method: str, path: str, *, body: Any = None, content_type: str = "", **_: Any) -> Any:
+        sent.append((content_type, body))
+        raise ApiException(status=422, reason="test failed")
+
     monkeypatch.setattr(api, "request", request)
     monkeypatch.setattr(kubeapi, "api_client", lambda: api)
-    assert not kubeapi.add_finalizer("weightversions", "ns", "v1", "u1", [], "ferry.dev/release")
-    assert not kubeapi.add_finalizer("weightversions", "ns", "v1", "u1", ["a/b"], "ferry.dev/release")
+    monkeypatch.setattr(kubeaio.API, "request", request_async)
+    assert not asyncio.run(kubeaio.add_finalizer("weightversions", "ns", "v1", "u1", [], "ferry.dev/release"))
+    assert not asyncio.run(kubeaio.add_finalizer("weightversions", "ns", "v1", "u1", ["a/b"], "ferry.dev/release"))
     assert not kubeapi.remove_finalizer(
         "weightversions", "ns", "v1", "u1", ["a/b", "ferry.dev/release"], "ferry.dev/release"
     )
     assert {content for content, _ in sent} == {"application/json-patch+json"}
-    assert sent[0][1][1:] == [
+    assert sent[0][1] == [
+        {"op": "test", "path": "/metadata/uid", "value": "u1"},
         {"op": "test", "path": "/metadata/finalizers", "value": None},
         {"op": "add", "path": "/metadata/finalizers", "value": ["ferry.dev/release"]},
     ]
-    assert sent[1][1][2] == {"op": "add", "path": "/metadata/finalizers/-", "value": "ferry.dev/release"}
+    assert sent[1][1][1:] == [
+        {"op": "test", "path": "/metadata/finalizers", "value": ["a/b"]},
+        {"op": "add", "path": "/metadata/finalizers/-", "value": "ferry.dev/release"},
+    ]
     assert sent[2][1][1:] == [
         {"op": "test", "path": "/metadata/finalizers/1", "value": "ferry.dev/release"},
         {"op": "remove", "path": "/metadata/finalizers/1"},

@@ -1,7 +1,10 @@
-"""Storage verification against an in-memory fake S3: every reason, without processes."""
+"""Storage verification against an in-memory fake S3: every reason, without processes, through both drivers: a
+blocking boto3-like client (`verify_checkpoint`) and an asyncio one (`verify_checkpoint_async`, the operator's
+against an explicit endpoint)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import struct
@@ -21,7 +24,7 @@ from botocore.exceptions import (
 from safetensors.numpy import save
 
 from ferry import checkpoint_format as ckpt
-from ferry.storage import StorageReason, StorageReport, verify_checkpoint
+from ferry.storage import StorageReason, StorageReport, verify_checkpoint, verify_checkpoint_async
 from ferry_operator import verification
 
 pytestmark = pytest.mark.unit
@@ -90,6 +93,37 @@ class FakeS3:
         }
 
 
+class AsyncBody:
+    def __init__(self, body: FakeBody) -> None:
+        self.body = body
+
+    async def read(self) -> bytes:
+        return self.body.read()
+
+    def close(self) -> None:
+        self.body.close()
+
+
+class AsyncClient:
+    """A fake as `ferry.s3reader.S3Reader` answers: `get_object` and its Body's `read` are coroutines."""
+
+    def __init__(self, fake: FakeS3) -> None:
+        self.fake = fake
+
+    async def get_object(self, **kw: Any) -> dict[str, Any]:
+        response = self.fake.get_object(**kw)
+        return {**response, "Body": AsyncBody(response["Body"])}
+
+
+_driver = {"name": "blocking"}
+
+
+@pytest.fixture(autouse=True, params=["blocking", "asyncio"])
+def driver(request: pytest.FixtureRequest) -> str:
+    _driver["name"] = request.param
+    return request.param
+
+
 def full_files(**kw: Any) -> dict[str, bytes]:
     rng = np.random.default_rng(1)
     tensors = {f"layer.{i}.weight": rng.standard_normal((4, 8)).astype(np.float32) for i in range(5)}
@@ -105,6 +139,9 @@ def delta_files(version: str = "v2", base_version: str = "v1") -> dict[str, byte
 def verify(fake: FakeS3, fmt: str = "FullCheckpoint", uri: str = URI, **kw: Any) -> StorageReport:
     kw.setdefault("version", "v2" if fmt == "XorDelta" else "v1")
     kw.setdefault("base_version", "v1" if fmt == "XorDelta" else None)
+    if _driver["name"] == "asyncio":
+        kw.pop("map_shards", None)
+        return asyncio.run(verify_checkpoint_async(AsyncClient(fake), uri, fmt=fmt, **kw))
     return verify_checkpoint(fake, uri, fmt=fmt, **kw)
 
 
@@ -399,8 +436,26 @@ class BarrierS3(FakeS3):
         return super().get_object(Bucket=Bucket, Key=Key, Range=Range)
 
 
-def test_the_operator_reads_all_shard_headers_at_once() -> None:
+def test_the_operator_reads_all_shard_headers_at_once(driver: str) -> None:
     files = full_files()
+    if driver == "asyncio":  # every shard header GET waits until all are under way
+        barrier = asyncio.Barrier(len(shards(files)))
+
+        class BarrierClient(AsyncClient):
+            async def get_object(self, **kw: Any) -> dict[str, Any]:
+                if not kw["Key"].endswith(ckpt.INDEX_NAME):
+                    await asyncio.wait_for(barrier.wait(), 10)
+                return await super().get_object(**kw)
+
+        async def scenario() -> StorageReport:
+            uri = URI
+            return await verify_checkpoint_async(
+                BarrierClient(FakeS3(files)), uri, fmt="FullCheckpoint", version="v1", base_version=None
+            )
+
+        report = asyncio.run(scenario())
+        assert report.ok and report.shard_count == len(shards(files))
+        return
     assert len(shards(files)) > 2
     report = verify(BarrierS3(files), map_shards=verification._map_shards)
     assert report.ok and report.shard_count == len(shards(files))

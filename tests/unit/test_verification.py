@@ -37,7 +37,7 @@ def test_failures_back_off_in_the_memo_and_schedule_a_retry(monkeypatch):
     reports = [MISSING, StorageReport(ok=True, reason=StorageReason.Verified, message="ok", index_digest="d")]
     checked = []
 
-    def verify(namespace: str, name: str, spec: WeightVersionSpec) -> StorageReport:
+    async def verify(namespace: str, name: str, spec: WeightVersionSpec) -> StorageReport:
         checked.append(name)
         return reports[len(checked) - 1]
 

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -26,7 +27,7 @@ from ferry_operator.config import CONFIG
 from ferry_operator.events import EVENTS
 from ferry_operator.indexes import Indexes
 from ferry_operator.indexkeys import dependents_of, in_folder, named, of_model
-from ferry_operator.kubeapi import ML, WR, WV
+from ferry_operator.kubeapi import ML, WR
 from ferry_operator.retention import (
     DELETE_STORAGE_ANNOTATION,
     RETIRED_BY_ANNOTATION,
@@ -145,11 +146,11 @@ async def _apply_policies(namespace: str, models: set[str], memo: kopf.Memo, ind
         await _apply_policy(namespace, model, indexes)
 
 
-@kopf.on.event(*WV)
 async def retention_on_version(
-    event: dict, namespace: str, body: kopf.Body, spec: kopf.Spec, memo: kopf.Memo, **_: Any
+    event: dict, namespace: str, body: Mapping[str, Any], spec: Mapping[str, Any], memo: kopf.Memo, **_: Any
 ) -> None:
-    """Its model's policy, and that of its base's model: a delta of another model going frees its base."""
+    """Its model's policy, and that of its base's model: a delta of another model going frees its base. Called on
+    each WeightVersion event by main.py (WeightVersions are watched by versionwatch.py, not kopf)."""
     if event.get("type") == "DELETED":
         uid = body["metadata"].get("uid")
         _retired.discard(uid)

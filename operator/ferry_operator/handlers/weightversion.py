@@ -31,7 +31,7 @@ from ferry.api.models import (
 )
 from ferry.api.models import WeightVersionEventReason as WVEvent
 from ferry.chain import VersionView, dependents, resolve_chain
-from ferry_operator import kubeapi, metrics, verification
+from ferry_operator import kubeaio, kubeapi, metrics, verification
 from ferry_operator.config import CONFIG
 from ferry_operator.events import EVENTS, emit_transitions
 from ferry_operator.handlers import retention
@@ -90,9 +90,12 @@ async def _write_status(
     memo: kopf.Memo,
 ) -> None:
     patch = plan.patch(current)
-    await asyncio.to_thread(kubeapi.patch_status, WV[2], namespace, name, patch)
+    written = await kubeaio.patch_status(WV[2], namespace, name, patch)
+    if written is not None:  # events older than this write say nothing new (main.py skips them)
+        memo["written"] = written["metadata"]["resourceVersion"]
     before = condition_dicts(current.conditions) if current else []
-    emit_transitions(body, before, patch["conditions"], memo.setdefault("announced", {}))
+    first_ready = current is None or not current.readyTime  # readyTime is set the first time it is Ready
+    emit_transitions(body, before, patch["conditions"], memo.setdefault("announced", {}), first_ready=first_ready)
 
 
 async def reconcile(
@@ -104,7 +107,7 @@ async def reconcile(
     indexes: Indexes = memo.indexes
     async with WAKEUPS.lock(memo):
         if body is None:
-            body = await asyncio.to_thread(kubeapi.get_object, WV[2], namespace, name)
+            body = await kubeaio.get_object(WV[2], namespace, name)
             if body is None:
                 return
         version = parse(body, logger)
@@ -129,7 +132,9 @@ async def reconcile(
             writes.append(_write_status(namespace, name, body, version.status, plan, memo))
         finalizers = list(body["metadata"].get("finalizers") or [])
         uid = version.metadata.uid
-        if not deleting and RELEASE_FINALIZER not in finalizers and memo.get("finalizer") != uid:
+        if RELEASE_FINALIZER in finalizers:
+            memo.pop("finalizer", None)  # held: should it go again (an apply that leaves it out), add it again
+        elif not deleting and memo.get("finalizer") != uid:
             writes.append(_hold(namespace, name, uid, finalizers, memo))
         await asyncio.gather(*writes)  # independent fields: the finalizer costs no round trip of latency
         if deleting and RELEASE_FINALIZER in finalizers:
@@ -146,9 +151,7 @@ async def _hold(namespace: str, name: str, uid: str, finalizers: list[str], memo
     whose bodies may not show the finalizer yet, do not send it again. A failed request must not keep the
     reconcile from waking what derives from the version: it is tried again in a moment."""
     try:
-        added = await asyncio.to_thread(
-            kubeapi.add_finalizer, WV[2], namespace, name, uid, finalizers, RELEASE_FINALIZER
-        )
+        added = await kubeaio.add_finalizer(WV[2], namespace, name, uid, finalizers, RELEASE_FINALIZER)
     except Exception as exc:
         log.warning("%s/%s: release finalizer not added (%r); again in %.0fs", namespace, name, exc, RETRY_SECONDS)
         WAKEUPS.later(WV[2], namespace, name, RETRY_SECONDS)
@@ -196,10 +199,10 @@ async def reconcile_woken(namespace: str, name: str, memo: kopf.Memo) -> None:
     await reconcile(namespace, name, memo)
 
 
-def forget(namespace: str, name: str, body: kopf.Body) -> None:
+def forget(namespace: str, name: str, body: Mapping[str, Any]) -> None:
     """The version is gone: drop what the process kept of it (kopf drops its memo)."""
     metrics.forget(namespace, name)
-    verification.forget(body.metadata.uid)
+    verification.forget(body["metadata"]["uid"])
     held = _blocked.get(namespace, {})
     held.pop(name, None)
     if not held:
