@@ -22,6 +22,7 @@ from ferry_agent.strategies.local_file import LocalFileStrategy, SeedKey
 from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
 from ferry_agent.strategies.peer import PeerStrategy, TransferSettings
 from ferry_agent.strategies.progress import Progress
+from ferry_agent.transport.loading_source import LoadingSource
 from ferry_agent.transport.nixl import NixlPeer
 from ferry_agent.transport.worker_auth import ReadGuard, ServedVersion, WorkerAuth
 from ferry_agent.transport.worker_service import SourceCredentials, WorkerServer, serve_resident
@@ -47,8 +48,16 @@ def serve_rank(
     guard: ReadGuard | None,
 ) -> tuple[WorkerServer, dict[str, Any]]:
     """Publish a loaded rank as a P2P source: its worker service, and its `status.ranks[]` entry."""
-    timeout_s = TransferSettings.from_spec(spec.get("transfer") or {}).timeout_s
-    server = serve_resident(resident, peer, rank=rank, host=host, transfer_timeout_s=timeout_s, guard=guard)
+    settings = TransferSettings.from_spec(spec.get("transfer") or {})
+    server = serve_resident(
+        resident,
+        peer,
+        rank=rank,
+        host=host,
+        transfer_timeout_s=settings.timeout_s,
+        guard=guard,
+        max_readers=settings.max_readers,
+    )
     entry = {
         "rank": rank,
         "agentName": peer.name,
@@ -95,12 +104,16 @@ def load_rank(
     note: Callable[[str], None],
     credentials: SourceCredentials | None = None,
     allocate: Allocate = ResidentWeights.allocate,
+    serving: LoadingSource | None = None,
 ) -> LoadResult:
     """Load this rank (`ctx` from `rank_context`) of a replica, agreeing on everything with the other ranks, and
-    return the chain's result. Every strategy allocates its target with `allocate`."""
+    return the chain's result. Every strategy allocates its target with `allocate`. With `serving`, the load
+    serves peers what it holds while it loads (a one-rank replica in the agent: pipelined fan-out)."""
     settings = TransferSettings.from_spec(spec.get("transfer") or {})
     replica = ctx.target_id
     version = configured or ""
+    if serving is not None:
+        allocate = serving.allocator(allocate)
     strategies: dict[str, LoadStrategy] = {
         SourceKind.PEER: PeerStrategy(
             peer=peer,
@@ -109,6 +122,8 @@ def load_rank(
             progress=progress,
             credentials=credentials,
             allocate=allocate,
+            on_verified=serving.verified if serving is not None else None,
+            first_loader=sources.first_loader(version, replica),
         ),
     }
     if store is not None:
@@ -121,6 +136,7 @@ def load_rank(
             progress=progress,
             timeout_s=settings.timeout_s,
             allocate=allocate,
+            on_checked=serving.verified_one if serving is not None else None,
         )
     local = LocalFileStrategy(seeds, sources.namespace, sources.version, allocate)
     return run_cold_start(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from kubernetes import client
@@ -15,11 +15,12 @@ from kubernetes.client.exceptions import ApiException
 from ferry.api.models import GROUP, LABEL_MODEL, VERSION, WeightReplica, label_value
 from ferry.s3 import credentials_from_secret_data
 from ferry_agent.kube.apiretry import call_with_retry
-from ferry_agent.kube.registry import first_loader, peer_version_problem, source_candidates
+from ferry_agent.kube.registry import first_loader, holder_candidates, peer_version_problem, source_candidates
 from ferry_agent.strategies.chain import LoadContext
 from ferry_agent.strategies.progress import Progress
 
 PLURAL = WeightReplica.plural
+FIRST_LOADER_POLL_S = 0.25  # a replica with no source at all lists again this often while the first loader starts
 
 
 class ApiSources:
@@ -47,10 +48,11 @@ class ApiSources:
         self, version: str, self_name: str, wait_s: float, note: Callable[[str], None], progress: Progress | None = None
     ) -> Callable[[LoadContext], list]:
         """Peer sources for a rank: replicas serving the very WeightVersion object of that name, which must exist,
-        be Ready and be of the replica's model (raises otherwise; `ctx.version_uid` says which object). When
-        there are none yet but another replica is the first loader of the version, wait up to `wait_s` for it
-        (`note` says so, and `progress` names it as the source waited on) and copy from it, instead of all
-        reading S3."""
+        be Ready and be of the replica's model (raises otherwise; `ctx.version_uid` says which object), and
+        replicas still loading it that serve what they hold (pipelined fan-out). With no Serving source, the first
+        loader of the version gets none (it reads object storage, and the others read from it while it does);
+        any other replica that finds no source at all waits up to `wait_s` for the first loader to start serving
+        (`note` says so, and `progress` names it as the source waited on), instead of all reading S3."""
 
         def check(ctx: LoadContext) -> str:
             body = self.version(version)
@@ -84,6 +86,16 @@ class ApiSources:
                 world_size=ctx.world_size,
                 version_uid=uid,
             )
+            if not found and first_loader(replicas, version=version, self_replica=self_name) == self_name:
+                return [], replicas
+            found += holder_candidates(
+                replicas,
+                version=version,
+                rank=ctx.rank,
+                self_replica=self_name,
+                world_size=ctx.world_size,
+                version_uid=uid,
+            )
             return found, replicas
 
         def listing(ctx: LoadContext) -> list:
@@ -99,11 +111,25 @@ class ApiSources:
                 if progress is not None and leader != waited_on:  # once: progress reports reset stall detection
                     progress(0, 0, f"peer/{leader}")  # a stall names the peer waited on
                     waited_on = leader
-                time.sleep(0.5)
+                time.sleep(FIRST_LOADER_POLL_S)
                 found, replicas = once(ctx, uid)
             return found
 
         return listing
+
+    def first_loader(self, version: str, self_name: str) -> Callable[[LoadContext, Collection[str]], str]:
+        """Who reads object storage for `version` now, the replicas in the second argument (found dead) excluded."""
+
+        def leader(ctx: LoadContext, dead: Collection[str]) -> str:
+            replicas = self._read(
+                f"the replicas of {ctx.model}",
+                lambda: self._objects.list_namespaced_custom_object(
+                    GROUP, VERSION, self.namespace, PLURAL, label_selector=f"{LABEL_MODEL}={label_value(ctx.model)}"
+                )["items"],
+            )
+            return first_loader(replicas, version=version, self_replica=self_name, exclude=dead)
+
+        return leader
 
     def version(self, name: str) -> dict | None:
         try:

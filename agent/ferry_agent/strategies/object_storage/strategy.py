@@ -124,11 +124,13 @@ class ObjectStorageStrategy:
         range_bytes: int = DEFAULT_RANGE_BYTES,
         timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
         allocate: Callable[[Sequence[TensorSpec], str], ResidentWeights] = ResidentWeights.allocate,
+        on_checked: Callable[[str, str], None] | None = None,
     ) -> None:
         """`fetch_version(name)`: the WeightVersion object (a dict) of that name in the replica's `namespace`, or
         None. `credentials(storage)`: S3 credentials for a `spec.storage` dict, or None for the environment's.
         `timeout_s` bounds each S3 request, all its tries together (the replica's `spec.transfer.timeoutSeconds`).
-        `allocate(specs, device)`: the target's memory (the agent's host store on `cpu`)."""
+        `allocate(specs, device)`: the target's memory (the agent's host store on `cpu`). `on_checked(name,
+        adler32)`: a streamed tensor of the target passed its check (a load that serves while it loads)."""
         if download_workers < 1 or range_bytes < 1 or timeout_s <= 0:
             raise ValueError("download_workers, range_bytes and timeout_s must be positive")
         self._namespace = namespace
@@ -141,6 +143,7 @@ class ObjectStorageStrategy:
         self._progress = progress
         self._range_bytes = range_bytes
         self._allocate = allocate
+        self._on_checked = on_checked
         self._planner = Planner(
             namespace=namespace, fetch_version=fetch_version, store=store, client=self._client, progress=progress
         )
@@ -285,6 +288,11 @@ class ObjectStorageStrategy:
         landed: Landed | None = None,
     ) -> S3LoadResult:
         seconds = time.monotonic() - t0
+        checksums = dict(plan.base.checksums)
+        for delta in plan.deltas:
+            checksums.update(delta.checksums)
+        if all(name in checksums for name in resident.tensors):  # what the load checked every tensor against
+            resident.checksums = {name: checksums[name] for name in resident.tensors}
         log.info(
             "rank %d/%d loaded %s (%d bytes, chain %s) from %s in %.2fs, %d bytes downloaded",
             ctx.rank,
@@ -411,6 +419,13 @@ class ObjectStorageStrategy:
             raise LoadError(f"cannot allocate {nbytes} bytes on {ctx.device}: {exc}") from exc
         timings["allocate"] = time.monotonic() - t
         streamed = stream(
-            plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes, into=into
+            plan,
+            resident,
+            pool,
+            timings,
+            report=self._progress,
+            range_bytes=self._range_bytes,
+            into=into,
+            on_checked=self._on_checked,
         )
         return resident, streamed
