@@ -140,6 +140,7 @@ class NodeAgent:
         self._bind_address = config.bind_address
         self._store = store
         self._s3_endpoint = config.s3_endpoint
+        self._s3_workers = config.s3_download_workers
         # Bound on each collective of a multi-rank replica. Followers wait in one while their leader downloads and
         # replays the whole chain, so it is long; a rank that dies is noticed at once by its exit, not by this.
         self._rank_timeout_s = config.rank_timeout_seconds
@@ -416,6 +417,7 @@ class NodeAgent:
                 credentials=self._worker_tokens,
                 allocate=self._host.allocator((namespace, name), label),
                 serving=serving,
+                download_workers=self._s3_workers,
             )
             serving.close()  # before the seal: no reader may hold the writable pages
             sealed = None

@@ -105,6 +105,7 @@ def load_rank(
     credentials: SourceCredentials | None = None,
     allocate: Allocate = ResidentWeights.allocate,
     serving: LoadingSource | None = None,
+    download_workers: int = 8,
 ) -> LoadResult:
     """Load this rank (`ctx` from `rank_context`) of a replica, agreeing on everything with the other ranks, and
     return the chain's result. Every strategy allocates its target with `allocate`. With `serving`, the load
@@ -135,6 +136,7 @@ def load_rank(
             default_endpoint=s3_endpoint,
             progress=progress,
             timeout_s=settings.timeout_s,
+            download_workers=download_workers,
             allocate=allocate,
             on_checked=serving.verified_one if serving is not None else None,
         )

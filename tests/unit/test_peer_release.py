@@ -34,8 +34,8 @@ from ferry_agent.strategies.peer import (
     TransferSettings,
     transfer_timeout_seconds,
 )
-from ferry_agent.transport.nixl import ManifestMismatchError, NixlPeer, RemoteTensor, describe
 from ferry_agent.transport.holdings import HoldingsView
+from ferry_agent.transport.nixl import ManifestMismatchError, NixlPeer, RemoteTensor, describe
 from ferry_agent.transport.worker_service import SourceIdentity, SourceManifest, adler32s, build_manifest
 
 pytestmark = pytest.mark.unit
