@@ -19,7 +19,8 @@ def fleet(n: int, **kw) -> Fleet:
         "s3_client_gbps": 4.0,
         "s3_latency_s": 0.0,
         "peer_latency_s": 0.0,
-        "chunks": 16,
+        "tensor_bytes": MIB,
+        "chunk_bytes": 4 * MIB,  # 16 chunks
     }
     return Fleet(**{**base, **kw})
 
