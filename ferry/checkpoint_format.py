@@ -32,6 +32,11 @@ from safetensors.numpy import save
 
 from ferry.errors import IntegrityError
 
+try:  # ISA-L's adler32 (SIMD) computes the same value 3-4x faster than zlib's: every byte a load moves is checked
+    from isal.isal_zlib import adler32 as _adler32
+except ImportError:  # the `fast` extra is not installed
+    _adler32 = zlib.adler32
+
 INDEX_NAME = "model.safetensors.index.json"
 SAFE_SHARD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")  # use with fullmatch: `$` allows a trailing \n
 METADATA_KEY = "__metadata__"
@@ -122,7 +127,7 @@ class InvalidShard(IntegrityError, ValueError):
 
 
 def adler32_hex(data: bytes | bytearray | memoryview | np.ndarray) -> str:
-    return f"{zlib.adler32(data) & 0xFFFFFFFF:08x}"
+    return f"{_adler32(data) & 0xFFFFFFFF:08x}"
 
 
 def is_safe_shard_name(name: object) -> bool:

@@ -420,6 +420,8 @@ class NodeAgent:
                 download_workers=self._s3_workers,
             )
             serving.close()  # before the seal: no reader may hold the writable pages
+            held, shared = getattr(result.resident, "shared_from", None), getattr(result.resident, "shared", ())
+            base = (held.uid, shared) if held is not None and held.uid and shared else None  # the seal clears them
             sealed = None
             if result.resident.host is not None:
                 # The READ's registration goes first: sealing needs no pinned, writable pages; serving registers the
@@ -437,6 +439,7 @@ class NodeAgent:
             host=self._bind_address,
             spec=spec,
             guard=read_guard(self._worker_auth, namespace, ctx),
+            base=base,
         )
         handle = InProcessReplica(result.resident, server, self._peer, sealed)
         attempts = [a.to_status() for a in ctx.attempts]

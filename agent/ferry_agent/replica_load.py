@@ -7,7 +7,7 @@ of a multi-rank one, so both run exactly the same code: `load_rank` over a `Rank
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,10 @@ def serve_rank(
     host: str,
     spec: Mapping[str, Any],
     guard: ReadGuard | None,
+    base: tuple[str, Collection[str]] | None = None,
 ) -> tuple[WorkerServer, dict[str, Any]]:
-    """Publish a loaded rank as a P2P source: its worker service, and its `status.ranks[]` entry."""
+    """Publish a loaded rank as a P2P source: its worker service, and its `status.ranks[]` entry (`base`: the
+    tensors it shares with that WeightVersion uid, which readers holding it share too)."""
     settings = TransferSettings.from_spec(spec.get("transfer") or {})
     server = serve_resident(
         resident,
@@ -57,6 +59,7 @@ def serve_rank(
         transfer_timeout_s=settings.timeout_s,
         guard=guard,
         max_readers=settings.max_readers,
+        base=base,
     )
     entry = {
         "rank": rank,

@@ -264,6 +264,20 @@ def _code(exc: BaseException) -> grpc.StatusCode | None:
     return exc.code() if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)) else None
 
 
+def _sharing(manifest: SourceManifest, holdings: HoldingsView) -> Callable[[Any], list[str]] | None:
+    """A `share` for the allocator: the tensors the holder says the new version has, byte for byte, of the
+    WeightVersion `holdings.base_uid` (when this replica holds that very version, its memory is used for them)."""
+    if not holdings.base_uid or not holdings.unchanged:
+        return None
+    names = [manifest.tensors[i].name for i in sorted(holdings.unchanged)]
+
+    def share(version: Any) -> list[str]:
+        return names if getattr(version, "uid", None) == holdings.base_uid else []
+
+    share.checked_later = True  # type: ignore[attr-defined]  # held only once `_check_shared` checked them
+    return share
+
+
 class ChecksumMismatch(SourceTransferError):
     """Bytes read from a holder do not have the checksum it listed for them."""
 
@@ -417,6 +431,8 @@ class PeerStrategy:
         ctx = load.ctx
         try:
             self._load_from(holder.cand, ctx, load=load, holder=holder, verifier=verifier)
+        except StrategyFailed:
+            raise
         except grpc.RpcError as exc:
             if _code(exc) == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 holder.busy_until = self._clock() + BUSY_BACKOFF_S  # at its reader limit: not a failure
@@ -574,7 +590,7 @@ class PeerStrategy:
         moved = 0
         try:
             manifest = lease.manifest
-            target = self._prepare_target(manifest, cand, ctx, load)
+            target = self._prepare_target(manifest, cand, ctx, load, lease.holdings)
             self._update(load, holder, lease.holdings)
             batch = [c for c in load.chunks if c.index in load.needed and c.index in (holder.chunks or ())]
             if not batch:
@@ -606,7 +622,7 @@ class PeerStrategy:
                     else:
                         checks.append(verifier.submit(self._check, load, holder, lease.holdings, target, chunk))
 
-                groups = [[load.names[t] for t in c.tensors] for c in batch]
+                groups = [[load.names[t] for t in c.tensors if load.names[t] not in target.shared] for c in batch]
                 try:
                     moved = self._peer.read_groups(
                         remote_name, manifest.tensors, target, groups, remaining, on_start=on_start, on_done=on_done
@@ -635,6 +651,8 @@ class PeerStrategy:
         verified: dict[str, str] = {}
         for t in chunk.tensors:
             name = load.names[t]
+            if name in target.shared:
+                continue  # this replica's own copy of the base, checked when it was shared
             expected = holdings.checksums[t]
             known = load.checksums.get(name)
             if known and known != expected:
@@ -655,6 +673,27 @@ class PeerStrategy:
             self._on_verified(verified)
         self._report(load, holder.cand.label)
 
+    def _check_shared(self, load: _Load, target: ResidentWeights, holdings: HoldingsView) -> None:
+        """The tensors the target shares with the version this replica holds (the holder says the new version has
+        their very bytes): each must have the checksum the holder lists, and then is held without a READ."""
+        if not target.shared:
+            return
+        index = {name: i for i, name in enumerate(load.names)}
+        verified = {}
+        for name in target.shared:
+            got = ckpt.adler32_hex(target.tensors[name].detach().reshape(-1).view(torch.uint8).cpu().numpy())
+            if got != holdings.checksums[index[name]]:
+                # The shared tensors are read-only: this target cannot take other bytes for them.
+                raise StrategyFailed(
+                    f"{name}: the held base has adler32 {got}, the new version {holdings.checksums[index[name]]}",
+                    mutated=False,
+                )
+            verified[name] = got
+        load.checksums.update(verified)
+        if self._on_verified is not None:
+            self._on_verified(verified)
+        log.info("%d of %d tensors shared with the held %s, not read", len(verified), len(load.names), "base")
+
     def _rpc_budget(self, deadline: float) -> float:
         return max(0.001, min(self.settings.rpc_timeout_s, deadline - self._clock()))
 
@@ -665,7 +704,7 @@ class PeerStrategy:
             log.warning("releasing the read lease at %s failed: %s", cand.label, _describe(exc))
 
     def _prepare_target(
-        self, manifest: SourceManifest, cand: SourceCandidate, ctx: LoadContext, load: _Load
+        self, manifest: SourceManifest, cand: SourceCandidate, ctx: LoadContext, load: _Load, holdings: HoldingsView
     ) -> ResidentWeights:
         if manifest.identity.agent_name != cand.agent_name:
             raise ManifestMismatchError(f"manifest is from {manifest.identity.agent_name}, expected {cand.agent_name}")
@@ -677,12 +716,17 @@ class PeerStrategy:
         if cand.tensor_count and len(manifest.tensors) != cand.tensor_count:
             raise ManifestMismatchError(f"{len(manifest.tensors)} tensors, {cand.tensor_count} advertised")
         if self._target is None:
-            self._target = self._allocate(manifest.specs, ctx.device)
+            share = _sharing(manifest, holdings)
+            if share is None:
+                self._target = self._allocate(manifest.specs, ctx.device)
+            else:
+                self._target = self._allocate(manifest.specs, ctx.device, share)
             self._peer.register(self._target)
         if not load.chunks:
             load.names = tuple(t.name for t in manifest.tensors)
             load.chunks = plan_chunks([t.nbytes for t in manifest.tensors], self.settings.chunk_bytes)
-            load.needed = {c.index for c in load.chunks}
+            self._check_shared(load, self._target, holdings)
+            load.needed = {c.index for c in load.chunks if not all(load.names[t] in load.checksums for t in c.tensors)}
             for h in load.holders.values():
                 if h.view is not None:
                     h.chunks = chunks_held(load.chunks, h.view.held)

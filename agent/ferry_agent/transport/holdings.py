@@ -4,7 +4,9 @@ so a reader may READ any tensor a lease's holdings list while the rest are still
 every tensor (`Holdings.full`).
 
 The wire form (`worker_pb2.Holdings`) is a bitmap over the manifest's tensors plus each held tensor's adler32, which
-the reader checks every byte against as it lands.
+the reader checks every byte against as it lands. A load that shares tensors with the version it replaces (a delta
+replayed on the held base: unchanged tensors are the base's very memory) says so (`base_uid`, `unchanged`): a
+reader that holds that very base shares them too, and reads only the rest.
 """
 
 from __future__ import annotations
@@ -37,13 +39,17 @@ class HoldingsView:
     complete: bool
     readers: int = 0
     max_readers: int = 0  # 0: no limit
+    base_uid: str = ""  # the WeightVersion uid whose bytes the `unchanged` tensors have
+    unchanged: frozenset[int] = frozenset()
 
     @classmethod
     def from_proto(cls, msg: worker_pb2.Holdings, n: int) -> HoldingsView:
         checksums = tuple(msg.checksums) if len(msg.checksums) == n else ("",) * n
         held = frozenset(range(n)) if msg.complete else decode_bitmap(msg.held, n)
         # A tensor without its checksum cannot be checked, so it does not count as held.
-        return cls(frozenset(i for i in held if checksums[i]), checksums, msg.complete, msg.readers, msg.max_readers)
+        held = frozenset(i for i in held if checksums[i])
+        unchanged = decode_bitmap(msg.unchanged, n) & held if msg.base_uid else frozenset()
+        return cls(held, checksums, msg.complete, msg.readers, msg.max_readers, msg.base_uid, unchanged)
 
     @property
     def full(self) -> bool:
@@ -60,8 +66,15 @@ class Holdings:
         self._checksums = [""] * len(self.names)
         self._held: set[int] = set()
         self._cond = threading.Condition()
+        self._base: tuple[str, frozenset[int]] = ("", frozenset())
         if checksums is not None:  # a whole version, all of it checked: a Serving source
             self.mark(checksums)
+
+    def set_base(self, base_uid: str, names: Iterable[str]) -> None:
+        """These tensors are, byte for byte, the WeightVersion `base_uid`'s: a reader holding that version shares
+        them instead of reading them (once they are held here)."""
+        with self._cond:
+            self._base = (base_uid, frozenset(self._index[n] for n in names))
 
     @classmethod
     def full(cls, names: Sequence[str], checksums: Mapping[str, str]) -> Holdings:
@@ -110,10 +123,13 @@ class Holdings:
     def to_proto(self, *, readers: int = 0, max_readers: int | None = None) -> worker_pb2.Holdings:
         with self._cond:
             complete = len(self._held) == len(self.names)
+            base_uid, unchanged = self._base
             return worker_pb2.Holdings(
                 held=b"" if complete else encode_bitmap(self._held, len(self.names)),
                 checksums=list(self._checksums),
                 complete=complete,
                 readers=readers,
                 max_readers=max_readers or 0,
+                base_uid=base_uid,
+                unchanged=encode_bitmap(unchanged, len(self.names)) if base_uid else b"",
             )

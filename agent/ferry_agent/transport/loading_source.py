@@ -64,19 +64,25 @@ class LoadingSource:
         def allocate(specs: Sequence[TensorSpec], device: str, share: Any = None) -> ResidentWeights:
             resident = inner(specs, device) if share is None else inner(specs, device, share)
             try:
-                self._start(resident)
+                self._start(resident, share)
             except Exception as exc:  # the load goes on; it only serves nobody before it is loaded
                 log.warning("cannot serve the load of rank %d while it loads: %s", self._rank, exc)
             return resident
 
         return allocate
 
-    def _start(self, resident: ResidentWeights) -> None:
+    def _start(self, resident: ResidentWeights, share: Any) -> None:
         uid = self._version_uid()
         if uid is None:
             return  # unknown object: no reader could check it is theirs
         self._stop(publish=False)  # a strategy that failed left its target; the next one loads a new one
         holdings = Holdings([s.name for s in resident.manifest])
+        base = resident.shared_from
+        if resident.shared and base is not None and base.uid:
+            holdings.set_base(base.uid, resident.shared)
+            if not getattr(share, "checked_later", False):
+                # A replay's unchanged tensors: the held version's very bytes, checked when it was loaded.
+                holdings.mark({e.name: f"{e.adler32:08x}" for e in base.entries if e.name in resident.shared})
         server = serve_resident(
             resident,
             self._peer,

@@ -19,7 +19,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent import futures
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -353,16 +353,21 @@ def serve_resident(
     guard: ReadGuard | None = None,
     holdings: Holdings | None = None,
     max_readers: int | None = None,
+    base: tuple[str, Collection[str]] | None = None,
 ) -> WorkerServer:
     """Publish weights as a P2P source: register them (once), serve their manifest and read leases (at most
     `max_readers` at once), and pump NIXL progress so targets can connect. Stop with `server.stop()` then
     `peer.stop_progress()`. `holdings`: what it holds so far, while it loads (pipelined fan-out); None: all of it,
     with the checksums its load checked (`resident.checksums`) or, for a load that had none, computed now.
-    `guard` None serves anyone: only for the standalone test/bench source."""
+    `base` (uid, names): these tensors are the very bytes of that WeightVersion (a delta's unchanged tensors), which a
+    reader holding it shares instead of reading. `guard` None serves anyone: only for the standalone test/bench
+    source."""
     peer.register(resident)
     if holdings is None:
         checksums = resident.checksums or adler32s(resident)
         holdings = Holdings.full([s.name for s in resident.manifest], checksums)
+        if base is not None:
+            holdings.set_base(*base)
     identity = SourceIdentity(peer.name, instance_id or uuid.uuid4().hex)
     manifest = build_manifest(resident, identity=identity, rank=rank, nixl_metadata=peer.metadata())
     leases = TensorReadLeases(lease_ttl_s, transfer_timeout_s=transfer_timeout_s, max_readers=max_readers)

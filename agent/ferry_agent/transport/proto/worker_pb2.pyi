@@ -69,18 +69,22 @@ class PrepareTensorReadRequest(_message.Message):
     def __init__(self, source: _Optional[_Union[SourceIdentity, _Mapping]] = ..., reader: _Optional[str] = ...) -> None: ...
 
 class Holdings(_message.Message):
-    __slots__ = ("held", "checksums", "complete", "readers", "max_readers")
+    __slots__ = ("held", "checksums", "complete", "readers", "max_readers", "base_uid", "unchanged")
     HELD_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     READERS_FIELD_NUMBER: _ClassVar[int]
     MAX_READERS_FIELD_NUMBER: _ClassVar[int]
+    BASE_UID_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     held: bytes
     checksums: _containers.RepeatedScalarFieldContainer[str]
     complete: bool
     readers: int
     max_readers: int
-    def __init__(self, held: _Optional[bytes] = ..., checksums: _Optional[_Iterable[str]] = ..., complete: _Optional[bool] = ..., readers: _Optional[int] = ..., max_readers: _Optional[int] = ...) -> None: ...
+    base_uid: str
+    unchanged: bytes
+    def __init__(self, held: _Optional[bytes] = ..., checksums: _Optional[_Iterable[str]] = ..., complete: _Optional[bool] = ..., readers: _Optional[int] = ..., max_readers: _Optional[int] = ..., base_uid: _Optional[str] = ..., unchanged: _Optional[bytes] = ...) -> None: ...
 
 class PrepareTensorReadResponse(_message.Message):
     __slots__ = ("lease_id", "ttl_seconds", "manifest", "holdings")
