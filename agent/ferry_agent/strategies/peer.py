@@ -72,6 +72,7 @@ DEFAULT_RPC_BACKOFF_S = 0.5
 BUSY_BACKOFF_S = 0.05  # a holder at its reader limit is asked again after this
 HOLDINGS_WAIT_S = 0.25  # one long poll of a loading holder for more tensors
 RELIST_S = 0.5  # while waiting, the sources are listed again (new holders, a new first loader) this often
+GONE_RELIST_S = 0.1  # ... and this soon after a loading holder went away (it is most likely Serving now)
 
 
 def transfer_timeout_seconds(value: object) -> float:
@@ -448,6 +449,7 @@ class PeerStrategy:
         message = _describe(exc)
         if holder.cand.loading and _code(exc) == grpc.StatusCode.UNAVAILABLE:
             log.info("loading holder %s went away: %s", holder.cand.label, message)
+            load.listed_at = min(load.listed_at, self._clock() - RELIST_S + GONE_RELIST_S)
             return
         load.ctx.record(holder.cand.label, AttemptOutcome.FAILED, _reason(exc), message)
         load.failures.append(f"{holder.cand.label}: {message}")

@@ -76,6 +76,7 @@ def _build_tensor(
     checksum: str,
     steps: Sequence[_Step],
     out: tuple[int, int, Countdown] | None,
+    on_checked: Callable[[str, str], None] | None = None,
 ) -> _Failure | None:
     """One tensor, in one pass: read its base bytes (fd, offset) into the resident pool, apply its deltas in
     order, checking adler32 after each (or of the base bytes when there is none), and write the result to the
@@ -101,6 +102,8 @@ def _build_tensor(
         out[2].tick()
     if flat is not None and flat.device.type != "cpu":
         flat.copy_(torch.from_numpy(host))
+    if flat is not None and on_checked is not None:  # final and checked: a load that serves while it loads hands it on
+        on_checked(name, steps[-1].checksum if steps else checksum)
     return None
 
 
@@ -129,6 +132,7 @@ def build(
     timings: dict[str, float],
     *,
     materialize: bool = True,
+    on_checked: Callable[[str, str], None] | None = None,
 ) -> ResidentWeights:
     """Fill a new pool from the base, applying the deltas on the way, and (when there are deltas and
     `materialize`) write the result to materialized/<target> in the same pass; without `materialize` the caller
@@ -203,6 +207,7 @@ def build(
                     base.checksums[name],
                     steps.get(name, ()),
                     out,
+                    on_checked,
                 )
             )
         failure = next((f for f in run_tasks(pool, tasks) if f is not None), None)

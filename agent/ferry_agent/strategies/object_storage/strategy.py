@@ -358,7 +358,16 @@ class ObjectStorageStrategy:
                 raise LoadError(str(exc)) from exc
             if fetch:
                 download(self._store, fetch, pool, timings, report=self._progress, range_bytes=self._range_bytes)
-            resident = build(self._store, self._allocate, ctx, plan, pool, timings, materialize=not behind)
+            resident = build(
+                self._store,
+                self._allocate,
+                ctx,
+                plan,
+                pool,
+                timings,
+                materialize=not behind,
+                on_checked=self._on_checked,
+            )
             if not behind:
                 update.commit(activate=activate)
         if behind:
