@@ -23,7 +23,17 @@ import torch
 
 from ferry_agent.transport.worker_service import SourceIdentity, get_holdings
 from tests.support.agents import content_sha256, node, read_back, reader_tokens, start_agent
-from tests.support.objects import apply, ml_body, ml_status, publish_full, tensors, wait_for, wait_reason, wv_body
+from tests.support.objects import (
+    apply,
+    ml_body,
+    ml_status,
+    publish_delta,
+    publish_full,
+    tensors,
+    wait_for,
+    wait_reason,
+    wv_body,
+)
 from tests.support.slow_s3 import SlowRelay, SlowS3
 
 pytestmark = pytest.mark.e2e
@@ -201,6 +211,67 @@ def test_a_dead_s3_loader_mid_pipeline_is_replaced_without_restarting_the_others
         wait_for(lambda: ml_status(cluster, namespace).get("ready") == "3/3", 120, "3/3 Ready", describe)
         restarted = replicas(cluster, namespace)[first]
         assert read_back(restarted["status"]["ranks"][0], first) == expected
+    finally:
+        for a in agents.values():
+            a.stop()
+
+
+def test_a_rollout_reads_only_the_tensors_the_delta_changed(cluster, s3, namespace, operator, tmp_path):
+    """Every replica holds v1; v2 changes two of eight tensors. The first loader replays the delta on its held v1
+    (the six others are v1's very memory) and says so; the others share those six with their own v1 and READ only
+    the two changed tensors from peers, each checked, and all serve exactly v2."""
+    v1 = tensors(11, n=8, shape=(256, 256))
+    changed = ["layer1.weight", "layer6.weight"]
+    v2 = {k: (a + 1 if k in changed else a) for k, a in v1.items()}
+    publish_full(s3, namespace, "v1", v1)
+    publish_delta(s3, namespace, "v2", "v1", v1, v2)
+    apply(cluster, namespace, wv_body(namespace, "v1"), wv_body(namespace, "v2", base="v1"))
+    wait_reason(cluster, namespace, "v2", "Ready", "True", "Verified", timeout=60)
+    names = [f"{namespace}-n{i}" for i in range(3)]
+    agents = {}
+    for n in names:
+        node(cluster, n, {"ferry.dev/pool": namespace})
+        agents[n] = start_agent(cluster, tmp_path, n, s3=s3)
+
+    def describe() -> str:
+        statuses = {k: v.get("status") for k, v in replicas(cluster, namespace).items()}
+        return json.dumps(statuses, indent=1) + "".join(a.log_tail(15) for a in agents.values())
+
+    def serving(version: str) -> int:
+        found = replicas(cluster, namespace).values()
+        return sum((r.get("status") or {}).get("version") == version for r in found if r["status"].get("phase"))
+
+    try:
+        body = ml_body(
+            namespace, "v1", 3, transfer={"timeoutSeconds": 30, "chunkMiB": 1}, rollout={"strategy": "Parallel"}
+        )
+        apply(cluster, namespace, body)
+        wait_for(lambda: ml_status(cluster, namespace).get("ready") == "3/3", 90, "3/3 on v1", describe)
+        cluster.kubectl(
+            "patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"desiredVersion":"v2"}}'
+        )
+        wait_for(
+            lambda: (
+                serving("v2") == 3
+                and all(not r["status"].get("loadingVersion") for r in replicas(cluster, namespace).values())
+            ),
+            90,
+            "3 serving v2",
+            describe,
+        )
+        final = replicas(cluster, namespace)
+        first = min(final)
+        assert final[first]["status"]["source"] == "s3", final[first]["status"]
+        changed_bytes = sum(v2[k].nbytes for k in changed)
+        for name in sorted(final)[1:]:
+            status = final[name]["status"]
+            assert status["source"].startswith("peer/"), status
+            loaded = [a for a in status["attempts"] if a["source"].startswith("peer/") and a["outcome"] == "Loaded"]
+            moved = sum(int(re.match(r"(\d+) bytes", a["message"]).group(1)) for a in loaded)
+            assert moved == changed_bytes, status["attempts"]
+        expected = content_sha256({k: torch.from_numpy(v) for k, v in v2.items()})
+        for name, r in final.items():
+            assert read_back(r["status"]["ranks"][0], name) == expected, f"{name} serves other bytes"
     finally:
         for a in agents.values():
             a.stop()

@@ -310,6 +310,7 @@ class _Load:
     holders: dict[str, _Holder] = field(default_factory=dict)
     chunks: list[Chunk] = field(default_factory=list)
     names: tuple[str, ...] = ()
+    sizes: tuple[int, ...] = ()
     needed: set[int] = field(default_factory=set)
     checksums: dict[str, str] = field(default_factory=dict)  # every tensor checked so far
     failures: list[str] = field(default_factory=list)
@@ -548,7 +549,7 @@ class PeerStrategy:
         target = self._target
         assert target is not None
         target.checksums = dict(load.checksums)
-        contributed = [h for h in load.holders.values() if h.moved]
+        contributed = [h for h in load.holders.values() if h.read_chunks]
         for h in contributed:
             loading = f", {h.while_loading} of them while it was loading" if h.while_loading else ""
             ctx.record(
@@ -651,10 +652,12 @@ class PeerStrategy:
         """A chunk landed: every tensor's adler32 against the one the holder listed (and any this load already
         knows); only then is it held, and served on."""
         verified: dict[str, str] = {}
+        moved = 0
         for t in chunk.tensors:
             name = load.names[t]
             if name in target.shared:
                 continue  # this replica's own copy of the base, checked when it was shared
+            moved += load.sizes[t]
             expected = holdings.checksums[t]
             known = load.checksums.get(name)
             if known and known != expected:
@@ -668,7 +671,7 @@ class PeerStrategy:
             load.checksums.update(verified)
             load.needed.discard(chunk.index)
             load.progress_at = self._clock()
-            holder.moved += chunk.nbytes
+            holder.moved += moved
             holder.read_chunks += 1
             holder.while_loading += 1 if holder.cand.loading else 0
         if self._on_verified is not None:
@@ -726,6 +729,7 @@ class PeerStrategy:
             self._peer.register(self._target)
         if not load.chunks:
             load.names = tuple(t.name for t in manifest.tensors)
+            load.sizes = tuple(t.nbytes for t in manifest.tensors)
             load.chunks = plan_chunks([t.nbytes for t in manifest.tensors], self.settings.chunk_bytes)
             self._check_shared(load, self._target, holdings)
             load.needed = {c.index for c in load.chunks if not all(load.names[t] in load.checksums for t in c.tensors)}
