@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from kubernetes import client
+from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 from ferry.api.models import GROUP, LABEL_MODEL, VERSION, WeightReplica, label_value
@@ -20,7 +20,9 @@ from ferry_agent.strategies.chain import LoadContext
 from ferry_agent.strategies.progress import Progress
 
 PLURAL = WeightReplica.plural
-FIRST_LOADER_POLL_S = 0.25  # a replica with no source at all lists again this often while the first loader starts
+# A replica with no source at all lists again on the next change of its model's replicas (a watch from the list's
+# resourceVersion), at the latest after this, while the first loader starts.
+FIRST_LOADER_POLL_S = 0.25
 
 
 class ApiSources:
@@ -62,17 +64,20 @@ class ApiSources:
             assert body is not None
             return str(body["metadata"]["uid"])
 
+        seen: list[str] = []  # the resourceVersion of the last list, where a wait's watch starts
+
         def listed(ctx: LoadContext) -> tuple[list, dict]:
             # By model, not by the version label: that names spec.version, and a replica moving to a newer version
             # still serves this one until the newer one is resident (make-before-break).
-            replicas = self._objects.list_namespaced_custom_object(
+            body = self._objects.list_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, PLURAL, label_selector=f"{LABEL_MODEL}={label_value(ctx.model)}"
-            )["items"]
+            )
+            seen[:] = [(body.get("metadata") or {}).get("resourceVersion") or ""]
             leases = {
                 lease.metadata.name: self._api.sanitize_for_serialization(lease)
                 for lease in self._leases.list_namespaced_lease(self.namespace).items
             }
-            return replicas, leases
+            return body["items"], leases
 
         def once(ctx: LoadContext, uid: str) -> tuple[list, list]:
             replicas, leases = self._read(f"the sources of {version}", lambda: listed(ctx))
@@ -111,11 +116,34 @@ class ApiSources:
                 if progress is not None and leader != waited_on:  # once: progress reports reset stall detection
                     progress(0, 0, f"peer/{leader}")  # a stall names the peer waited on
                     waited_on = leader
-                time.sleep(FIRST_LOADER_POLL_S)
+                self._next_change(ctx.model, seen[0] if seen else "", FIRST_LOADER_POLL_S)
                 found, replicas = once(ctx, uid)
             return found
 
         return listing
+
+    def _next_change(self, model: str, resource_version: str, timeout_s: float) -> None:
+        """Return on the first change of the model's replicas after `resource_version`, or after `timeout_s`."""
+        started = time.monotonic()
+        stream = watch.Watch()
+        try:
+            for _event in stream.stream(
+                self._objects.list_namespaced_custom_object,
+                GROUP,
+                VERSION,
+                self.namespace,
+                PLURAL,
+                label_selector=f"{LABEL_MODEL}={label_value(model)}",
+                resource_version=resource_version or None,
+                timeout_seconds=max(1, int(timeout_s)),
+                _request_timeout=(5, timeout_s),
+            ):
+                return
+        except Exception:  # the read timeout is the usual end; a failed watch waits out the interval
+            pass
+        finally:
+            stream.stop()
+        time.sleep(max(0.0, timeout_s - (time.monotonic() - started)))
 
     def first_loader(self, version: str, self_name: str) -> Callable[[LoadContext, Collection[str]], str]:
         """Who reads object storage for `version` now, the replicas in the second argument (found dead) excluded."""
