@@ -57,7 +57,14 @@ except ImportError:  # run as a script: bench/ is on sys.path, the repository ro
 from ferry.api.models import RankState, ReplicaPhase, SelectorKind
 from ferry_agent.kube.registry import first_loader, holder_candidates, lease_body, source_candidates
 from ferry_agent.kube.sources import FIRST_LOADER_POLL_S as PIPELINED_POLL_S
-from ferry_agent.strategies.fanout import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_READERS, HolderView, choose, plan_chunks
+from ferry_agent.strategies.fanout import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_READERS,
+    HolderView,
+    choose,
+    lease_chunks,
+    plan_chunks,
+)
 from ferry_agent.strategies.peer import DEFAULT_MAX_SOURCE_ATTEMPTS, RELIST_S
 from ferry_agent.strategies.selector import make_selector
 from ferry_agent.transport.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
@@ -203,6 +210,7 @@ class Simulation:
         self.holders: list[set[int]] = [set() for _ in range(self.nchunks)]
         self.waiting: dict[tuple[str, int], set[int]] = defaultdict(set)  # pipelined: ("chunk"|"slot", n) -> readers
         self.published_order: list[int] = []  # pipelined: replicas in the order they published a worker service
+        self.relisters: set[int] = set()  # pipelined: blocked readers whose next listing waits for a publish
         self.pollers: set[int] = set()  # whole: followers waiting for a source
         self.received = [0] * fleet.replicas
         self.from_s3 = [0] * fleet.replicas
@@ -415,10 +423,11 @@ class Simulation:
             self._list_pipelined(i)
             if r.ranked is None:
                 return
-        pick = choose(sorted(r.needed), self._ranked(r))
+        most = lease_chunks(self.fleet.chunk_bytes)
+        pick = choose(sorted(r.needed), self._ranked(r), most)
         if pick is None and self.now - r.listed_at >= RELIST_S:
             self._relist(i)
-            pick = choose(sorted(r.needed), self._ranked(r))
+            pick = choose(sorted(r.needed), self._ranked(r), most)
         if pick is None:
             self._block(i)
             return
@@ -459,6 +468,12 @@ class Simulation:
         self.reps[i].published = True
         self.published_order.append(i)
         self._changed()
+        for j in self.relisters:
+            r = self.reps[j]
+            if r.relist_at is None:
+                r.relist_at = max(self.now, r.listed_at + RELIST_S)
+                self._push(r.relist_at, "relist", j)
+        self.relisters.clear()
 
     def _relist(self, i: int) -> None:
         """List again: the replicas that published a worker service since (every holder is one: Serving ones were
@@ -512,8 +527,12 @@ class Simulation:
             self._push(r.relist_at, "relist", i)
 
     def _on_relist(self, i: int) -> None:
-        self.reps[i].relist_at = None
-        self._unblock(i)
+        r = self.reps[i]
+        r.relist_at = None
+        if len(self.published_order) > r.seen:
+            self._unblock(i)
+        elif r.waits:  # a listing would find nothing new: the next one is due once someone publishes
+            self.relisters.add(i)
 
     def _unblock(self, i: int) -> None:
         r = self.reps[i]

@@ -18,6 +18,7 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import grpc
 import pytest
 import torch
 
@@ -130,6 +131,11 @@ def test_replicas_read_from_loading_holders_within_the_reader_limit(
         with first_holding(cluster, slow_s3, namespace, 4, describe) as (first, _):
             # S3 gives nothing more: whatever the others hold now came from a replica that is still loading.
             assert replicas(cluster, namespace)[first]["status"]["phase"] == "Loading"
+            # Its worker service admits readers as a Serving one does: no token, no holdings.
+            entry = replicas(cluster, namespace)[first]["status"]["loadingRanks"][0]
+            with pytest.raises(grpc.RpcError) as refused:
+                get_holdings(entry["grpcEndpoint"], SourceIdentity(entry["agentName"]), TENSORS)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             others = [n for n in replicas(cluster, namespace) if n != first]
             wait_for(
                 lambda: all(held(cluster, namespace, replicas(cluster, namespace)[n]) >= CHUNK_TENSORS for n in others),

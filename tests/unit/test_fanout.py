@@ -120,3 +120,10 @@ def test_the_worker_service_refuses_a_reader_beyond_the_limit_and_lists_its_hold
         assert prepare_tensor_read(server.endpoint, identity).holdings.held == frozenset({0})
     finally:
         server.stop()
+
+
+def test_a_lease_takes_at_most_a_gib_of_chunks() -> None:
+    from ferry_agent.strategies.fanout import lease_chunks
+
+    assert lease_chunks(16 << 20) == 64 and lease_chunks(32 << 30) == 1
+    assert choose([0, 1, 2, 3], [HolderView("a", frozenset({0, 1, 2, 3}))], 2) == ("a", [0, 1])

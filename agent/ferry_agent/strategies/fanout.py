@@ -9,8 +9,10 @@ from. Pure functions over plain values, so that the agents (`strategies.peer`) a
   the version as the holders do, and a chunk that just arrived anywhere is read next), from the first such holder in
   the reader's selector order (the ModelLoad's `selector`, keyed by the reader, so readers spread over the holders);
   a holder is usable when it is not known dead and has a free reader slot (`maxReadersPerSource`). The reader then
-  takes every chunk it still needs that this holder has, in one lease: against a Serving source that is the whole
-  version in one lease, as before pipelining.
+  takes every chunk it still needs that this holder has, in one lease, up to `LEASE_BYTES` of chunks: against a
+  Serving source that is a version of up to 1 GiB in one lease, as before pipelining; a bigger one takes several,
+  so that a holder's reader slots turn over and the fan-out tree grows while a big version moves (what
+  `bench/sim_fanout.py` found for 1 TB).
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from dataclasses import dataclass
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 DEFAULT_MAX_READERS = 4  # spec.transfer.maxReadersPerSource's default
+LEASE_BYTES = 1 << 30  # at most this much of chunks (at least one chunk) in one lease
+
+
+def lease_chunks(chunk_bytes: int) -> int:
+    """How many chunks one lease takes at most."""
+    return max(1, LEASE_BYTES // chunk_bytes)
 
 
 @dataclass(frozen=True)
@@ -61,12 +69,15 @@ class HolderView:
     usable: bool = True  # not known dead, and not at its reader limit as last seen
 
 
-def choose(needed: Sequence[int], ranked: Sequence[HolderView]) -> tuple[str, list[int]] | None:
-    """(holder key, the chunks to read from it in one lease), or None when no usable holder has a needed chunk.
-    `needed`: ascending; `ranked`: the holders in the reader's selector order. A holder not asked yet may hold
-    anything, so it is tried (its lease says what it has)."""
+def choose(
+    needed: Sequence[int], ranked: Sequence[HolderView], max_chunks: int | None = None
+) -> tuple[str, list[int]] | None:
+    """(holder key, the chunks to read from it in one lease, at most `max_chunks`), or None when no usable holder
+    has a needed chunk. `needed`: ascending; `ranked`: the holders in the reader's selector order. A holder not asked
+    yet may hold anything, so it is tried (its lease says what it has)."""
     for chunk in needed:
         for h in ranked:
             if h.usable and (h.held is None or chunk in h.held):
-                return h.key, [c for c in needed if h.held is None or c in h.held]
+                batch = [c for c in needed if c >= chunk and (h.held is None or c in h.held)]
+                return h.key, batch[:max_chunks]
     return None

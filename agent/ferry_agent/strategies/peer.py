@@ -45,6 +45,7 @@ from ferry_agent.strategies.fanout import (
     HolderView,
     choose,
     chunks_held,
+    lease_chunks,
     plan_chunks,
 )
 from ferry_agent.strategies.progress import Progress, ProgressThrottle
@@ -372,6 +373,7 @@ class PeerStrategy:
         self._first_loader = first_loader
         self._target: ResidentWeights | None = None
         self._landed = False
+        self._lease_chunks = lease_chunks(self.settings.chunk_bytes)
         self._reported: tuple[float, int, int, str] | None = None  # (when, total, done, source) last reported
 
     def is_available(self, ctx: LoadContext) -> bool:
@@ -420,7 +422,7 @@ class PeerStrategy:
                     HolderView(h.key, h.chunks if load.chunks else None, usable=not h.dead and h.busy_until <= now)
                     for h in load.holders.values()
                 ]
-                pick = choose(sorted(load.needed) if load.chunks else [0], ranked)
+                pick = choose(sorted(load.needed) if load.chunks else [0], ranked, self._lease_chunks)
                 if pick is None:
                     self._wait(load)
                 else:
@@ -595,7 +597,8 @@ class PeerStrategy:
             manifest = lease.manifest
             target = self._prepare_target(manifest, cand, ctx, load, lease.holdings)
             self._update(load, holder, lease.holdings)
-            batch = [c for c in load.chunks if c.index in load.needed and c.index in (holder.chunks or ())]
+            held = holder.chunks or frozenset()
+            batch = [c for c in load.chunks if c.index in load.needed and c.index in held][: self._lease_chunks]
             if not batch:
                 return 0  # nothing new here yet (the lease is released below)
             remote_name = manifest.identity.agent_name  # claimed before the add, so a failed add is undone
