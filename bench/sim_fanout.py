@@ -211,6 +211,7 @@ class Simulation:
         self.waiting: dict[tuple[str, int], set[int]] = defaultdict(set)  # pipelined: ("chunk"|"slot", n) -> readers
         self.published_order: list[int] = []  # pipelined: replicas in the order they published a worker service
         self.relisters: set[int] = set()  # pipelined: blocked readers whose next listing waits for a publish
+        self.listers: set[int] = set()  # pipelined: replicas with no source yet, watching for one to publish
         self.pollers: set[int] = set()  # whole: followers waiting for a source
         self.received = [0] * fleet.replicas
         self.from_s3 = [0] * fleet.replicas
@@ -318,6 +319,7 @@ class Simulation:
         if self.reps[i].polling:  # else an earlier tick served it
             self.reps[i].polling = False
             self.pollers.discard(i)
+            self.listers.discard(i)
             self._schedule(i)
 
     def _on_begin(self, f: _Flow) -> None:
@@ -456,8 +458,9 @@ class Simulation:
                 self._next_s3(i)
             return
         found = serving + holder_candidates(replicas, version=VERSION, rank=0, self_replica=r.name, version_uid=UID)
-        if not found:
+        if not found:  # the agent watches its model's replicas: it lists again when one publishes, or after the bound
             self._push(self.now + PIPELINED_POLL_S, "poll", i)
+            self.listers.add(i)
             r.polling = True
             return
         r.ranked = [self.index[c.replica] for c in self._order(found, r)]
@@ -474,6 +477,9 @@ class Simulation:
                 r.relist_at = max(self.now, r.listed_at + RELIST_S)
                 self._push(r.relist_at, "relist", j)
         self.relisters.clear()
+        for j in self.listers:
+            self._push(self.now, "poll", j)
+        self.listers.clear()
 
     def _relist(self, i: int) -> None:
         """List again: the replicas that published a worker service since (every holder is one: Serving ones were
@@ -801,9 +807,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-readers", type=int, default=DEFAULT_MAX_READERS, help="pipelined: maxReadersPerSource")
     parser.add_argument("--modelload", type=Path, default=RESULTS / "modelload.json", help="bench_modelload's result")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="of the fleet predictions (whole takes minutes a row at 1,000)"
+    )
     args = parser.parse_args(argv)
     predictions = []
-    for label, fleet, mode in scenarios(args.replicas, args.max_readers):
+    modes = set(args.modes.split(","))
+    for label, fleet, mode in (row for row in scenarios(args.replicas, args.max_readers) if row[2] in modes):
         result = simulate(fleet, mode)
         predictions.append({"model": label, "policy": describe(mode, fleet), **result.summary()})
         print(json.dumps({k: v for k, v in predictions[-1].items() if k != "fleet"}), flush=True)

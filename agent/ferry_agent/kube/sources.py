@@ -12,7 +12,7 @@ from typing import Any
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from ferry.api.models import GROUP, LABEL_MODEL, VERSION, WeightReplica, label_value
+from ferry.api.models import GROUP, LABEL_MODEL, VERSION, ReplicaPhase, WeightReplica, label_value
 from ferry.s3 import credentials_from_secret_data
 from ferry_agent.kube.apiretry import call_with_retry
 from ferry_agent.kube.registry import first_loader, holder_candidates, peer_version_problem, source_candidates
@@ -20,9 +20,11 @@ from ferry_agent.strategies.chain import LoadContext
 from ferry_agent.strategies.progress import Progress
 
 PLURAL = WeightReplica.plural
-# A replica with no source at all lists again on the next change of its model's replicas (a watch from the list's
-# resourceVersion), at the latest after this, while the first loader starts.
-FIRST_LOADER_POLL_S = 0.25
+_TURNS = (ReplicaPhase.SERVING, ReplicaPhase.FAILED)  # phases that change a waiting reader's sources or first loader
+# A replica with no source at all lists again on the next change of its model's replicas that can give it one (a
+# watch from the list's resourceVersion: a replica that serves, serves its load, fails, appears or goes), at the latest
+# after this, while the first loader starts.
+FIRST_LOADER_POLL_S = 2.0
 
 
 class ApiSources:
@@ -123,11 +125,12 @@ class ApiSources:
         return listing
 
     def _next_change(self, model: str, resource_version: str, timeout_s: float) -> None:
-        """Return on the first change of the model's replicas after `resource_version`, or after `timeout_s`."""
+        """Return on the first change of the model's replicas after `resource_version` that may give a waiting reader a
+        source or another first loader (not a progress report), or after `timeout_s`."""
         started = time.monotonic()
         stream = watch.Watch()
         try:
-            for _event in stream.stream(
+            for event in stream.stream(
                 self._objects.list_namespaced_custom_object,
                 GROUP,
                 VERSION,
@@ -138,7 +141,9 @@ class ApiSources:
                 timeout_seconds=max(1, int(timeout_s)),
                 _request_timeout=(5, timeout_s),
             ):
-                return
+                status = (event.get("object") or {}).get("status") or {}
+                if event.get("type") != "MODIFIED" or status.get("loadingRanks") or status.get("phase") in _TURNS:
+                    return
         except Exception:  # the read timeout is the usual end; a failed watch waits out the interval
             pass
         finally:
