@@ -237,12 +237,14 @@ class NixlPeer:
         *,
         on_start: Callable[[int], None] | None = None,
         on_done: Callable[[int], None] = lambda _i: None,
+        window: int = 2,
     ) -> int:
         """READ the tensors of each group into the local tensors of the same names: one transfer per group, all
-        posted at once, so the first lands (and can be checked: `on_done(i)`, called from this thread as group i
-        completes) while the others are in flight. `on_start(total_bytes)` runs before the first is posted. A
-        transfer still in progress at the deadline raises `TimeoutError`; every handle is released (an xfer in
-        flight is aborted) on every path. Returns the bytes moved."""
+        prepared at once and posted `window` at a time in order, so that groups land one after the other (and can
+        be checked: `on_done(i)`, called from this thread as group i completes) while the next ones are in flight;
+        all posted together, they would share the link and all land at the end. `on_start(total_bytes)` runs before
+        the first is posted. A transfer still in progress at the deadline raises `TimeoutError`; every handle is
+        released (an xfer in flight is aborted) on every path. Returns the bytes moved."""
         if local.registration is not self:
             raise RuntimeError("target weights must be registered with this agent before a read")
         pairs = _pair(remote_tensors, local)
@@ -270,11 +272,10 @@ class NixlPeer:
                         handles.insert(0, xfers[i])  # xfers are released before the lists they were made from
             if on_start is not None:
                 on_start(total)
-            states = {i: self._agent.transfer(x) for i, x in xfers.items()}
             for i, group in enumerate(wanted):
                 if not group:
                     on_done(i)  # empty tensors only: nothing to move
-            self._wait_all(xfers, states, remote_name, total, timeout_s, on_done)
+            self._wait_all(xfers, remote_name, total, timeout_s, on_done, window)
         finally:
             for handle in handles:
                 try:
@@ -286,16 +287,20 @@ class NixlPeer:
     def _wait_all(
         self,
         xfers: dict[int, Any],
-        states: dict[int, str],
         remote_name: str,
         total: int,
         timeout_s: float,
         on_done: Callable[[int], None],
+        window: int,
     ) -> None:
         deadline = time.monotonic() + timeout_s
         pause = 0.0
-        pending = dict(states)
-        while pending:
+        queued = sorted(xfers)
+        pending: dict[int, str] = {}
+        while pending or queued:
+            while queued and len(pending) < max(1, window):
+                i = queued.pop(0)
+                pending[i] = self._agent.transfer(xfers[i])
             for i, state in list(pending.items()):
                 if state == "PROC":
                     pending[i] = self._agent.check_xfer_state(xfers[i])
@@ -306,7 +311,7 @@ class NixlPeer:
                     pause = 0.0
                 elif state != "PROC":
                     raise RuntimeError(f"NIXL READ of group {i} from {remote_name} ended in state {state}")
-            if not pending:
+            if not pending and not queued:
                 return
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"NIXL READ of {total} B from {remote_name} still in progress after {timeout_s:g}s")
