@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -70,7 +71,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SOURCE_ATTEMPTS = 3
 DEFAULT_RPC_RETRIES = 3
 DEFAULT_RPC_BACKOFF_S = 0.5
-BUSY_BACKOFF_S = 0.05  # a holder at its reader limit is asked again after this
+BUSY_BACKOFF_S = 0.05  # a holder at its reader limit is asked again after this, doubling (jittered) up to 0.4 s
 HOLDINGS_WAIT_S = 0.25  # one long poll of a loading holder for more tensors
 RELIST_S = 0.5  # while waiting, the sources are listed again (new holders, a new first loader) this often
 GONE_RELIST_S = 0.1  # ... and this soon after a loading holder went away (it is most likely Serving now)
@@ -293,6 +294,7 @@ class _Holder:
     chunks: frozenset[int] | None = None  # of `view`, once the chunk plan is known
     dead: bool = False
     busy_until: float = 0.0
+    refusals: int = 0  # RESOURCE_EXHAUSTED in a row
     moved: int = 0  # bytes this load read from it
     read_chunks: int = 0
     while_loading: int = 0  # of those, chunks read while it was still loading
@@ -438,8 +440,10 @@ class PeerStrategy:
         except StrategyFailed:
             raise
         except grpc.RpcError as exc:
-            if _code(exc) == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                holder.busy_until = self._clock() + BUSY_BACKOFF_S  # at its reader limit: not a failure
+            if _code(exc) == grpc.StatusCode.RESOURCE_EXHAUSTED:  # at its reader limit: not a failure
+                wait = min(0.4, BUSY_BACKOFF_S * 2**holder.refusals) * random.uniform(0.5, 1.0)
+                holder.busy_until = self._clock() + wait
+                holder.refusals += 1
                 return
             self._failed(load, holder, exc)
         except Exception as exc:
@@ -591,6 +595,7 @@ class PeerStrategy:
         deadline = self._clock() + self.settings.timeout_s
         self._report(load, cand.label)  # which peer we wait on shows before the dial (stall diagnosis)
         lease = self._client.prepare(cand, reader=ctx.target_id, timeout_s=self._rpc_budget(deadline))
+        holder.refusals = 0
         remote_name: str | None = None
         moved = 0
         try:
