@@ -75,6 +75,7 @@ BUSY_BACKOFF_S = 0.05  # a holder at its reader limit is asked again after this,
 HOLDINGS_WAIT_S = 0.25  # one long poll of a loading holder for more tensors
 RELIST_S = 0.5  # while waiting, the sources are listed again (new holders, a new first loader) this often
 GONE_RELIST_S = 0.1  # ... and this soon after a loading holder went away (it is most likely Serving now)
+TAKEOVER_S = 1.0  # no live holder of what is needed for this long (two listings) before the next loader reads S3
 
 
 def transfer_timeout_seconds(value: object) -> float:
@@ -319,6 +320,8 @@ class _Load:
     failures: list[str] = field(default_factory=list)
     failed_sources: int = 0
     progress_at: float = 0.0  # last time a chunk landed (or the load started)
+    orphaned_since: float | None = None  # since when no live holder had a needed chunk (a chunk landing, a holder
+    # coming or going starts it again)
     listed_at: float = 0.0
     polled: int = 0  # round robin over the holders waited on
     lock: threading.Lock = field(default_factory=threading.Lock)  # the checks of one lease run on two threads
@@ -403,6 +406,8 @@ class PeerStrategy:
         ctx = load.ctx
         for cand in self._selector.order(fresh, model=ctx.model, target_id=ctx.target_id, target_rank=ctx.rank):
             load.holders[f"{cand.replica}@{cand.grpc_endpoint}"] = _Holder(cand)
+        if fresh:
+            load.orphaned_since = None
         return bool(fresh)
 
     def load(self, ctx: LoadContext) -> PeerLoadResult:
@@ -457,6 +462,7 @@ class PeerStrategy:
         if holder.cand.loading and _code(exc) == grpc.StatusCode.UNAVAILABLE:
             log.info("loading holder %s went away: %s", holder.cand.label, message)
             load.listed_at = min(load.listed_at, self._clock() - RELIST_S + GONE_RELIST_S)
+            load.orphaned_since = None  # most likely it turns Serving: give the listing time to show it
             return
         load.ctx.record(holder.cand.label, AttemptOutcome.FAILED, _reason(exc), message)
         load.failures.append(f"{holder.cand.label}: {message}")
@@ -497,7 +503,11 @@ class PeerStrategy:
                 log.warning("listing peer sources again failed: %s", exc)
             alive = [h for h in load.holders.values() if not h.dead]
             orphaned = load.chunks and not any(h.chunks is None or h.chunks & load.needed for h in alive)
-            if (orphaned or not alive) and self._first_loader is not None:
+            if not (orphaned or not alive):
+                load.orphaned_since = None
+            elif load.orphaned_since is None:
+                load.orphaned_since = now  # a holder that restarts its load republishes meanwhile: look again
+            elif now - load.orphaned_since >= TAKEOVER_S and self._first_loader is not None:
                 dead = {h.cand.replica for h in load.holders.values() if h.dead} - {h.cand.replica for h in alive}
                 leader = self._first_loader(ctx, dead)
                 if leader == ctx.target_id:
@@ -679,6 +689,7 @@ class PeerStrategy:
             load.checksums.update(verified)
             load.needed.discard(chunk.index)
             load.progress_at = self._clock()
+            load.orphaned_since = None
             holder.moved += moved
             holder.read_chunks += 1
             holder.while_loading += 1 if holder.cand.loading else 0

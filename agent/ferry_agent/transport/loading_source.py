@@ -75,7 +75,6 @@ class LoadingSource:
         uid = self._version_uid()
         if uid is None:
             return  # unknown object: no reader could check it is theirs
-        self._stop(publish=False)  # a strategy that failed left its target; the next one loads a new one
         holdings = Holdings([s.name for s in resident.manifest])
         base = resident.shared_from
         if resident.shared and base is not None and base.uid:
@@ -94,7 +93,9 @@ class LoadingSource:
             max_readers=self._max_readers,
         )
         with self._lock:
-            self._serving = (resident, server, holdings)
+            # A strategy that failed left its target: it is served until the new one is published, so that its
+            # readers find this replica again instead of taking it for dead.
+            old, self._serving = self._serving, (resident, server, holdings)
         self.servers_started += 1
         entry = {
             "rank": self._rank,
@@ -111,6 +112,8 @@ class LoadingSource:
             resident.tensor_count,
             server.endpoint,
         )
+        if old is not None:
+            self._end(old)
 
     def verified(self, checksums: Mapping[str, str]) -> None:
         """Tensors of the current target that landed and passed their checks."""
@@ -137,6 +140,11 @@ class LoadingSource:
             serving, self._serving = self._serving, None
         if serving is None:
             return
+        self._end(serving)
+        if publish:
+            self._publish(None)
+
+    def _end(self, serving: tuple[ResidentWeights, WorkerServer, Holdings]) -> None:
         resident, server, _ = serving
         try:
             server.drain(DRAIN_S)
@@ -145,5 +153,3 @@ class LoadingSource:
         log.info("rank %d stops serving its load: at most %d readers at once", self._rank, server.leases.peak)
         server.stop()
         self._peer.deregister(resident)
-        if publish:
-            self._publish(None)
