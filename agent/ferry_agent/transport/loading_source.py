@@ -58,7 +58,6 @@ class LoadingSource:
         self._publish = publish
         self._lock = threading.Lock()
         self._serving: tuple[ResidentWeights, WorkerServer, Holdings] | None = None
-        self.servers_started = 0
 
     def allocator(self, inner: Allocate) -> Allocate:
         def allocate(specs: Sequence[TensorSpec], device: str, share: Any = None) -> ResidentWeights:
@@ -96,7 +95,6 @@ class LoadingSource:
             # A strategy that failed left its target: it is served until the new one is published, so that its
             # readers find this replica again instead of taking it for dead.
             old, self._serving = self._serving, (resident, server, holdings)
-        self.servers_started += 1
         entry = {
             "rank": self._rank,
             "agentName": self._peer.name,
@@ -125,11 +123,6 @@ class LoadingSource:
 
     def verified_one(self, name: str, checksum: str) -> None:
         self.verified({name: checksum})
-
-    @property
-    def peak_readers(self) -> int:
-        with self._lock:
-            return self._serving[1].leases.peak if self._serving else 0
 
     def close(self) -> None:
         """Stop serving the load (readers drained first) and unpublish it."""
