@@ -17,10 +17,16 @@ Modes
   loader reads S3 and the others poll every 0.5 s (up to the transfer timeout, then S3) until it serves; a reader
   copies the whole replica from the first source in selector order (up to `maxSourceAttempts`; a copy that exceeds
   the transfer timeout is abandoned and the next candidate, then S3, is tried) and serves only when it has all of it.
-- `pipelined`: a PROJECTION of a policy the agents do not run yet (issue 14's pipelined fan-out). The model is in
-  chunks; a loading replica serves the chunks it holds; a reader requests its next chunk from a holder of it in
-  selector order (the selector keyed per chunk) that has fewer than `max_readers` readers, keeping `inflight`
-  requests open; the first loader reads S3, and nobody else does.
+- `whole`: the agents before pipelined fan-out (issue 14), kept as the reference.
+- `pipelined`: today's agents. Every decision is the agents' own code: the chunks are `strategies.fanout.plan_chunks`
+  of the manifest, the sources a reader lists are `kube.registry.source_candidates` (Serving) plus
+  `holder_candidates` (replicas still loading, which publish their worker service once they start), ordered by the
+  selector, and at every step the reader takes one lease from the holder `strategies.fanout.choose` names (at most
+  `max_readers` leases on a source at once), for every chunk it still needs that the holder has, all posted at
+  once; with no Serving source, the first loader (`registry.first_loader`) streams S3 (`s3_inflight` ranged GETs)
+  and serves each chunk as it lands. Modelled, not run: the long poll of a waiting reader (it is woken when one of
+  its lowest needed chunks lands anywhere or when a busy holder of what it needs frees a slot, and lists the sources
+  again every `RELIST_S`), and the NIXL/gRPC costs (`peer_latency_s` per lease).
 
 `python bench/sim_fanout.py` predicts 1 TB and 1 GB to 1,000 nodes at 400 Gb/s beside published figures, and, given
 bench/results/modelload.json from `bench_modelload.py --only cold`, fits this machine's rates on the 1- and
@@ -37,7 +43,7 @@ import json
 import math
 import statistics
 import sys
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -49,15 +55,25 @@ except ImportError:  # run as a script: bench/ is on sys.path, the repository ro
     from _common import RESULTS, write_results
 
 from ferry.api.models import RankState, ReplicaPhase, SelectorKind
-from ferry_agent.kube.registry import first_loader, lease_body, source_candidates
-from ferry_agent.strategies.candidate import SourceCandidate
-from ferry_agent.strategies.peer import DEFAULT_MAX_SOURCE_ATTEMPTS
+from ferry_agent.kube.registry import first_loader, holder_candidates, lease_body, source_candidates
+from ferry_agent.kube.sources import FIRST_LOADER_POLL_S as PIPELINED_POLL_S
+from ferry_agent.strategies.fanout import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_READERS,
+    HolderView,
+    choose,
+    lease_chunks,
+    plan_chunks,
+)
+from ferry_agent.strategies.peer import DEFAULT_MAX_SOURCE_ATTEMPTS, RELIST_S
 from ferry_agent.strategies.selector import make_selector
 from ferry_agent.transport.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
 
 S3_ONLY, WHOLE, PIPELINED = "s3only", "whole", "pipelined"
 MODES = (S3_ONLY, WHOLE, PIPELINED)
-FIRST_LOADER_POLL_S = 0.5  # kube/sources.py: a follower re-lists the sources this often while the first loader loads
+FIRST_LOADER_POLL_S = 0.5  # whole: the agents before issue 14 re-listed the sources this often while waiting
+UID = "uid-v1"  # the simulated WeightVersion's uid (loading holders publish the uid of what they load)
+WAKE_ON = 4  # a blocked reader is woken when one of its lowest this many needed chunks lands anywhere
 S3 = -1  # the source index of object storage
 MODEL, VERSION = "sim", "v1"
 _NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)  # the registry's lease check; the simulated leases are always fresh
@@ -78,10 +94,10 @@ class Fleet:
     peer_latency_s: float = 0.005  # per request (whole: lease + manifest + add_remote; pipelined: per chunk)
     start_s: float = 0.0  # apply → the agent starts the load
     finish_s: float = 0.0  # last byte → counted Serving (status patch, the ModelLoad's count)
-    max_readers: int | None = None  # per source at once; None: no limit (today's agents have none)
-    chunks: int = 64  # pipelined: the model in this many chunks
-    inflight: int = 2  # pipelined: chunk requests a reader keeps open to peers
-    s3_inflight: int = 8  # pipelined: ranged GETs the first loader keeps open (hides the S3 latency)
+    max_readers: int | None = None  # per source at once; None: no limit (the agents before issue 14 had none)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # pipelined: spec.transfer.chunkMiB
+    tensor_bytes: int = 16 << 20  # pipelined: the manifest's tensors (the last one takes the rest)
+    s3_inflight: int = 8  # pipelined: ranged GETs the first loader keeps open (--s3-download-workers)
     selector: str = SelectorKind.RENDEZVOUS_HASH
     timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S  # spec.transfer.timeoutSeconds: the wait and each peer copy
     max_source_attempts: int = DEFAULT_MAX_SOURCE_ATTEMPTS
@@ -133,6 +149,8 @@ class _Flow:
     version: int = 0
     active: bool = False
     done: bool = False
+    batch: tuple[int, ...] = ()  # pipelined peer flow: the chunks of one lease (posted at once, sharing the links
+    # equally, they land together at its end)
 
 
 @dataclass
@@ -147,22 +165,35 @@ class _Replica:
     started: float = 0.0
     ordered: list[int] = field(default_factory=list)  # whole: the listing's candidates, selector order
     polling: bool = False
-    next_chunk: int = 0  # pipelined: the lowest chunk not requested yet
-    blocked_on: int | None = None  # pipelined: the chunk it waits for
+    needed: set[int] = field(default_factory=set)  # pipelined: chunks not held yet
+    held_frozen: frozenset[int] = frozenset()  # pipelined: `held`, as the holder views `choose` reads
+    lease: list[int] | None = None  # pipelined: [source, chunks of the lease]
+    ranked: list[int] | None = None  # pipelined: the holders listed, selector order; None: not listed yet
+    listed_at: float = 0.0
+    published: bool = False  # pipelined: its worker service is in status.loadingRanks
+    s3_loader: bool = False
+    next_s3: int = 0  # pipelined, the S3 loader: the next chunk to request
+    waits: list[tuple[str, int]] = field(default_factory=list)  # pipelined: where it is registered as blocked
+    relist_at: float | None = None
+    seen: int = 0  # pipelined: replicas published when it last listed
 
 
 class Simulation:
     def __init__(self, fleet: Fleet, mode: str) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
-        if fleet.replicas < 1 or fleet.model_bytes < fleet.chunks:
-            raise ValueError("at least one replica and one byte a chunk")
+        if fleet.replicas < 1 or fleet.model_bytes < 1:
+            raise ValueError("at least one replica and one byte")
         if fleet.nic_gbps is None and fleet.fabric_gbps is None:
             raise ValueError("peer copies need a bound: nic_gbps or fabric_gbps")
         self.fleet, self.mode = fleet, mode
-        self.nchunks = fleet.chunks if mode == PIPELINED else 1
-        base, extra = divmod(fleet.model_bytes, self.nchunks)
-        self.chunk_bytes = [base + (1 if c < extra else 0) for c in range(self.nchunks)]
+        if mode == PIPELINED:
+            whole, rest = divmod(fleet.model_bytes, fleet.tensor_bytes)
+            sizes = [fleet.tensor_bytes] * whole + ([rest] if rest else [])
+            self.chunk_bytes = [c.nbytes for c in plan_chunks(sizes, fleet.chunk_bytes)]
+        else:
+            self.chunk_bytes = [fleet.model_bytes]
+        self.nchunks = len(self.chunk_bytes)
         width = len(str(fleet.replicas - 1))
         self.reps = [_Replica(f"{MODEL}-{i:0{width}d}", f"node-{i:0{width}d}") for i in range(fleet.replicas)]
         self.index = {r.name: i for i, r in enumerate(self.reps)}
@@ -177,7 +208,10 @@ class Simulation:
         self.peer_flows: set[_Flow] = set()
         self.readers: dict[int, int] = defaultdict(int)  # requests a source serves (latency phase included)
         self.holders: list[set[int]] = [set() for _ in range(self.nchunks)]
-        self.waiting: dict[int, deque[int]] = defaultdict(deque)  # pipelined: readers blocked on a chunk
+        self.waiting: dict[tuple[str, int], set[int]] = defaultdict(set)  # pipelined: ("chunk"|"slot", n) -> readers
+        self.published_order: list[int] = []  # pipelined: replicas in the order they published a worker service
+        self.relisters: set[int] = set()  # pipelined: blocked readers whose next listing waits for a publish
+        self.listers: set[int] = set()  # pipelined: replicas with no source yet, watching for one to publish
         self.pollers: set[int] = set()  # whole: followers waiting for a source
         self.received = [0] * fleet.replicas
         self.from_s3 = [0] * fleet.replicas
@@ -196,6 +230,19 @@ class Simulation:
             replicas, leases = [], {}
             for i, r in enumerate(self.reps):
                 status: dict[str, Any] = {"phase": ReplicaPhase.LOADING if r.loading else ReplicaPhase.PENDING}
+                if r.loading and r.published:
+                    status |= {
+                        "version": VERSION,
+                        "loadingVersionUid": UID,
+                        "loadingRanks": [
+                            {
+                                "rank": 0,
+                                "state": RankState.LOADING,
+                                "agentName": f"agent-{r.node}",
+                                "grpcEndpoint": f"{r.node}:50052",
+                            }
+                        ],
+                    }
                 if r.serving:
                     status = {
                         "phase": ReplicaPhase.SERVING,
@@ -237,24 +284,6 @@ class Simulation:
         replicas, _ = self._objects()
         return first_loader(replicas, version=VERSION, self_replica=self.reps[i].name) == self.reps[i].name
 
-    def _chunk_sources(self, i: int, chunk: int) -> list[int]:
-        """Pipelined: holders of `chunk` below the reader limit, in selector order keyed per chunk (so one reader's
-        chunks spread over the holders as the targets of one version spread over its sources)."""
-        limit = self.fleet.max_readers
-        cands = [
-            SourceCandidate(
-                replica=self.reps[j].name,
-                rank=0,
-                agent_name=f"agent-{self.reps[j].node}",
-                grpc_endpoint=f"{self.reps[j].node}:50051",
-                active_leases=self.readers[j],
-            )
-            for j in self.holders[chunk]
-            if j != i and (limit is None or self.readers[j] < limit)
-        ]
-        ordered = self.selector.order(cands, model=MODEL, target_id=f"{self.reps[i].name}/{chunk}", target_rank=0)
-        return [self.index[c.replica] for c in ordered]
-
     # -- events ---------------------------------------------------------------------------------------------------
 
     def _push(self, at: float, kind: str, payload: Any) -> None:
@@ -290,6 +319,7 @@ class Simulation:
         if self.reps[i].polling:  # else an earlier tick served it
             self.reps[i].polling = False
             self.pollers.discard(i)
+            self.listers.discard(i)
             self._schedule(i)
 
     def _on_begin(self, f: _Flow) -> None:
@@ -312,18 +342,17 @@ class Simulation:
             return
         self._finish(f)
         dst = self.reps[f.dst]
-        dst.held.add(f.chunk)
         dst.inflight -= 1
         self.received[f.dst] += f.size
         if f.src == S3:
             self.from_s3[f.dst] += f.size
+        if self.mode == PIPELINED:
+            self._landed(f)
+            return
+        dst.held.add(f.chunk)
         self.holders[f.chunk].add(f.dst)
         if len(dst.held) == self.nchunks:
             self._push(self.now + self.fleet.finish_s, "serving", f.dst)
-        elif self.mode == PIPELINED:
-            self._schedule(f.dst)
-        if self.mode == PIPELINED:
-            self._wake(f.chunk, f.dst)
         self._freed(f.src)
 
     def _on_timeout(self, f: _Flow) -> None:
@@ -386,28 +415,166 @@ class Simulation:
                 return
         self._request(S3, i, 0)
 
+    # -- pipelined: the agents' PeerStrategy loop over `fanout.choose` ----------------------------------------------
+
     def _schedule_chunks(self, i: int) -> None:
         r = self.reps[i]
-        r.blocked_on = None
-        while r.inflight < max(self.fleet.inflight, self.fleet.s3_inflight):
-            while r.next_chunk in r.requested:
-                r.next_chunk += 1
-            chunk = r.next_chunk
-            if chunk == self.nchunks:
+        if r.lease is not None or r.s3_loader or r.serving or (r.ranked is not None and not r.needed):
+            return
+        if r.ranked is None:
+            self._list_pipelined(i)
+            if r.ranked is None:
                 return
-            sources = self._chunk_sources(i, chunk)
-            if sources and r.inflight < self.fleet.inflight:
-                self._request(sources[0], i, chunk)
-            elif not sources and not self.holders[chunk] and self._is_first_loader(i):
-                self._request(S3, i, chunk)
-            elif sources:
-                return  # its peer requests are all open
-            else:
-                self.waiting[chunk].append(i)
-                r.blocked_on = chunk
-                return
+        most = lease_chunks(self.fleet.chunk_bytes)
+        pick = choose(sorted(r.needed), self._ranked(r), most)
+        if pick is None and self.now - r.listed_at >= RELIST_S:
+            self._relist(i)
+            pick = choose(sorted(r.needed), self._ranked(r), most)
+        if pick is None:
+            self._block(i)
+            return
+        src, batch = int(pick[0]), pick[1]
+        if not r.published:  # the first lease gave it its manifest: its target, served from now on
+            self._publish(i)
+        self.readers[src] += 1
+        self.max_readers_seen = max(self.max_readers_seen, self.readers[src])
+        r.lease = [src, len(batch)]
+        r.requested.update(batch)
+        r.inflight += 1
+        size = sum(self.chunk_bytes[c] for c in batch)
+        self._push(self.now + self.fleet.peer_latency_s, "begin", _Flow(src, i, batch[0], size, batch=tuple(batch)))
+
+    def _list_pipelined(self, i: int) -> None:
+        """The Peer strategy's listing: Serving sources and loading holders, or (the first loader, with no Serving
+        source) S3, or nothing yet: list again after the poll interval."""
+        r = self.reps[i]
+        replicas, leases = self._objects()
+        serving = source_candidates(replicas, leases, version=VERSION, rank=0, self_replica=r.name, now=_NOW)
+        if not serving and first_loader(replicas, version=VERSION, self_replica=r.name) == r.name:
+            r.s3_loader = True
+            r.needed = set(range(self.nchunks))
+            self._publish(i)
+            for _ in range(min(self.fleet.s3_inflight, self.nchunks)):
+                self._next_s3(i)
+            return
+        found = serving + holder_candidates(replicas, version=VERSION, rank=0, self_replica=r.name, version_uid=UID)
+        if not found:  # the agent watches its model's replicas: it lists again when one publishes, or after the bound
+            self._push(self.now + PIPELINED_POLL_S, "poll", i)
+            self.listers.add(i)
+            r.polling = True
+            return
+        r.ranked = [self.index[c.replica] for c in self._order(found, r)]
+        r.needed = set(range(self.nchunks))
+        r.listed_at, r.seen = self.now, len(self.published_order)
+
+    def _publish(self, i: int) -> None:
+        self.reps[i].published = True
+        self.published_order.append(i)
+        self._changed()
+        for j in self.relisters:
+            r = self.reps[j]
+            if r.relist_at is None:
+                r.relist_at = max(self.now, r.listed_at + RELIST_S)
+                self._push(r.relist_at, "relist", j)
+        self.relisters.clear()
+        for j in self.listers:
+            self._push(self.now, "poll", j)
+        self.listers.clear()
+
+    def _relist(self, i: int) -> None:
+        """List again: the replicas that published a worker service since (every holder is one: Serving ones were
+        loading holders first), through `holder_candidates` over their objects."""
+        r = self.reps[i]
+        assert r.ranked is not None
+        replicas, _ = self._objects()
+        new = [replicas[j] for j in self.published_order[r.seen :] if self.reps[j].loading]
+        found = holder_candidates(new, version=VERSION, rank=0, self_replica=r.name, version_uid=UID)
+        r.ranked += [self.index[c.replica] for c in self._order(found, r)]
+        r.listed_at, r.seen = self.now, len(self.published_order)
+
+    def _ranked(self, r: _Replica) -> list[HolderView]:
+        """The reader's holders in its selector order as `fanout.choose` reads them; those that are busy or hold
+        nothing it needs are left out, which changes nothing `choose` decides."""
+        limit, needed = self.fleet.max_readers, r.needed
+        assert r.ranked is not None
+        return [
+            HolderView(str(j), self.reps[j].held_frozen)
+            for j in r.ranked
+            if (limit is None or self.readers[j] < limit) and not self.reps[j].held_frozen.isdisjoint(needed)
+        ]
+
+    def _order(self, found: list, r: _Replica) -> list:
+        return self.selector.order(found, model=MODEL, target_id=r.name, target_rank=0)
+
+    def _next_s3(self, i: int) -> None:
+        r = self.reps[i]
+        if r.next_s3 < self.nchunks:
+            r.requested.add(r.next_s3)
+            self._request(S3, i, r.next_s3)
+            r.next_s3 += 1
+
+    def _block(self, i: int) -> None:
+        """Wait: for one of its lowest needed chunks to land anywhere, for a busy holder of what it needs to free a
+        slot, and for the next listing."""
+        r = self.reps[i]
+        assert r.ranked is not None
+        keys = [("chunk", c) for c in sorted(r.needed)[:WAKE_ON]]
+        limit = self.fleet.max_readers
+        if limit is not None:
+            busy = (
+                j for j in r.ranked if self.readers[j] >= limit and not self.reps[j].held_frozen.isdisjoint(r.needed)
+            )
+            keys += [("slot", j) for j in itertools.islice(busy, WAKE_ON)]
+        for key in keys:
+            self.waiting[key].add(i)
+        r.waits = keys
+        if r.relist_at is None:
+            r.relist_at = max(self.now, r.listed_at + RELIST_S)
+            self._push(r.relist_at, "relist", i)
+
+    def _on_relist(self, i: int) -> None:
+        r = self.reps[i]
+        r.relist_at = None
+        if len(self.published_order) > r.seen:
+            self._unblock(i)
+        elif r.waits:  # a listing would find nothing new: the next one is due once someone publishes
+            self.relisters.add(i)
+
+    def _unblock(self, i: int) -> None:
+        r = self.reps[i]
+        for key in r.waits:
+            self.waiting[key].discard(i)
+        r.waits = []
+        self._schedule_chunks(i)
+
+    def _wake(self, key: tuple[str, int]) -> None:
+        for i in list(self.waiting.pop(key, ())):
+            self._unblock(i)
+
+    def _landed(self, f: _Flow) -> None:
+        """Chunks landed and passed their checks: held (and served on) at once."""
+        r = self.reps[f.dst]
+        landed = f.batch or (f.chunk,)
+        for chunk in landed:
+            r.held.add(chunk)
+            self.holders[chunk].add(f.dst)
+        r.needed.difference_update(landed)
+        r.held_frozen = frozenset(r.held)
+        if f.src == S3:
+            self._next_s3(f.dst)
+        else:  # the lease's READs are all in: released
+            r.lease = None
+            self.readers[f.src] -= 1
+            self._lease_count(f.src)
+            self._wake(("slot", f.src))
+        if not r.needed:
+            self._push(self.now + self.fleet.finish_s, "serving", f.dst)
+        for chunk in landed:
+            self._wake(("chunk", chunk))
+        self._schedule_chunks(f.dst)
 
     def _request(self, src: int, dst: int, chunk: int) -> _Flow:
+        """Whole and S3: one request of `chunk` (the whole model, or a chunk from S3)."""
         f = _Flow(src, dst, chunk, self.chunk_bytes[chunk])
         self.reps[dst].requested.add(chunk)
         self.reps[dst].inflight += 1
@@ -420,33 +587,10 @@ class Simulation:
         return f
 
     def _freed(self, src: int) -> None:
-        """A source's request ended: a blocked reader may take the slot."""
-        if src == S3:
-            return
-        self.readers[src] -= 1
-        self._lease_count(src)
-        if self.mode == PIPELINED and self.fleet.max_readers is not None:
-            held = self.reps[src].held
-            for chunk in sorted(c for c in self.waiting if c in held):
-                queue = self.waiting[chunk]
-                while queue and self.readers[src] < self.fleet.max_readers:
-                    self._unblock(queue.popleft(), chunk)
-                if not queue:
-                    del self.waiting[chunk]
-                if self.readers[src] >= self.fleet.max_readers:
-                    return
-
-    def _wake(self, chunk: int, holder: int) -> None:
-        """`holder` has `chunk` now: as many of its waiters as it has free slots (all, without a limit)."""
-        queue, limit = self.waiting.get(chunk), self.fleet.max_readers
-        while queue and (limit is None or self.readers[holder] < limit):
-            self._unblock(queue.popleft(), chunk)
-        if chunk in self.waiting and not self.waiting[chunk]:
-            del self.waiting[chunk]
-
-    def _unblock(self, i: int, chunk: int) -> None:
-        if self.reps[i].blocked_on == chunk:  # else it moved on since it queued
-            self._schedule_chunks(i)
+        """A source's request ended."""
+        if src != S3:
+            self.readers[src] -= 1
+            self._lease_count(src)
 
     def _poll_later(self, i: int) -> None:
         """Wait for the next poll tick that can list something new: the next one after a replica turns Serving,
@@ -526,15 +670,20 @@ FLEET_S3 = {"s3_client_gbps": 100.0, "s3_total_gbps": 1000.0, "s3_latency_s": 0.
 UNBOUNDED_S = 1e9  # a transfer timeout nothing reaches
 
 
-def scenarios(replicas: int, readers: int, chunks: int) -> list[tuple[str, Fleet, str]]:
+# The 1 TB model in 1 GiB tensors and 32 GiB chunks (30 chunks: a 16 MiB chunk would be 60,000 of them, more events
+# than this simulation runs in minutes); 1 GB in the agents' defaults (16 MiB tensors and chunks: 60 chunks).
+SIZES = (("1 TB", 10**12, 1 << 30, 32 << 30), ("1 GB", 10**9, 16 << 20, DEFAULT_CHUNK_BYTES))
+
+
+def scenarios(replicas: int, readers: int) -> list[tuple[str, Fleet, str]]:
     rows = []
-    for label, size in (("1 TB", 10**12), ("1 GB", 10**9)):
+    for label, size, tensor, chunk in SIZES:
         base = Fleet(replicas=replicas, model_bytes=size, nic_gbps=400.0, **FLEET_S3)  # type: ignore[arg-type]
         rows += [
             (label, base, S3_ONLY),
             (label, base, WHOLE),
             (label, replace(base, timeout_s=UNBOUNDED_S), WHOLE),
-            (label, replace(base, max_readers=readers, chunks=chunks), PIPELINED),
+            (label, replace(base, max_readers=readers, tensor_bytes=tensor, chunk_bytes=chunk), PIPELINED),
         ]
     return rows
 
@@ -544,15 +693,17 @@ def describe(mode: str, fleet: Fleet) -> str:
         return "today, S3 only"
     if mode == WHOLE:
         timeout = "no timeout" if fleet.timeout_s >= UNBOUNDED_S else f"timeoutSeconds {fleet.timeout_s:g}"
-        return f"today, peers first ({timeout})"
-    return f"PROJECTION: pipelined, {fleet.chunks} chunks, ≤{fleet.max_readers} readers a source"
+        return f"before issue 14, peers first: whole copies ({timeout})"
+    chunks = -(-fleet.model_bytes // fleet.chunk_bytes)
+    return f"today: pipelined, ~{chunks} chunks of {fleet.chunk_bytes >> 20} MiB, ≤{fleet.max_readers} readers a source"
 
 
 def calibrate(cold: Sequence[dict[str, Any]], size_bytes: int) -> tuple[Fleet, dict[str, float]]:
     """This machine's rates from the 1- and 3-replica rows of bench_modelload (1 rank): the agents' start and finish
     overheads (medians), one S3 load's rate (1 replica, S3 only), the store's aggregate (3 replicas, S3 only) and
-    the host's aggregate for peer copies (3 replicas, peers first: the two copies after the first loader served).
-    All agents share one host, so peer copies share one fabric and no NIC limit applies."""
+    the host's aggregate for peer copies (3 replicas, peers first: the two copies' bytes over the time from the
+    first one's start to the last one's end). All agents share one host, so peer copies share one fabric and no NIC
+    limit applies."""
     rows = {(r["replicas"], r["source_order"]): r for r in cold if r.get("ranks", 1) == 1 and r.get("loads")}
     peer, s3only = "Peer+ObjectStorage", "ObjectStorage"
     start_s = statistics.median(x["started_s"] for r in rows.values() for x in r["loads"])
@@ -563,10 +714,8 @@ def calibrate(cold: Sequence[dict[str, Any]], size_bytes: int) -> tuple[Fleet, d
     s3_client = size_bytes / (one["completed_s"] - one["started_s"])
     three = rows[(3, s3only)]["loads"]
     s3_total = 3 * size_bytes / (max(x["completed_s"] for x in three) - min(x["started_s"] for x in three))
-    loads = rows[(3, peer)]["loads"]
-    leader = next(x for x in loads if x["source"] == "s3")
-    copies = [x for x in loads if x["source"].startswith("peer/")]
-    span = max(x["completed_s"] for x in copies) - (leader["completed_s"] + finish_s)
+    copies = [x for x in rows[(3, peer)]["loads"] if x["source"].startswith("peer/")]
+    span = max(x["completed_s"] for x in copies) - min(x["started_s"] for x in copies)
     fabric = len(copies) * size_bytes / max(span, 1e-3)
     gbit = {"s3_client_gbps": s3_client / GBIT, "s3_total_gbps": s3_total / GBIT, "fabric_gbps": fabric / GBIT}
     fleet = Fleet(
@@ -591,9 +740,10 @@ def check_against(path: Path) -> dict[str, Any] | None:
     if not size or not cold:
         return None
     fleet, fitted = calibrate(cold, size)
+    fleet = replace(fleet, max_readers=DEFAULT_MAX_READERS, tensor_bytes=data.get("tensor_bytes", 4 << 20))
     rows = []
     for r in cold:
-        mode = WHOLE if r["source_order"].startswith("Peer") else S3_ONLY
+        mode = PIPELINED if r["source_order"].startswith("Peer") else S3_ONLY
         predicted = simulate(replace(fleet, replicas=r["replicas"]), mode)
         rows.append(
             {
@@ -644,7 +794,7 @@ def markdown(report: dict[str, Any]) -> str:
         ]
         for r in check["rows"]:
             lines.append(
-                f"| {r['replicas']} | {'peers first' if r['mode'] == WHOLE else 'S3 only'} | {r['measured_s']:.2f} "
+                f"| {r['replicas']} | {'peers first' if r['mode'] == PIPELINED else 'S3 only'} | {r['measured_s']:.2f} "
                 f"| {r['predicted_s']:.2f} | {r['predicted_s'] / r['measured_s']:.2f} "
                 f"| {'fitted' if r['fitted_on'] else 'predicted'} |"
             )
@@ -654,13 +804,16 @@ def markdown(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=1000)
-    parser.add_argument("--max-readers", type=int, default=4, help="pipelined: readers a source serves at once")
-    parser.add_argument("--chunks", type=int, default=128, help="pipelined: the model in this many chunks")
+    parser.add_argument("--max-readers", type=int, default=DEFAULT_MAX_READERS, help="pipelined: maxReadersPerSource")
     parser.add_argument("--modelload", type=Path, default=RESULTS / "modelload.json", help="bench_modelload's result")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="of the fleet predictions (whole takes minutes a row at 1,000)"
+    )
     args = parser.parse_args(argv)
     predictions = []
-    for label, fleet, mode in scenarios(args.replicas, args.max_readers, args.chunks):
+    modes = set(args.modes.split(","))
+    for label, fleet, mode in (row for row in scenarios(args.replicas, args.max_readers) if row[2] in modes):
         result = simulate(fleet, mode)
         predictions.append({"model": label, "policy": describe(mode, fleet), **result.summary()})
         print(json.dumps({k: v for k, v in predictions[-1].items() if k != "fleet"}), flush=True)

@@ -28,6 +28,7 @@ class AgentConfig:
     checkpoint_dir: Path  # the node's checkpoint store (ObjectStorage loads)
     checkpoint_quota_gib: float
     s3_endpoint: str | None  # for WeightVersions that name none
+    s3_download_workers: int  # ranged GETs an ObjectStorage load runs at once
     metrics_port: int  # -1 = off, 0 = any free port
     rank_timeout_seconds: float  # bound on each agreement step of a multi-rank replica
     warm_ranks: int  # rank processes kept started and idle even when no replica of this node has several ranks
@@ -57,6 +58,7 @@ class AgentConfig:
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_quota_gib=args.checkpoint_quota_gib,
             s3_endpoint=args.s3_endpoint,
+            s3_download_workers=args.s3_download_workers,
             metrics_port=args.metrics_port,
             rank_timeout_seconds=args.rank_timeout_seconds,
             warm_ranks=args.warm_ranks,
@@ -122,6 +124,12 @@ def argument_parser() -> argparse.ArgumentParser:
         "--s3-endpoint",
         default=os.environ.get("FERRY_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL"),
         help="S3 endpoint for versions that name none (env FERRY_S3_ENDPOINT, else AWS_ENDPOINT_URL)",
+    )
+    parser.add_argument(
+        "--s3-download-workers",
+        type=int,
+        default=int(os.environ.get("FERRY_S3_DOWNLOAD_WORKERS", "8")),
+        help="ranged GETs an object-storage load of a one-rank replica runs at once (env FERRY_S3_DOWNLOAD_WORKERS)",
     )
     parser.add_argument(
         "--metrics-port",

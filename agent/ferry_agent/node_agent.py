@@ -13,6 +13,7 @@ writes only the WeightReplica `/status` and its Leases.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -42,6 +43,7 @@ from ferry_agent.store.checkpoints import CheckpointStore, model_key
 from ferry_agent.store.resident import ResidentWeights
 from ferry_agent.strategies.peer import TransferSettings
 from ferry_agent.strategies.progress import Progress
+from ferry_agent.transport.loading_source import LoadingSource
 from ferry_agent.transport.nixl import NixlPeer
 from ferry_agent.transport.worker_auth import ReaderTokens, WorkerAuth
 from ferry_agent.transport.worker_service import WorkerServer
@@ -138,6 +140,7 @@ class NodeAgent:
         self._bind_address = config.bind_address
         self._store = store
         self._s3_endpoint = config.s3_endpoint
+        self._s3_workers = config.s3_download_workers
         # Bound on each collective of a multi-rank replica. Followers wait in one while their leader downloads and
         # replays the whole chain, so it is long; a rank that dies is noticed at once by its exit, not by this.
         self._rank_timeout_s = config.rank_timeout_seconds
@@ -284,6 +287,8 @@ class NodeAgent:
             "reason": None,
             "observedGeneration": generation,
             "progress": None,
+            "loadingRanks": None,  # a previous agent's, if it died loading
+            "loadingVersionUid": None,
         }
         if previous is None:
             start = {
@@ -354,6 +359,8 @@ class NodeAgent:
             "ranks": loaded.ranks,
             "reason": None,
             "versionUid": loaded.version_uid,
+            "loadingRanks": None,
+            "loadingVersionUid": None,
             "progress": metrics.progress_text(loaded.bytes_moved, loaded.bytes_moved, seconds),
             "message": f"loaded {loaded.bytes_moved} bytes from {loaded.source} in {seconds:.2f}s{on_ranks}",
         }
@@ -401,6 +408,26 @@ class NodeAgent:
             return self._host.versions((namespace, name))
 
         spec = self._deltas_first((namespace, name), spec, sources, held())
+        settings = TransferSettings.from_spec(spec.get("transfer") or {})
+
+        def version_uid() -> str | None:  # of the object this load reads (set by the Peer strategy's check)
+            if ctx.version_uid is None:
+                body = sources.version(spec["version"])
+                return None if body is None else str(body["metadata"]["uid"])
+            return ctx.version_uid
+
+        serving = LoadingSource(
+            self._peer,
+            rank=0,
+            host=self._bind_address,
+            guard=read_guard(self._worker_auth, namespace, dataclasses.replace(ctx, version=spec["version"])),
+            max_readers=settings.max_readers,
+            transfer_timeout_s=settings.timeout_s,
+            version_uid=version_uid,
+            publish=lambda fields: self._patch_status(
+                (namespace, name), fields or {"loadingRanks": None, "loadingVersionUid": None}
+            ),
+        )
         try:
             result = load_rank(
                 group,
@@ -417,7 +444,14 @@ class NodeAgent:
                 credentials=self._worker_tokens,
                 allocate=self._host.allocator((namespace, name), label),
                 held=held,
+                serving=serving,
+                download_workers=self._s3_workers,
             )
+            serving.close()  # before the seal: no reader may hold the writable pages
+            shared_from = getattr(result.resident, "shared_from", None)
+            shared = getattr(result.resident, "shared", ())
+            # the seal clears them
+            base = (shared_from.uid, shared) if shared_from is not None and shared_from.uid and shared else None
             sealed = None
             if result.resident.host is not None:
                 # The READ's registration goes first: sealing needs no pinned, writable pages; serving registers the
@@ -426,6 +460,8 @@ class NodeAgent:
                 sealed = self._host.seal(result.resident, label, ctx.version, ctx.version_uid)
         except Exception as exc:
             raise LoadFailed(str(exc), [a.to_status() for a in ctx.attempts]) from exc
+        finally:
+            serving.close()
         server, entry = serve_rank(
             result.resident,
             self._peer,
@@ -433,6 +469,7 @@ class NodeAgent:
             host=self._bind_address,
             spec=spec,
             guard=read_guard(self._worker_auth, namespace, ctx),
+            base=base,
         )
         handle = InProcessReplica(result.resident, server, self._peer, sealed)
         attempts = [a.to_status() for a in ctx.attempts]
@@ -550,6 +587,8 @@ class NodeAgent:
                 "phase": ReplicaPhase.FAILED,
                 "version": version,
                 "loadingVersion": None,
+                "loadingRanks": None,
+                "loadingVersionUid": None,
                 "reason": str(reason),
                 "message": message[:4096],
                 "attempts": attempts or [],
@@ -572,7 +611,14 @@ class NodeAgent:
         self._note_failure(key, version)
         self._patch_status(
             key,
-            {"loadingVersion": version, "reason": str(reason), "message": message[:4096], "attempts": attempts or []},
+            {
+                "loadingVersion": version,
+                "loadingRanks": None,
+                "loadingVersionUid": None,
+                "reason": str(reason),
+                "message": message[:4096],
+                "attempts": attempts or [],
+            },
         )
 
     def _note_failure(self, key: tuple[str, str], version: str) -> None:

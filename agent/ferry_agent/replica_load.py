@@ -7,7 +7,7 @@ of a multi-rank one, so both run exactly the same code: `load_rank` over a `Rank
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from ferry_agent.strategies.local_file import LocalFileStrategy, SeedKey
 from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
 from ferry_agent.strategies.peer import PeerStrategy, TransferSettings
 from ferry_agent.strategies.progress import Progress
+from ferry_agent.transport.loading_source import LoadingSource
 from ferry_agent.transport.nixl import NixlPeer
 from ferry_agent.transport.worker_auth import ReadGuard, ServedVersion, WorkerAuth
 from ferry_agent.transport.worker_service import SourceCredentials, WorkerServer, serve_resident
@@ -46,10 +47,21 @@ def serve_rank(
     host: str,
     spec: Mapping[str, Any],
     guard: ReadGuard | None,
+    base: tuple[str, Collection[str]] | None = None,
 ) -> tuple[WorkerServer, dict[str, Any]]:
-    """Publish a loaded rank as a P2P source: its worker service, and its `status.ranks[]` entry."""
-    timeout_s = TransferSettings.from_spec(spec.get("transfer") or {}).timeout_s
-    server = serve_resident(resident, peer, rank=rank, host=host, transfer_timeout_s=timeout_s, guard=guard)
+    """Publish a loaded rank as a P2P source: its worker service, and its `status.ranks[]` entry (`base`: the
+    tensors it shares with that WeightVersion uid, which readers holding it share too)."""
+    settings = TransferSettings.from_spec(spec.get("transfer") or {})
+    server = serve_resident(
+        resident,
+        peer,
+        rank=rank,
+        host=host,
+        transfer_timeout_s=settings.timeout_s,
+        guard=guard,
+        max_readers=settings.max_readers,
+        base=base,
+    )
     entry = {
         "rank": rank,
         "agentName": peer.name,
@@ -130,14 +142,19 @@ def load_rank(
     allocate: Allocate = ResidentWeights.allocate,
     map_sealed: MapSealed = unaccounted,
     held: Callable[[], Sequence[Any]] = tuple,
+    serving: LoadingSource | None = None,
+    download_workers: int = 8,
 ) -> LoadResult:
     """Load this rank (`ctx` from `rank_context`) of a replica, agreeing on everything with the other ranks, and
     return the chain's result. Every strategy allocates its target with `allocate`; a follower's share of its
     leader's landing is taken over by `map_sealed`; `held()` lists the replica's versions sealed in the agent's
-    host memory, which an S3 replay may start from."""
+    host memory, which an S3 replay may start from. With `serving`, the load serves peers what it holds while it
+    loads (a one-rank replica in the agent: pipelined fan-out)."""
     settings = TransferSettings.from_spec(spec.get("transfer") or {})
     replica = ctx.target_id
     version = configured or ""
+    if serving is not None:
+        allocate = serving.allocator(allocate)
     strategies: dict[str, LoadStrategy] = {
         SourceKind.PEER: PeerStrategy(
             peer=peer,
@@ -146,6 +163,8 @@ def load_rank(
             progress=progress,
             credentials=credentials,
             allocate=allocate,
+            on_verified=serving.verified if serving is not None else None,
+            first_loader=sources.first_loader(version, replica),
         ),
     }
     if store is not None:
@@ -157,8 +176,10 @@ def load_rank(
             default_endpoint=s3_endpoint,
             progress=progress,
             timeout_s=settings.timeout_s,
+            download_workers=download_workers,
             allocate=allocate,
             held=held,
+            on_checked=serving.verified_one if serving is not None else None,
         )
     local = LocalFileStrategy(seeds, sources.namespace, sources.version, allocate)
     return run_cold_start(

@@ -249,6 +249,13 @@ class TransferSpec(_Model):
     (UNAVAILABLE), before the source counts as failed."""
     rpcBackoffSeconds: float = Field(default=0.5, ge=0, le=30)
     """Wait before the first lease RPC retry; each further retry waits twice as long."""
+    maxReadersPerSource: int = Field(default=4, ge=1, le=1024)
+    """Read leases one replica grants at once, whether it serves or still loads (a reader that finds it full reads
+    from another holder): bounds how many peers share one source's network and memory bandwidth, so that a
+    fan-out becomes a tree of holders instead of everyone on the first one."""
+    chunkMiB: int = Field(default=16, ge=1, le=65536)
+    """Pipelined fan-out: the unit a reader reads, checks and serves on (consecutive tensors of at least this
+    size): a replica still loading serves the chunks it holds."""
 
 
 SourceOrder = Annotated[
@@ -860,6 +867,7 @@ class LoadAttempt(_Model):
 
 class RankState(StrEnum):
     READY = "Ready"  # the rank's share is resident and its worker service hands it to readers
+    LOADING = "Loading"  # the rank is still loading; its worker service hands out the tensors it holds, checked
 
 
 class RankEndpoint(_Model):
@@ -876,7 +884,7 @@ class RankEndpoint(_Model):
     manifestDigest: str = Field(max_length=128)
     """Digest of the share's manifest (names, shapes, dtypes, sizes); a reader checks the one it gets against it."""
     state: RankState = RankState.READY
-    """Ready: readers may copy from this rank."""
+    """Ready: readers may copy from this rank. Loading (in `loadingRanks`): they may copy what it holds so far."""
 
 
 class Attachment(_Model):
@@ -938,6 +946,16 @@ class WeightReplicaStatus(_Model):
         ),
     ]
     """One entry per rank of the served version: where peers read it."""
+    loadingRanks: Annotated[
+        list[RankEndpoint] | None,
+        Field(
+            default=None, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["rank"]}
+        ),
+    ]
+    """While a rank loads (phase Loading, or `loadingVersion`): where peers read the tensors it holds so far
+    (pipelined fan-out; state Loading). Written once when the load starts serving, cleared when it ends."""
+    loadingVersionUid: str | None = Field(default=None, max_length=128)
+    """uid of the WeightVersion object `loadingRanks` serve (peers read only from a load of the same object)."""
     activeLeases: int | None = Field(default=None, ge=0)
     """Read leases peers hold on the served version now (the loadAware selector prefers idle sources)."""
     attachments: list[Attachment] | None = Field(default=None, max_length=MAX_ATTACHMENTS)

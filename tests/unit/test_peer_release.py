@@ -34,8 +34,9 @@ from ferry_agent.strategies.peer import (
     TransferSettings,
     transfer_timeout_seconds,
 )
+from ferry_agent.transport.holdings import HoldingsView
 from ferry_agent.transport.nixl import ManifestMismatchError, NixlPeer, RemoteTensor, describe
-from ferry_agent.transport.worker_service import SourceIdentity, SourceManifest, build_manifest
+from ferry_agent.transport.worker_service import SourceIdentity, SourceManifest, adler32s, build_manifest
 
 pytestmark = pytest.mark.unit
 
@@ -64,9 +65,16 @@ def cand(replica: str, **kw: Any) -> SourceCandidate:
     return SourceCandidate(replica=replica, rank=0, agent_name=f"agent-{replica}", grpc_endpoint="127.0.0.1:1", **kw)
 
 
+def full_holdings(manifest: SourceManifest) -> HoldingsView:
+    """A Serving source's holdings: every tensor, with the checksums of SOURCE's bytes."""
+    sums = adler32s(SOURCE)
+    return HoldingsView(frozenset(range(len(manifest.tensors))), tuple(sums[t.name] for t in manifest.tensors), True)
+
+
 class FakeLease:
     def __init__(self, log: list[tuple], manifest: SourceManifest, error: Exception | None) -> None:
         self.log, self.manifest, self.error = log, manifest, error
+        self.holdings = full_holdings(manifest)
 
     def close(self) -> None:
         self.log.append(("lease_release", self.manifest.identity.agent_name))
@@ -86,6 +94,9 @@ class FakeClient:
             raise opts["prepare_error"]
         manifest = opts.get("manifest") or manifest_for(candidate.agent_name)
         return FakeLease(self.log, manifest, opts.get("release_error"))
+
+    def holdings(self, candidate: SourceCandidate, **_: Any) -> HoldingsView:
+        return full_holdings(manifest_for(candidate.agent_name))
 
 
 class FakePeer:
@@ -126,25 +137,30 @@ class FakePeer:
         self.loaded.discard(name)
         return True
 
-    def read(
+    def read_groups(
         self,
         remote_name: str,
         remote_tensors: Sequence[RemoteTensor],
         local: ResidentWeights,
+        groups: Sequence[Sequence[str]],
         timeout_s: float,
         *,
         on_start: Callable[[int], None] | None = None,
+        on_done: Callable[[int], None] = lambda _i: None,
     ) -> int:
         self.log.append(("transfer", remote_name, timeout_s))
         assert remote_name in self.loaded, "read from a peer that was not loaded"
-        total = sum(t.nbytes for t in remote_tensors)
+        sizes = {t.name: t.nbytes for t in remote_tensors}
+        total = sum(sizes[name] for group in groups for name in group)
         if on_start is not None:
             on_start(total)
         error = self.read_error(remote_name) if self.read_error else None
         if error is not None:
             raise error
-        for name, tensor in local.tensors.items():
-            tensor.copy_(SOURCE.tensors[name])
+        for i, group in enumerate(groups):
+            for name in group:
+                local.tensors[name].copy_(SOURCE.tensors[name])
+            on_done(i)
         return total
 
     def synchronize(self, device: torch.device) -> None:

@@ -7,7 +7,15 @@ import datetime as dt
 import pytest
 
 from ferry.api.models import GROUP, LABEL_NODE, REPLICA_LEASE_PREFIX
-from ferry_agent.kube.registry import lease_body, lease_is_live, lease_name, peer_version_problem, source_candidates
+from ferry_agent.kube.registry import (
+    first_loader,
+    holder_candidates,
+    lease_body,
+    lease_is_live,
+    lease_name,
+    peer_version_problem,
+    source_candidates,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -130,3 +138,37 @@ def test_peer_version_problem_needs_an_existing_ready_version_of_the_model():
     assert "not Ready" in peer_version_problem(body(ready="False"), name="v1", model="m")
     assert "for model 'other'" in peer_version_problem(body(model="other"), name="v1", model="m")
     assert "being deleted" in peer_version_problem(body(deleting=True), name="v1", model="m")
+
+
+def loading(name, *, version="v1", uid="u1", moving_from=None, rank=0, world=1, endpoint=True):
+    status = {"phase": "Serving", "version": moving_from, "loadingVersion": version} if moving_from else {}
+    status = status or {"phase": "Loading", "version": version}
+    status["loadingVersionUid"] = uid
+    if endpoint:
+        entry = {"rank": rank, "agentName": f"a-{name}", "grpcEndpoint": f"{name}:1", "state": "Loading"}
+        status["loadingRanks"] = [entry]
+    spec = {"version": version, "nodeName": f"node-{name}", "ranks": world}
+    return {"metadata": {"name": name}, "spec": spec, "status": status}
+
+
+def test_holders_are_replicas_loading_that_very_version_object_with_an_endpoint():
+    replicas = [
+        loading("a"),
+        loading("b", moving_from="v0"),  # make-before-break: serves v0, loads v1
+        loading("c", uid="u-old"),  # another object of the name
+        loading("d", version="v2"),
+        loading("e", endpoint=False),  # not serving its load (yet)
+        loading("f", rank=1),
+        loading("g", world=2),
+        loading("me"),
+    ]
+    found = holder_candidates(replicas, version="v1", rank=0, self_replica="me", version_uid="u1")
+    assert names(found) == ["a", "b"]
+    assert all(c.loading and c.node == f"node-{c.replica}" for c in found)
+
+
+def test_first_loader_skips_replicas_found_dead():
+    replicas = [loading("a"), loading("b"), loading("c")]
+    assert first_loader(replicas, version="v1", self_replica="c") == "a"
+    assert first_loader(replicas, version="v1", self_replica="c", exclude={"a"}) == "b"
+    assert first_loader(replicas, version="v1", self_replica="c", exclude={"a", "b"}) == "c"

@@ -19,7 +19,8 @@ def fleet(n: int, **kw) -> Fleet:
         "s3_client_gbps": 4.0,
         "s3_latency_s": 0.0,
         "peer_latency_s": 0.0,
-        "chunks": 16,
+        "tensor_bytes": MIB,
+        "chunk_bytes": 4 * MIB,  # 16 chunks
     }
     return Fleet(**{**base, **kw})
 
@@ -65,3 +66,24 @@ def test_a_copy_past_the_timeout_falls_back_to_s3() -> None:
     assert result.abandoned_bytes > 0
     assert result.received == [64 * MIB] * 30
     assert result.s3_bytes > 64 * MIB
+
+
+def test_the_pipelined_mode_decides_with_the_agents_own_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every lease the simulation starts is what `strategies.fanout.choose` returned, and the sources come from the
+    registry's functions: replacing them changes the outcome."""
+    import bench.sim_fanout as sim
+    from ferry_agent.strategies import fanout
+
+    picks: list[tuple[str, list[int]]] = []
+
+    def recording(needed, ranked, max_chunks=None):  # type: ignore[no-untyped-def]
+        pick = fanout.choose(needed, ranked, max_chunks)
+        if pick is not None:
+            picks.append(pick)
+        return pick
+
+    monkeypatch.setattr(sim, "choose", recording)
+    result = simulate(fleet(6, max_readers=2), PIPELINED)
+    assert picks and result.received == [64 * MIB] * 6
+    monkeypatch.setattr(sim, "holder_candidates", lambda *a, **k: [])  # no loading holders: only Serving sources
+    assert simulate(fleet(6, max_readers=2), PIPELINED).all_serving_s > result.all_serving_s

@@ -2,13 +2,15 @@
 
 Pure functions over Kubernetes object dicts, so the rules are unit-testable without a cluster:
 a source is a Serving WeightReplica of the exact version (name, and WeightVersion uid when known), with a Ready
-entry for the same rank and a live Lease.
+entry for the same rank and a live Lease; or a replica still loading that very version (`status.loadingRanks`,
+`loadingVersionUid`), which serves the tensors it holds so far (pipelined fan-out). A loading replica has no Lease
+yet: a dead one is found out by its worker service not answering.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from ferry.api.conditions import is_true
@@ -74,6 +76,50 @@ def source_candidates(
     return found
 
 
+def loading_version(status: Mapping[str, Any]) -> str | None:
+    """The version a replica is loading: its `loadingVersion` (next to a served one), or its `version` while Loading."""
+    if status.get("loadingVersion"):
+        return status["loadingVersion"]
+    return status.get("version") if status.get("phase") == ReplicaPhase.LOADING else None
+
+
+def holder_candidates(
+    replicas: Iterable[Mapping[str, Any]],
+    *,
+    version: str,
+    rank: int,
+    self_replica: str,
+    world_size: int = 1,
+    version_uid: str,
+) -> list[SourceCandidate]:
+    """Replicas still loading the very WeightVersion object `version_uid` of that name that serve what they hold
+    of `rank` (`status.loadingRanks`)."""
+    found = []
+    for wr in replicas:
+        name = wr["metadata"]["name"]
+        status = wr.get("status") or {}
+        spec = wr.get("spec") or {}
+        if name == self_replica or wr["metadata"].get("deletionTimestamp") or spec.get("ranks", 1) != world_size:
+            continue
+        if loading_version(status) != version or status.get("loadingVersionUid") != version_uid:
+            continue
+        for entry in status.get("loadingRanks") or []:
+            if entry.get("rank") == rank and entry.get("state") == RankState.LOADING:
+                found.append(
+                    SourceCandidate(
+                        replica=name,
+                        rank=rank,
+                        agent_name=entry["agentName"],
+                        grpc_endpoint=entry["grpcEndpoint"],
+                        tensor_count=entry.get("tensorCount", 0),
+                        manifest_digest=entry.get("manifestDigest", ""),
+                        node=spec.get("nodeName") or "",
+                        loading=True,
+                    )
+                )
+    return found
+
+
 def peer_version_problem(body: Mapping[str, Any] | None, *, name: str, model: str) -> str | None:
     """Why a target must not copy WeightVersion `name` (its object, or None if missing) from peers, or None.
     The agent checks this itself: the operator's retarget may lag a deleted, failed or republished version."""
@@ -106,14 +152,19 @@ def lease_body(
     }
 
 
-def first_loader(replicas: Iterable[Mapping[str, Any]], *, version: str, self_replica: str) -> str:
+def first_loader(
+    replicas: Iterable[Mapping[str, Any]], *, version: str, self_replica: str, exclude: Collection[str] = ()
+) -> str:
     """Among replicas assigned `version` that are not serving it yet (self included), the one that goes to object
     storage when no peer has it; the others wait for it and copy from it, so N cold replicas cost one S3 read.
-    Deterministic (smallest name), so every agent agrees without talking."""
+    Deterministic (smallest name), so every agent agrees without talking. `exclude`: replicas a reader found dead
+    (a loading replica has no Lease to say so), so that the next one takes over."""
     loading = {self_replica}
     for wr in replicas:
         status = wr.get("status") or {}
         if wr["metadata"].get("deletionTimestamp") or (wr.get("spec") or {}).get("version") != version:
+            continue
+        if wr["metadata"]["name"] in exclude:
             continue
         # A replica moving from an older version serves that one (make-before-break) while it loads this one.
         moving = status.get("phase") == ReplicaPhase.SERVING and status.get("version") != version

@@ -166,6 +166,10 @@ class RankAgreedObjectStorage(_Agreed):
 
     def load(self, ctx: LoadContext) -> S3LoadResult:
         self._result, self._prepared = None, False
+        if self._group.world_size == 1:
+            # Nobody to agree with: the one-rank load itself (a full checkpoint the store lacks streams straight
+            # into the pool, each tensor usable as soon as it is checked; the store is written behind).
+            return self.inner.load(ctx)
         chain: list[tuple[str, ...]] = []
         mapped: list[MappedLanding] = []
 

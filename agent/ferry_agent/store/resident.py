@@ -86,6 +86,9 @@ class ResidentWeights:
         # Tensors that are views of another held version's sealed memory (same bytes): read-only, never written.
         self.shared: frozenset[str] = frozenset()
         self.shared_from: Any = None  # the held version they are of, until these weights are sealed
+        # adler32 hex per tensor, set by a load that checked every tensor against them (what readers check theirs
+        # against); None: not known.
+        self.checksums: dict[str, str] | None = None
 
     @classmethod
     def allocate(cls, specs: Iterable[TensorSpec], device: str | torch.device, share: Any = None) -> ResidentWeights:

@@ -227,6 +227,98 @@ class NixlPeer:
                     log.warning("releasing a NIXL handle for %s failed: %s", remote_name, exc)
         return total
 
+    def read_groups(
+        self,
+        remote_name: str,
+        remote_tensors: Sequence[RemoteTensor],
+        local: ResidentWeights,
+        groups: Sequence[Sequence[str]],
+        timeout_s: float,
+        *,
+        on_start: Callable[[int], None] | None = None,
+        on_done: Callable[[int], None] = lambda _i: None,
+        window: int = 2,
+    ) -> int:
+        """READ the tensors of each group into the local tensors of the same names: one transfer per group, all
+        prepared at once and posted `window` at a time in order, so that groups land one after the other (and can
+        be checked: `on_done(i)`, called from this thread as group i completes) while the next ones are in flight;
+        all posted together, they would share the link and all land at the end. `on_start(total_bytes)` runs before
+        the first is posted. A transfer still in progress at the deadline raises `TimeoutError`; every handle is
+        released (an xfer in flight is aborted) on every path. Returns the bytes moved."""
+        if local.registration is not self:
+            raise RuntimeError("target weights must be registered with this agent before a read")
+        pairs = _pair(remote_tensors, local)
+        slot = {r.name: i for i, (r, _) in enumerate(pairs)}
+        wanted = [[slot[name] for name in group if name in slot] for group in groups]
+        total = sum(pairs[i][0].nbytes for group in wanted for i in group)
+        remote_kinds = {pairs[i][0].mem_type for group in wanted for i in group}
+        if len(remote_kinds) > 1:
+            raise ManifestMismatchError(f"source tensors span memory types {sorted(remote_kinds)}")
+        handles: list[Any] = []
+        xfers: dict[int, Any] = {}
+        try:
+            if remote_kinds:
+                local_dev = device_id(local.device)
+                local_descs = np.array([(t.data_ptr(), r.nbytes, local_dev) for r, t in pairs], dtype=np.uint64)
+                remote_descs = np.array([(r.addr, r.nbytes, r.device_id) for r, _ in pairs], dtype=np.uint64)
+                local_side = self._agent.prep_xfer_dlist(INIT_AGENT, local_descs, mem_type(local.device))
+                handles.append(local_side)
+                remote_side = self._agent.prep_xfer_dlist(remote_name, remote_descs, remote_kinds.pop())
+                handles.append(remote_side)
+                for i, group in enumerate(wanted):
+                    if group:
+                        index = np.array(group, dtype=np.int64)
+                        xfers[i] = self._agent.make_prepped_xfer("READ", local_side, index, remote_side, index)
+                        handles.insert(0, xfers[i])  # xfers are released before the lists they were made from
+            if on_start is not None:
+                on_start(total)
+            for i, group in enumerate(wanted):
+                if not group:
+                    on_done(i)  # empty tensors only: nothing to move
+            self._wait_all(xfers, remote_name, total, timeout_s, on_done, window)
+        finally:
+            for handle in handles:
+                try:
+                    handle.release()
+                except Exception as exc:
+                    log.warning("releasing a NIXL handle for %s failed: %s", remote_name, exc)
+        return total
+
+    def _wait_all(
+        self,
+        xfers: dict[int, Any],
+        remote_name: str,
+        total: int,
+        timeout_s: float,
+        on_done: Callable[[int], None],
+        window: int,
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        pause = 0.0
+        queued = sorted(xfers)
+        pending: dict[int, str] = {}
+        while pending or queued:
+            while queued and len(pending) < max(1, window):
+                i = queued.pop(0)
+                pending[i] = self._agent.transfer(xfers[i])
+            for i, state in list(pending.items()):
+                if state == "PROC":
+                    pending[i] = self._agent.check_xfer_state(xfers[i])
+                    state = pending[i]
+                if state == "DONE":
+                    del pending[i]
+                    on_done(i)
+                    pause = 0.0
+                elif state != "PROC":
+                    raise RuntimeError(f"NIXL READ of group {i} from {remote_name} ended in state {state}")
+            if not pending and not queued:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"NIXL READ of {total} B from {remote_name} still in progress after {timeout_s:g}s")
+            if pause:
+                time.sleep(pause)
+            pause = min(0.002, pause * 2 or 0.00005)
+
     def _wait(self, xfer: Any, state: str, remote_name: str, total: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         pause = 0.0

@@ -3,7 +3,9 @@
 Semantics follow ModelExpress's worker server: identity validated on every call,
 UNAVAILABLE while draining, NOT_FOUND for an unknown or expired lease, lease TTL
 ceil(2*max(120, transfer timeout) + 30) seconds, lazy expiry, and `drain(timeout)` that re-opens the
-source and raises `TimeoutError` when readers do not finish in time.
+source and raises `TimeoutError` when readers do not finish in time. A source grants at most `max_readers` leases
+at once (RESOURCE_EXHAUSTED beyond: the reader goes to another holder), and every lease says which tensors it
+covers (`holdings`: all of them for a Serving source, those checked so far for a loading one) with their adler32.
 
 With a `ReadGuard` (`worker_auth`; what the node agent and its ranks always use) every call is authenticated
 first and a manifest or lease is granted only to an agent whose node is assigned the served version; without
@@ -17,15 +19,18 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent import futures
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+import torch
 
+from ferry import checkpoint_format as ckpt
 from ferry_agent.store.resident import ResidentWeights, TensorSpec, manifest_digest
+from ferry_agent.transport.holdings import Holdings, HoldingsView
 from ferry_agent.transport.nixl import ManifestMismatchError, NixlPeer, RemoteTensor, describe
 from ferry_agent.transport.proto import worker_pb2, worker_pb2_grpc
 from ferry_agent.transport.worker_auth import AccessDenied, ReadGuard, bearer_metadata
@@ -35,6 +40,7 @@ _T = TypeVar("_T")
 
 DEFAULT_TRANSFER_TIMEOUT_S = 300.0
 DEFAULT_RPC_TIMEOUT_S = 5.0
+MAX_HOLDINGS_WAIT_MS = 2000  # a long-polling reader holds one of the server's threads at most this long
 # NIXL metadata grows with registered regions (~180 kB for 4096); manifests of big models are larger still.
 _MAX_MESSAGE = 64 << 20
 _GRPC_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)]
@@ -58,6 +64,10 @@ class SourceDraining(RuntimeError):
     """The source is draining and grants no new reads."""
 
 
+class SourceBusy(RuntimeError):
+    """The source serves its `max_readers` already."""
+
+
 class LeaseNotHeld(PermissionError):
     """A release of a lease that another reader holds."""
 
@@ -71,10 +81,15 @@ class TensorReadLeases:
         *,
         transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        max_readers: int | None = None,
     ) -> None:
         self.ttl_s = float(ttl_s) if ttl_s is not None else float(lease_ttl_seconds(transfer_timeout_s))
         if not self.ttl_s > 0:
             raise ValueError(f"lease TTL must be positive, got {ttl_s!r}")
+        if max_readers is not None and max_readers < 1:
+            raise ValueError(f"max_readers must be positive, got {max_readers!r}")
+        self.max_readers = max_readers
+        self.peak = 0  # the most leases active at once so far
         self._clock = clock
         self._cond = threading.Condition()
         self._deadlines: dict[str, float] = {}
@@ -99,9 +114,12 @@ class TensorReadLeases:
             if not self._accepting:
                 raise SourceDraining("source is draining")
             self._prune()
+            if self.max_readers is not None and len(self._deadlines) >= self.max_readers:
+                raise SourceBusy(f"{len(self._deadlines)} readers, the most this source serves at once")
             lease_id = uuid.uuid4().hex
             self._deadlines[lease_id] = self._clock() + self.ttl_s
             self._holders[lease_id] = holder
+            self.peak = max(self.peak, len(self._deadlines))
             return lease_id
 
     def release(self, lease_id: str, holder: str = "") -> bool:
@@ -145,6 +163,16 @@ class TensorReadLeases:
             self._accepting = True
 
 
+def adler32s(resident: ResidentWeights) -> dict[str, str]:
+    """Every tensor's adler32, as the checkpoint format writes it: for a served rank whose load did not check its
+    bytes against the version's checksums (a local seed, a store build), so that readers can check theirs."""
+    out = {}
+    for spec in resident.manifest:
+        tensor = resident.tensors[spec.name]
+        out[spec.name] = ckpt.adler32_hex(tensor.detach().reshape(-1).view(torch.uint8).cpu().numpy())
+    return out
+
+
 def build_manifest(
     resident: ResidentWeights, *, identity: SourceIdentity, rank: int, nixl_metadata: bytes
 ) -> worker_pb2.TensorManifest:
@@ -171,11 +199,20 @@ def build_manifest(
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(
-        self, manifest: worker_pb2.TensorManifest, leases: TensorReadLeases, guard: ReadGuard | None = None
+        self,
+        manifest: worker_pb2.TensorManifest,
+        leases: TensorReadLeases,
+        guard: ReadGuard | None = None,
+        holdings: Holdings | None = None,
     ) -> None:
+        """`holdings`: what a lease covers (None: nothing can be checked, so nothing can be read)."""
         self._manifest = manifest
         self._leases = leases
         self._guard = guard
+        self._holdings = holdings or Holdings([t.name for t in manifest.tensors])
+
+    def _snapshot(self) -> worker_pb2.Holdings:
+        return self._holdings.to_proto(readers=self._leases.active_count(), max_readers=self._leases.max_readers)
 
     def _admit(self, context: grpc.ServicerContext, *, read: bool) -> str:
         """Who calls (the lease holder key; "" when unguarded). Runs before anything else, so a refused caller
@@ -221,10 +258,31 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             lease_id = self._leases.acquire(holder)
         except SourceDraining:
             context.abort(grpc.StatusCode.UNAVAILABLE, "source is draining")
-        log.info("tensor read lease %s granted to %s (%s)", lease_id, request.reader or "?", holder or "open")
-        return worker_pb2.PrepareTensorReadResponse(
-            lease_id=lease_id, ttl_seconds=self._leases.ttl_s, manifest=self._manifest
+        except SourceBusy as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        holdings = self._snapshot()
+        log.info(
+            "tensor read lease %s granted to %s (%s): %d of %s readers, %s",
+            lease_id,
+            request.reader or "?",
+            holder or "open",
+            holdings.readers,
+            self._leases.max_readers or "unlimited",
+            "complete" if holdings.complete else f"{self._holdings.count} of {len(self._holdings.names)} tensors held",
         )
+        return worker_pb2.PrepareTensorReadResponse(
+            lease_id=lease_id, ttl_seconds=self._leases.ttl_s, manifest=self._manifest, holdings=holdings
+        )
+
+    def GetHoldings(
+        self, request: worker_pb2.GetHoldingsRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.GetHoldingsResponse:
+        self._admit(context, read=True)
+        self._validate(request.source, context)
+        if not self._leases.accepting:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "source is draining")
+        self._holdings.wait(request.known, min(request.wait_ms, MAX_HOLDINGS_WAIT_MS) / 1000)
+        return worker_pb2.GetHoldingsResponse(holdings=self._snapshot())
 
     def ReleaseTensorRead(
         self, request: worker_pb2.ReleaseTensorReadRequest, context: grpc.ServicerContext
@@ -251,13 +309,17 @@ class WorkerServer:
         leases: TensorReadLeases | None = None,
         port: int = 0,
         host: str = "127.0.0.1",
-        max_workers: int = 4,
+        max_workers: int = 16,
         guard: ReadGuard | None = None,
+        holdings: Holdings | None = None,
     ) -> None:
+        """`max_workers`: concurrent calls, long-polling `GetHoldings` included."""
         self.leases = leases or TensorReadLeases()
         self.identity = SourceIdentity(manifest.source.agent_name, manifest.source.instance_id)
+        self.holdings = holdings
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_GRPC_OPTIONS)
-        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(manifest, self.leases, guard), self._server)
+        service = WorkerService(manifest, self.leases, guard, holdings)
+        worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         self.host = host
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         if not self.port:
@@ -289,15 +351,27 @@ def serve_resident(
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
     lease_ttl_s: float | None = None,
     guard: ReadGuard | None = None,
+    holdings: Holdings | None = None,
+    max_readers: int | None = None,
+    base: tuple[str, Collection[str]] | None = None,
 ) -> WorkerServer:
-    """Publish loaded weights as a P2P source: register them (once), serve their manifest and read leases,
-    and pump NIXL progress so targets can connect. Stop with `server.stop()` then `peer.stop_progress()`.
-    `guard` None serves anyone: only for the standalone test/bench source."""
+    """Publish weights as a P2P source: register them (once), serve their manifest and read leases (at most
+    `max_readers` at once), and pump NIXL progress so targets can connect. Stop with `server.stop()` then
+    `peer.stop_progress()`. `holdings`: what it holds so far, while it loads (pipelined fan-out); None: all of it,
+    with the checksums its load checked (`resident.checksums`) or, for a load that had none, computed now.
+    `base` (uid, names): these tensors are the very bytes of that WeightVersion (a delta's unchanged tensors), which a
+    reader holding it shares instead of reading. `guard` None serves anyone: only for the standalone test/bench
+    source."""
     peer.register(resident)
+    if holdings is None:
+        checksums = resident.checksums or adler32s(resident)
+        holdings = Holdings.full([s.name for s in resident.manifest], checksums)
+        if base is not None:
+            holdings.set_base(*base)
     identity = SourceIdentity(peer.name, instance_id or uuid.uuid4().hex)
     manifest = build_manifest(resident, identity=identity, rank=rank, nixl_metadata=peer.metadata())
-    leases = TensorReadLeases(lease_ttl_s, transfer_timeout_s=transfer_timeout_s)
-    server = WorkerServer(manifest, leases=leases, port=port, host=host, guard=guard)
+    leases = TensorReadLeases(lease_ttl_s, transfer_timeout_s=transfer_timeout_s, max_readers=max_readers)
+    server = WorkerServer(manifest, leases=leases, port=port, host=host, guard=guard, holdings=holdings)
     peer.start_progress()
     server.start()
     return server
@@ -448,7 +522,8 @@ def release_tensor_read(
 
 
 class TensorReadLease:
-    """A granted read lease. `close()` releases it once; later calls do nothing."""
+    """A granted read lease, covering the tensors `holdings` lists. `close()` releases it once; later calls do
+    nothing."""
 
     def __init__(
         self,
@@ -458,6 +533,7 @@ class TensorReadLease:
         ttl_s: float,
         manifest: SourceManifest,
         *,
+        holdings: HoldingsView | None = None,
         release_timeout_s: float,
         credentials: Credentials | None = None,
         retry: RetryPolicy = NO_RETRY,
@@ -468,6 +544,7 @@ class TensorReadLease:
         self.lease_id = lease_id
         self.ttl_s = ttl_s
         self.manifest = manifest
+        self.holdings = holdings or HoldingsView(frozenset(), ("",) * len(manifest.tensors), False)
         self._release_timeout_s = release_timeout_s
         self._credentials = credentials
         self._retry = retry
@@ -534,8 +611,31 @@ def prepare_tensor_read(
         response.lease_id,
         response.ttl_seconds,
         manifest,
+        holdings=HoldingsView.from_proto(response.holdings, len(manifest.tensors)),
         release_timeout_s=release_timeout_s,
         credentials=credentials,
         retry=retry,
         connect=connect,
     )
+
+
+def get_holdings(
+    endpoint: str,
+    identity: SourceIdentity,
+    tensors: int,
+    *,
+    known: int = 0,
+    wait_s: float = 0.0,
+    timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+    credentials: Credentials | None = None,
+    connect: Connect = _stub,
+) -> HoldingsView:
+    """What a source of `tensors` tensors holds, once it holds more than `known` (waiting up to `wait_s`)."""
+    wait_ms = int(min(wait_s * 1000, MAX_HOLDINGS_WAIT_MS))
+    with connect(endpoint) as stub:
+        response = stub.GetHoldings(
+            worker_pb2.GetHoldingsRequest(source=identity.to_proto(), known=known, wait_ms=wait_ms),
+            timeout=timeout_s + wait_ms / 1000,
+            metadata=_metadata(credentials),
+        )
+    return HoldingsView.from_proto(response.holdings, tensors)

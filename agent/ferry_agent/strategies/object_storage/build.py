@@ -75,6 +75,7 @@ def _build_tensor(
     checksum: str,
     steps: Sequence[_Step],
     out: tuple[int, int, Countdown] | None,
+    on_checked: Callable[[str, str], None] | None = None,
 ) -> Failure | None:
     """One tensor, in one pass: read its base bytes (fd, offset) into the resident pool, apply its deltas in
     order, checking adler32 after each (or of the base bytes when there is none), and write the result to the
@@ -100,6 +101,8 @@ def _build_tensor(
         out[2].tick()
     if flat is not None and flat.device.type != "cpu":
         flat.copy_(torch.from_numpy(host))
+    if flat is not None and on_checked is not None:  # final and checked: a load that serves while it loads hands it on
+        on_checked(name, steps[-1].checksum if steps else checksum)
     return None
 
 
@@ -126,10 +129,13 @@ def build(
     plan: Plan,
     pool: ThreadPoolExecutor,
     timings: dict[str, float],
+    *,
+    on_checked: Callable[[str, str], None] | None = None,
 ) -> ResidentWeights:
     """Fill a new pool from the base, applying the deltas on the way, and (when there are deltas) write the result
     to materialized/<target> in the same pass (the other ranks of a replica read it from the store). The base is
-    read, never changed or renamed, so the previous good version stays intact until the new one is committed."""
+    read, never changed or renamed, so the previous good version stays intact until the new one is committed.
+    `on_checked(name, adler32)`: each tensor of the pool once built and checked (a load that serves as it loads)."""
     base = plan.base
     assert base.path is not None and all(d.path is not None for d in plan.deltas)
     t = time.monotonic()
@@ -199,6 +205,7 @@ def build(
                     base.checksums[name],
                     steps.get(name, ()),
                     out,
+                    on_checked,
                 )
             )
         failure = next((f for f in run_tasks(pool, tasks) if f is not None), None)

@@ -92,10 +92,17 @@ def _mapped_fd(fd: int) -> Any:
             mm.close()
 
 
-def _build(plan: Plan, name: str, target: np.ndarray, base: _Base, steps: list[_Step]) -> None:
+def _build(
+    plan: Plan,
+    name: str,
+    target: np.ndarray,
+    base: _Base,
+    steps: list[_Step],
+    on_checked: Callable[[str, str], None] | None,
+) -> None:
     """One tensor: the base bytes, then each delta in order (the first XORed from the base straight into the
-    target), checking the adler32 after each (of the base bytes when there is none). Raises the load's error; a
-    bad base is not blamed on a good delta."""
+    target), checking the adler32 after each (of the base bytes when there is none), then `on_checked(name,
+    adler32)`. Raises the load's error; a bad base is not blamed on a good delta."""
     failure: Failure | None = None
     if not steps:
         np.copyto(target, base.arrays[name])
@@ -115,6 +122,8 @@ def _build(plan: Plan, name: str, target: np.ndarray, base: _Base, steps: list[_
             failure = Failure(name, base_error, -1) if base_error else Failure(name, error, step.origin)
             break
     if failure is None:
+        if on_checked is not None:  # final and checked: a load that serves while it loads hands it to peers
+            on_checked(name, steps[-1].checksum if steps else base.checksums[name])
         return
     if failure.origin < 0 and base.in_memory:  # sealed memory changed: nothing on disk to discard
         raise LoadError(f"tensor {name!r} of {plan.base.link.name} held in host memory {failure.message}")
@@ -130,10 +139,12 @@ def replay(
     report: Callable[[int, int, str], None] | None,
     range_bytes: int,
     workers: int,
+    on_checked: Callable[[str, str], None] | None = None,
 ) -> dict[str, dict[str, bytearray]]:
     """Build the target of `plan` (its base in the store or held in memory; deltas in the store or in S3) into
-    `resident` (a CPU pool holding every tensor), streaming the deltas the store lacks. Returns the fetched
-    deltas' shard objects (by version, then shard), whose headers were checked, for the store write."""
+    `resident` (a CPU pool holding every tensor), streaming the deltas the store lacks; `on_checked(name, adler32)`
+    as each tensor is built and checked. Returns the fetched deltas' shard objects (by version, then shard), whose
+    headers were checked, for the store write."""
     t = time.monotonic()
     remote = [d for d in plan.deltas if d.path is None]
     fetched: dict[str, dict[str, bytearray]] = {
@@ -172,7 +183,7 @@ def replay(
             if name in resident.shared:  # the held version's very bytes, in place
                 continue
             target = resident.tensors[name].reshape(-1).view(torch.uint8).numpy()
-            build = partial(_build, plan, name, target, base, steps.get(name, []))
+            build = partial(_build, plan, name, target, base, steps.get(name, []), on_checked)
             if waits.get(name):
                 done[name] = Countdown(waits[name], build)
             else:

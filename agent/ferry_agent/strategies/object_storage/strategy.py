@@ -123,12 +123,14 @@ class ObjectStorageStrategy:
         timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
         allocate: Callable[[Sequence[TensorSpec], str], ResidentWeights] = ResidentWeights.allocate,
         held: Callable[[], Sequence[Any]] = tuple,
+        on_checked: Callable[[str, str], None] | None = None,
     ) -> None:
         """`fetch_version(name)`: the WeightVersion object (a dict) of that name in the replica's `namespace`, or
         None. `credentials(storage)`: S3 credentials for a `spec.storage` dict, or None for the environment's.
         `timeout_s` bounds each S3 request, all its tries together (the replica's `spec.transfer.timeoutSeconds`).
         `allocate(specs, device)`: the target's memory (the agent's host store on `cpu`). `held()`: the versions of
-        the replica sealed in that host store (`memstore.SealedVersion`), which a one-rank replay may start from."""
+        the replica sealed in that host store (`memstore.SealedVersion`), which a one-rank replay may start from.
+        `on_checked(name, adler32)`: a tensor of the target passed its check (a load that serves while it loads)."""
         if download_workers < 1 or range_bytes < 1 or timeout_s <= 0:
             raise ValueError("download_workers, range_bytes and timeout_s must be positive")
         self._namespace = namespace
@@ -142,6 +144,7 @@ class ObjectStorageStrategy:
         self._range_bytes = range_bytes
         self._allocate = allocate
         self._held = held
+        self._on_checked = on_checked
         self._planner = Planner(
             namespace=namespace, fetch_version=fetch_version, store=store, client=self._client, progress=progress
         )
@@ -307,6 +310,11 @@ class ObjectStorageStrategy:
         behind: bool = False,
     ) -> S3LoadResult:
         seconds = time.monotonic() - t0
+        checksums = dict(plan.base.checksums)
+        for delta in plan.deltas:
+            checksums.update(delta.checksums)
+        if all(name in checksums for name in resident.tensors):  # what the load checked every tensor against
+            resident.checksums = {name: checksums[name] for name in resident.tensors}
         log.info(
             "rank %d/%d loaded %s (%d bytes, chain %s) from %s in %.2fs, %d bytes downloaded%s",
             ctx.rank,
@@ -381,7 +389,7 @@ class ObjectStorageStrategy:
                 raise LoadError(str(exc)) from exc
             if fetch:
                 download(self._store, fetch, pool, timings, report=self._progress, range_bytes=self._range_bytes)
-            resident = build(self._store, self._allocate, ctx, plan, pool, timings)
+            resident = build(self._store, self._allocate, ctx, plan, pool, timings, on_checked=self._on_checked)
             update.commit(activate=activate)
         return resident, downloaded, None, False
 
@@ -393,7 +401,14 @@ class ObjectStorageStrategy:
         returns."""
         resident = self._allocate_for(ctx, plan, needed, timings)
         fetched = replay(
-            plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes, workers=self._workers
+            plan,
+            resident,
+            pool,
+            timings,
+            report=self._progress,
+            range_bytes=self._range_bytes,
+            workers=self._workers,
+            on_checked=self._on_checked,
         )
         return resident, fetched
 
@@ -441,7 +456,14 @@ class ObjectStorageStrategy:
         caller writes the store behind from what it returns."""
         resident = self._allocate_for(ctx, plan, needed, timings)
         streamed = stream(
-            plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes, into=into
+            plan,
+            resident,
+            pool,
+            timings,
+            report=self._progress,
+            range_bytes=self._range_bytes,
+            into=into,
+            on_checked=self._on_checked,
         )
         return resident, streamed
 

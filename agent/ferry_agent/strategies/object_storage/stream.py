@@ -98,13 +98,22 @@ def _fetch_range(
             piece.done.tick()  # the tensor's last range: checked now, in this thread, while others download
 
 
-def _check(uri: str, name: str, host: np.ndarray, checksum: str, device: torch.Tensor | None) -> None:
+def _check(
+    uri: str,
+    name: str,
+    host: np.ndarray,
+    checksum: str,
+    device: torch.Tensor | None,
+    on_checked: Callable[[str, str], None] | None = None,
+) -> None:
     got = ckpt.adler32_hex(host)
     if got != checksum:
         # Raised into the range's task: the load stops (the other ranges are cancelled) at the first bad tensor.
         raise LoadError(f"shard {uri}: tensor {name!r} fails its adler32 check (got {got}, expected {checksum})")
     if device is not None:
         device.copy_(torch.from_numpy(host))
+    if on_checked is not None:  # final now: a load that serves while it loads hands it to peers
+        on_checked(name, checksum)
 
 
 @dataclass
@@ -125,9 +134,11 @@ def stream(
     report: Callable[[int, int, str], None] | None,
     range_bytes: int,
     into: Mapping[str, np.ndarray] | None = None,
+    on_checked: Callable[[str, str], None] | None = None,
 ) -> Streamed:
     """Fetch `plan.base` (a full checkpoint, not in the store) with parallel ranged GETs into `resident`; a
-    tensor `resident` lacks lands in `into[name]` (another rank's share: `ranks.landing`) where given."""
+    tensor `resident` lacks lands in `into[name]` (another rank's share: `ranks.landing`) where given.
+    `on_checked(name, adler32)`: each tensor of `resident` once its bytes passed their check."""
     base = plan.base
     t = time.monotonic()
     folder = base.link.uri.rpartition("/")[0] + "/"  # what a stall report names
@@ -156,7 +167,8 @@ def stream(
             begin = layout.data_start + info.begin
             count = sum(1 for b, e in ranges if b < begin + info.nbytes and e > begin)
             uri = base.link.shard_uri(shard.name)
-            check = partial(_check, uri, name, host, layout.checksums[name], None if on_cpu else flat)
+            mine = on_checked if tensor is not None and name not in resident.shared else None
+            check = partial(_check, uri, name, host, layout.checksums[name], None if on_cpu else flat, mine)
             if count == 0:  # an empty tensor: nothing to fetch
                 check()
                 continue

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(ferry_agent/transport/proto/worker.proto\x12\x0f\x66\x65rry.worker.v1\"9\n\x0eSourceIdentity\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"\x81\x01\n\x10TensorDescriptor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x10\n\x08mem_type\x18\x06 \x01(\t\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"\xc8\x01\n\x0eTensorManifest\x12/\n\x06source\x18\x01 \x01(\x0b\x32\x1f.ferry.worker.v1.SourceIdentity\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x15\n\rnixl_metadata\x18\x05 \x01(\x0c\x12\x32\n\x07tensors\x18\x06 \x03(\x0b\x32!.ferry.worker.v1.TensorDescriptor\"K\n\x18GetTensorManifestRequest\x12/\n\x06source\x18\x01 \x01(\x0b\x32\x1f.ferry.worker.v1.SourceIdentity\"N\n\x19GetTensorManifestResponse\x12\x31\n\x08manifest\x18\x01 \x01(\x0b\x32\x1f.ferry.worker.v1.TensorManifest\"[\n\x18PrepareTensorReadRequest\x12/\n\x06source\x18\x01 \x01(\x0b\x32\x1f.ferry.worker.v1.SourceIdentity\x12\x0e\n\x06reader\x18\x02 \x01(\t\"u\n\x19PrepareTensorReadResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\x12\x31\n\x08manifest\x18\x03 \x01(\x0b\x32\x1f.ferry.worker.v1.TensorManifest\"]\n\x18ReleaseTensorReadRequest\x12/\n\x06source\x18\x01 \x01(\x0b\x32\x1f.ferry.worker.v1.SourceIdentity\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x1b\n\x19ReleaseTensorReadResponse2\xcc\x02\n\x06Worker\x12j\n\x11GetTensorManifest\x12).ferry.worker.v1.GetTensorManifestRequest\x1a*.ferry.worker.v1.GetTensorManifestResponse\x12j\n\x11PrepareTensorRead\x12).ferry.worker.v1.PrepareTensorReadRequest\x1a*.ferry.worker.v1.PrepareTensorReadResponse\x12j\n\x11ReleaseTensorRead\x12).ferry.worker.v1.ReleaseTensorReadRequest\x1a*.ferry.worker.v1.ReleaseTensorReadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(ferry_agent/transport/proto/worker.proto\x12\x0f\x66\x65rry.worker.v1\"9\n\x0eSourceIdentity\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"\x81\x01\n\x10TensorDescriptor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x10\n\x08mem_type\x18\x06 \x01(\t\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"\xc8\x01\n\x0eTensorManifest\x12/\n\x06source\x18\x01 \x01(\x0b\x32\x1f.ferry.worker.v1.SourceIdentity\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x15\n\rnixl_metadata\x18\x05 \x01(\x0c\x12\x32\n\x07tensors\x18\x06 \x03(\x0b\x32!.ferry.worker.v1.TensorDescriptor\"K\n\x18GetTensorManifestRequest\x12/\n\x06source\x18\x01 \x01(\x0b\x32\x1f.ferry.worker.v1.SourceIdentity\"N\n\x19GetTensorManifestResponse\x12\x31\n\x08manifest\x18\x01 \x01(\x0b\x32\x1f.ferry.worker.v1.TensorManifest\"[\n\x18PrepareTensorReadRequest\x12/\n\x06source\x18\x01 \x01(\x0b\x32\x1f.ferry.worker.v1.SourceIdentity\x12\x0e\n\x06reader\x18\x02 \x01(\t\"\x88\x01\n\x08Holdings\x12\x0c\n\x04held\x18\x01 \x01(\x0c\x12\x11\n\tchecksums\x18\x02 \x03(\t\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\x12\x0f\n\x07readers\x18\x04 \x01(\r\x12\x13\n\x0bmax_readers\x18\x05 \x01(\r\x12\x10\n\x08\x62\x61se_uid\x18\x06 \x01(\t\x12\x11\n\tunchanged\x18\x07 \x01(\x0c\"\xa2\x01\n\x19PrepareTensorReadResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\x12\x31\n\x08manifest\x18\x03 \x01(\x0b\x32\x1f.ferry.worker.v1.TensorManifest\x12+\n\x08holdings\x18\x04 \x01(\x0b\x32\x19.ferry.worker.v1.Holdings\"e\n\x12GetHoldingsRequest\x12/\n\x06source\x18\x01 \x01(\x0b\x32\x1f.ferry.worker.v1.SourceIdentity\x12\r\n\x05known\x18\x02 \x01(\r\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\"B\n\x13GetHoldingsResponse\x12+\n\x08holdings\x18\x01 \x01(\x0b\x32\x19.ferry.worker.v1.Holdings\"]\n\x18ReleaseTensorReadRequest\x12/\n\x06source\x18\x01 \x01(\x0b\x32\x1f.ferry.worker.v1.SourceIdentity\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x1b\n\x19ReleaseTensorReadResponse2\xa6\x03\n\x06Worker\x12j\n\x11GetTensorManifest\x12).ferry.worker.v1.GetTensorManifestRequest\x1a*.ferry.worker.v1.GetTensorManifestResponse\x12j\n\x11PrepareTensorRead\x12).ferry.worker.v1.PrepareTensorReadRequest\x1a*.ferry.worker.v1.PrepareTensorReadResponse\x12j\n\x11ReleaseTensorRead\x12).ferry.worker.v1.ReleaseTensorReadRequest\x1a*.ferry.worker.v1.ReleaseTensorReadResponse\x12X\n\x0bGetHoldings\x12#.ferry.worker.v1.GetHoldingsRequest\x1a$.ferry.worker.v1.GetHoldingsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,12 +43,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETTENSORMANIFESTRESPONSE']._serialized_end=610
   _globals['_PREPARETENSORREADREQUEST']._serialized_start=612
   _globals['_PREPARETENSORREADREQUEST']._serialized_end=703
-  _globals['_PREPARETENSORREADRESPONSE']._serialized_start=705
-  _globals['_PREPARETENSORREADRESPONSE']._serialized_end=822
-  _globals['_RELEASETENSORREADREQUEST']._serialized_start=824
-  _globals['_RELEASETENSORREADREQUEST']._serialized_end=917
-  _globals['_RELEASETENSORREADRESPONSE']._serialized_start=919
-  _globals['_RELEASETENSORREADRESPONSE']._serialized_end=946
-  _globals['_WORKER']._serialized_start=949
-  _globals['_WORKER']._serialized_end=1281
+  _globals['_HOLDINGS']._serialized_start=706
+  _globals['_HOLDINGS']._serialized_end=842
+  _globals['_PREPARETENSORREADRESPONSE']._serialized_start=845
+  _globals['_PREPARETENSORREADRESPONSE']._serialized_end=1007
+  _globals['_GETHOLDINGSREQUEST']._serialized_start=1009
+  _globals['_GETHOLDINGSREQUEST']._serialized_end=1110
+  _globals['_GETHOLDINGSRESPONSE']._serialized_start=1112
+  _globals['_GETHOLDINGSRESPONSE']._serialized_end=1178
+  _globals['_RELEASETENSORREADREQUEST']._serialized_start=1180
+  _globals['_RELEASETENSORREADREQUEST']._serialized_end=1273
+  _globals['_RELEASETENSORREADRESPONSE']._serialized_start=1275
+  _globals['_RELEASETENSORREADRESPONSE']._serialized_end=1302
+  _globals['_WORKER']._serialized_start=1305
+  _globals['_WORKER']._serialized_end=1727
 # @@protoc_insertion_point(module_scope)

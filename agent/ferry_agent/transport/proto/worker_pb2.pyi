@@ -68,15 +68,51 @@ class PrepareTensorReadRequest(_message.Message):
     reader: str
     def __init__(self, source: _Optional[_Union[SourceIdentity, _Mapping]] = ..., reader: _Optional[str] = ...) -> None: ...
 
+class Holdings(_message.Message):
+    __slots__ = ("held", "checksums", "complete", "readers", "max_readers", "base_uid", "unchanged")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    READERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_READERS_FIELD_NUMBER: _ClassVar[int]
+    BASE_UID_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    held: bytes
+    checksums: _containers.RepeatedScalarFieldContainer[str]
+    complete: bool
+    readers: int
+    max_readers: int
+    base_uid: str
+    unchanged: bytes
+    def __init__(self, held: _Optional[bytes] = ..., checksums: _Optional[_Iterable[str]] = ..., complete: _Optional[bool] = ..., readers: _Optional[int] = ..., max_readers: _Optional[int] = ..., base_uid: _Optional[str] = ..., unchanged: _Optional[bytes] = ...) -> None: ...
+
 class PrepareTensorReadResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl_seconds", "manifest")
+    __slots__ = ("lease_id", "ttl_seconds", "manifest", "holdings")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    HOLDINGS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     ttl_seconds: float
     manifest: TensorManifest
-    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., manifest: _Optional[_Union[TensorManifest, _Mapping]] = ...) -> None: ...
+    holdings: Holdings
+    def __init__(self, lease_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., manifest: _Optional[_Union[TensorManifest, _Mapping]] = ..., holdings: _Optional[_Union[Holdings, _Mapping]] = ...) -> None: ...
+
+class GetHoldingsRequest(_message.Message):
+    __slots__ = ("source", "known", "wait_ms")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    source: SourceIdentity
+    known: int
+    wait_ms: int
+    def __init__(self, source: _Optional[_Union[SourceIdentity, _Mapping]] = ..., known: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class GetHoldingsResponse(_message.Message):
+    __slots__ = ("holdings",)
+    HOLDINGS_FIELD_NUMBER: _ClassVar[int]
+    holdings: Holdings
+    def __init__(self, holdings: _Optional[_Union[Holdings, _Mapping]] = ...) -> None: ...
 
 class ReleaseTensorReadRequest(_message.Message):
     __slots__ = ("source", "lease_id")

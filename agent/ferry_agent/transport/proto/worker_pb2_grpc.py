@@ -55,6 +55,11 @@ class WorkerStub:
                 request_serializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.ReleaseTensorReadRequest.SerializeToString,
                 response_deserializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.ReleaseTensorReadResponse.FromString,
                 _registered_method=True)
+        self.GetHoldings = channel.unary_unary(
+                '/ferry.worker.v1.Worker/GetHoldings',
+                request_serializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.GetHoldingsRequest.SerializeToString,
+                response_deserializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.GetHoldingsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -75,7 +80,7 @@ class WorkerServicer:
 
     def PrepareTensorRead(self, request, context):
         """A lease keeps the source from mutating or retiring these tensors until released or expired.
-        UNAVAILABLE while draining.
+        UNAVAILABLE while draining; RESOURCE_EXHAUSTED while it serves its max_readers (the reader tries another).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +88,14 @@ class WorkerServicer:
 
     def ReleaseTensorRead(self, request, context):
         """NOT_FOUND for an unknown or expired lease. Accepted while draining, so a drain can finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetHoldings(self, request, context):
+        """What the source holds, once it holds more than `known` tensors (or after wait_ms). Authenticated as a manifest.
+        UNAVAILABLE while draining.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,6 +118,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReleaseTensorRead,
                     request_deserializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.ReleaseTensorReadRequest.FromString,
                     response_serializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.ReleaseTensorReadResponse.SerializeToString,
+            ),
+            'GetHoldings': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHoldings,
+                    request_deserializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.GetHoldingsRequest.FromString,
+                    response_serializer=ferry__agent_dot_transport_dot_proto_dot_worker__pb2.GetHoldingsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -194,6 +212,33 @@ class Worker:
             '/ferry.worker.v1.Worker/ReleaseTensorRead',
             ferry__agent_dot_transport_dot_proto_dot_worker__pb2.ReleaseTensorReadRequest.SerializeToString,
             ferry__agent_dot_transport_dot_proto_dot_worker__pb2.ReleaseTensorReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHoldings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferry.worker.v1.Worker/GetHoldings',
+            ferry__agent_dot_transport_dot_proto_dot_worker__pb2.GetHoldingsRequest.SerializeToString,
+            ferry__agent_dot_transport_dot_proto_dot_worker__pb2.GetHoldingsResponse.FromString,
             options,
             channel_credentials,
             insecure,

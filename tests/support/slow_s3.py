@@ -1,0 +1,90 @@
+"""A TCP relay in front of the test S3 that paces what S3 sends (bytes per second) and can hold it entirely: an
+object store slow enough, and stoppable at a chosen moment, for tests of what happens while a load is under way."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+
+class SlowRelay:
+    """127.0.0.1:<port> → `upstream` (host:port). Responses flow at `rate` bytes/s per connection; `hold()` stops
+    them until `release()`."""
+
+    def __init__(self, upstream: str, rate: float) -> None:
+        host, _, port = upstream.rpartition(":")
+        self._upstream = (host.removeprefix("http://").removeprefix("https://"), int(port))
+        self._rate = rate
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def hold(self) -> None:
+        self._flowing.clear()
+
+    def release(self) -> None:
+        self._flowing.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._flowing.set()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self._upstream)
+            except OSError:
+                client.close()
+                continue
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, paced: bool) -> None:
+        due = 0.0  # when the bytes sent so far are paid for: no credit builds up while the connection is idle
+        try:
+            while True:
+                data = src.recv(64 << 10)
+                if not data:
+                    break
+                if paced:
+                    self._flowing.wait()
+                    due = max(due, time.monotonic()) + len(data) / self._rate
+                    time.sleep(max(0.0, due - time.monotonic()))
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+
+
+@dataclass(frozen=True)
+class SlowS3:
+    """What `start_agent(s3=...)` needs of an S3 server, reached through a `SlowRelay`."""
+
+    relay: SlowRelay
+    real: object  # the S3Server
+
+    @property
+    def endpoint(self) -> str:
+        return self.relay.endpoint
+
+    def env(self) -> dict[str, str]:
+        return {**self.real.env(), "AWS_ENDPOINT_URL": self.relay.endpoint}  # type: ignore[attr-defined]
