@@ -67,7 +67,7 @@ from ferry_agent.strategies.object_storage.build import build, unchanged_since
 from ferry_agent.strategies.object_storage.checkpoint import Link, LoadError, Plan
 from ferry_agent.strategies.object_storage.download import download
 from ferry_agent.strategies.object_storage.plan import Planner
-from ferry_agent.strategies.object_storage.replay import replay, store_replay_behind
+from ferry_agent.strategies.object_storage.replay import Replayed, replay, store_replay_behind
 from ferry_agent.strategies.object_storage.stream import Streamed, store_full_behind, stream
 from ferry_agent.strategies.progress import Progress
 from ferry_agent.transport.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
@@ -163,12 +163,23 @@ class ObjectStorageStrategy:
         with self._failures():
             return tuple(link.name for link in self._planner.resolve(ctx))
 
-    def prepare(self, ctx: LoadContext, *, activate: bool, land: bool = False) -> S3LoadResult:
+    def prepare(self, ctx: LoadContext, *, activate: bool) -> S3LoadResult:
         """The local leader's step: fetch what the store lacks, replay the chain and load this rank's tensors
         in the same pass, materializing every rank's tensors in the store. With `activate=False` the store only
-        marks the version prepared; `activate()` follows once every rank has loaded it. With `land` (and
-        `activate=False`), a full checkpoint the store lacks is streamed instead, the other ranks' tensors into
-        the result's `landed`, and nothing is stored until `commit_landed`."""
+        marks the version prepared; `activate()` follows once every rank has loaded it."""
+        result = self._prepare(ctx, activate=activate, land=False)
+        assert result is not None
+        return result
+
+    def lead(self, ctx: LoadContext) -> S3LoadResult | None:
+        """A multi-rank local leader's step. What the store lacks is streamed once: a full checkpoint, or a delta
+        replay on the stored base (a base the store lacks is fetched into it first), this rank's share into its
+        new pool and every other rank's into a sealed landing they map (the result's `landed`); nothing is stored
+        until `commit_landed`. When the store holds the target, it is only marked prepared and None is returned:
+        every rank, this one included, then reads its own share from the store at once (`load_prepared`)."""
+        return self._prepare(ctx, activate=False, land=True)
+
+    def _prepare(self, ctx: LoadContext, *, activate: bool, land: bool) -> S3LoadResult | None:
         t0 = time.monotonic()
         timings: dict[str, float] = {}
         with self._failures():
@@ -180,6 +191,12 @@ class ObjectStorageStrategy:
             ):
                 plan = self._planner.plan(ctx, links, pool, held=held)
                 timings["validate"] = time.monotonic() - t0
+                if land and not plan.deltas and plan.base.path is not None:
+                    with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
+                        update.commit(activate=False)
+                    ctx.version_uid = links[-1].uid
+                    log.info("%s is in this node's store (%s): prepared for every rank", ctx.version, plan.reused)
+                    return None
                 resident, downloaded, landed, behind = self._execute(
                     ctx, plan, pool, timings, activate=activate, land=land
                 )
@@ -201,11 +218,6 @@ class ObjectStorageStrategy:
         finally:
             for version in held:
                 version.unref()
-
-    def attach(self, ctx: LoadContext, chain: Sequence[str]) -> None:
-        """Another rank's check that its local leader prepared `chain` in the node's store."""
-        with self._failures():
-            self._require_prepared(ctx, tuple(chain))
 
     def _require_prepared(self, ctx: LoadContext, chain: tuple[str, ...]) -> None:
         if self._store.prepared_head(self._planner.key(ctx), chain) is None:
@@ -363,16 +375,24 @@ class ObjectStorageStrategy:
             resident, streamed = self._stream(ctx, plan, pool, timings, needed)
             store_full_behind(self._store, plan, streamed)
             return resident, downloaded, None, True
-        if land and not activate and ctx.world_size > 1 and fetch == [plan.base] and not plan.deltas:
+        on_cpu = torch.device(ctx.device).type == "cpu"
+        streamed_full = not plan.deltas and fetch == [plan.base]
+        if land and not activate and ctx.world_size > 1 and (streamed_full or (plan.deltas and on_cpu)):
             # A multi-rank leader: the other ranks' shares land in shared memory they map, not in the store.
-            resident, landed = self._stream_ranks(ctx, plan, pool, timings, needed)
+            if not plan.deltas:
+                resident, landed = self._stream_ranks(ctx, plan, pool, timings, needed)
+            else:
+                if plan.base.path is None and plan.held is None:
+                    self._fetch_base(ctx, plan, pool, timings)
+                    needed -= plan.base.stored_bytes
+                resident, landed = self._replay_ranks(ctx, plan, pool, timings, needed)
             return resident, downloaded, landed, True
         stored_or_held = plan.base.path is not None or plan.held is not None
-        if alone and plan.deltas and stored_or_held and torch.device(ctx.device).type == "cpu":
+        if alone and plan.deltas and stored_or_held and on_cpu:
             # A one-rank replay on a stored or held base into a CPU pool: the deltas stream, the store is written
             # behind.
-            resident, fetched = self._replay(ctx, plan, pool, timings, needed)
-            store_replay_behind(self._store, plan, resident, fetched)
+            resident, replayed = self._replay(ctx, plan, pool, timings, needed)
+            store_replay_behind(self._store, plan, replayed)
             return resident, downloaded, None, True
         with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
             try:
@@ -386,23 +406,33 @@ class ObjectStorageStrategy:
         return resident, downloaded, None, False
 
     def _replay(
-        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
-    ) -> tuple[ResidentWeights, dict[str, dict[str, bytearray]]]:
-        """A one-rank replay whose base the store or host memory holds: the deltas the store lacks stream from S3
-        and each tensor is built as its frames land (`replay`); the caller writes the store behind from what it
-        returns."""
+        self,
+        ctx: LoadContext,
+        plan: Plan,
+        pool: ThreadPoolExecutor,
+        timings: dict[str, float],
+        needed: int,
+        *,
+        into: Mapping[str, np.ndarray] | None = None,
+    ) -> tuple[ResidentWeights, Replayed]:
+        """A replay whose base the store or host memory holds: the deltas the store lacks stream from S3 and each
+        tensor is built as its frames land (`replay`; tensors the new pool lacks into `into`); the caller writes
+        the store behind from what it returns."""
         resident = self._allocate_for(ctx, plan, needed, timings)
-        fetched = replay(
-            plan, resident, pool, timings, report=self._progress, range_bytes=self._range_bytes, workers=self._workers
+        replayed = replay(
+            plan,
+            resident,
+            pool,
+            timings,
+            report=self._progress,
+            range_bytes=self._range_bytes,
+            workers=self._workers,
+            into=into,
         )
-        return resident, fetched
+        return resident, replayed
 
-    def _stream_ranks(
-        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
-    ) -> tuple[ResidentWeights, Landed]:
-        """A multi-rank leader's full load the store lacks: one stream from S3, this rank's share into its new
-        pool and every other rank's into a sealed landing they map (`ranks.landing`); the store entry is written
-        behind once every rank has loaded (`commit_landed`)."""
+    def _landing(self, ctx: LoadContext, plan: Plan) -> Landing:
+        """Memfd chunks of each other rank's own for its share of the target (`ranks.landing`)."""
         owner = rank_of_tensors(
             [
                 TensorSpec(n, f"torch.{ckpt.TORCH_DTYPES[i.dtype]}", i.shape, i.nbytes)
@@ -416,9 +446,17 @@ class ObjectStorageStrategy:
                 spec = TensorSpec(name, f"torch.{ckpt.TORCH_DTYPES[info.dtype]}", info.shape, info.nbytes)
                 shares.setdefault(owner[name], []).append(spec)
         try:
-            landing = Landing(shares, f"landing:{plan.model}/{ctx.version}"[:200])  # memfd names: < 250 bytes
+            return Landing(shares, f"landing:{plan.model}/{ctx.version}"[:200])  # memfd names: < 250 bytes
         except OSError as exc:
             raise LoadError(f"cannot allocate the other ranks' landing in host memory: {exc}") from exc
+
+    def _stream_ranks(
+        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
+    ) -> tuple[ResidentWeights, Landed]:
+        """A multi-rank leader's full load the store lacks: one stream from S3, this rank's share into its new
+        pool and every other rank's into a sealed landing they map (`ranks.landing`); the store entry is written
+        behind once every rank has loaded (`commit_landed`)."""
+        landing = self._landing(ctx, plan)
         try:
             resident, streamed = self._stream(ctx, plan, pool, timings, needed, into=landing.views)
             landing.seal()
@@ -426,6 +464,31 @@ class ObjectStorageStrategy:
             landing.close()
             raise
         return resident, Landed(landing, lambda: store_full_behind(self._store, plan, streamed))
+
+    def _replay_ranks(
+        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
+    ) -> tuple[ResidentWeights, Landed]:
+        """A multi-rank leader's delta replay: streamed once (`replay`), this rank's share of the target into its
+        new pool and every other rank's into a sealed landing they map; the fetched deltas and
+        materialized/<target> are written behind once every rank has loaded (`commit_landed`)."""
+        landing = self._landing(ctx, plan)
+        try:
+            resident, replayed = self._replay(ctx, plan, pool, timings, needed, into=landing.views)
+            landing.seal()
+        except BaseException:
+            landing.close()
+            raise
+        return resident, Landed(landing, lambda: store_replay_behind(self._store, plan, replayed))
+
+    def _fetch_base(self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float]) -> None:
+        """A multi-rank replay whose base the store lacks: the base is downloaded into the store first (on the
+        critical path, as for a one-rank replay), then the deltas stream onto it."""
+        with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]):
+            try:
+                self._store.reserve(plan.base.stored_bytes)
+            except CheckpointCacheCapacityError as exc:
+                raise LoadError(str(exc)) from exc
+            download(self._store, [plan.base], pool, timings, report=self._progress, range_bytes=self._range_bytes)
 
     def _stream(
         self,
