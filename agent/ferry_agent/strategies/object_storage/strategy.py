@@ -12,21 +12,24 @@ ModelExpress semantics, in four phases:
    tensor's adler32 before the rename. A one-rank load of a full checkpoint the store lacks streams instead
    (`stream`): the ranged GETs read straight into the new pool, each tensor checked as its last range lands, and
    the store entry is written behind the load (`CheckpointStore.write_behind`, still tmp + fsync + rename), so
-   the replica serves without waiting for the disk. A multi-rank leader streams such a load too
-   (`prepare(activate=False)` returns it `landed`): the other ranks' tensors land in a sealed memfd
-   (`ranks.landing`) that they copy their shares from (`load_landed`), and the store entry is queued only once
-   every rank has loaded (`commit_landed`).
+   the replica serves without waiting for the disk. A multi-rank leader streams such a load too (`lead` returns
+   it `landed`): the other ranks' tensors land in sealed memfd chunks of each rank's own (`ranks.landing`) that
+   they map (or copy their shares from: `load_landed`), and the store entry is queued only once every rank has
+   loaded (`commit_landed`). When the store holds the version, `lead` only marks it prepared and every rank reads
+   its own share from the store at once (`load_prepared`).
 4. Build the target in one pass per tensor, in parallel: read the base bytes straight into a freshly allocated
    `ResidentWeights` pool (CPU: the agent's host store; through a host buffer for other devices), from the store,
    or from the base version's sealed host memory when a pod still holds that very version (then the tensors no
    delta changes are not copied at all: the new version shares the base's chunks), check their adler32, apply
    each delta in place (streamed zstd, numpy XOR) checking the exact decoded size and adler32 after each, and
    write the result to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
-   The ranks of a multi-rank replica read the store, so their leader builds this way. A one-rank replay into a
-   CPU pool whose base the store holds streams instead (`replay`): the deltas the store lacks are fetched with
-   ranged GETs into memory, each tensor is built (base XOR each decoded frame, adler32 after each) in the
-   thread its last frame lands in, straight into the new pool, and the fetched deltas and `materialized/<target>`
-   are written behind the load. A chain whose base the store lacks is fetched into the store first (above).
+   A replay into a CPU pool whose base the store holds streams instead (`replay`): the deltas the store lacks
+   are fetched with ranged GETs into memory, each tensor is built (base XOR each decoded frame, adler32 after
+   each) in the thread its last frame lands in, straight into the new pool (a multi-rank leader: its own share
+   there, every other rank's into that rank's landing, as above), and the fetched deltas and
+   `materialized/<target>` are written behind the load (for a multi-rank replica, once every rank has loaded).
+   A chain whose base the store lacks is fetched into the store first (above). A multi-rank leader on another
+   device than `cpu` still builds a delta into the store, which the other ranks read.
 
 A write-behind stores and activates only after the load returned; until then the store stays at its last
 activated version, and a crash leaves only what `CheckpointStore.recover()` removes.
