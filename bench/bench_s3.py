@@ -21,7 +21,10 @@
   kept for every round as the agent keeps its rank processes between loads; an empty store each round): the local
   leader streams the checkpoint once (its share into its pool, the other rank's into a sealed shared-memory
   landing), the other rank serves its share from that landing as it is (mapped read-only, no copy); timed until
-  both ranks hold their shares (the slower rank), in the same rounds as the boto3 baseline.
+  both ranks hold their shares (the slower rank), in the same rounds as the boto3 baseline and the one-rank load.
+  Also from a store that holds the version (each rank reads its own share, at the same time), against the
+  one-rank warm load in the same rounds, and a delta on a store holding v1 (the leader replays it once, the other
+  rank maps its share of the result), in the delta rounds.
 - delta apply: the strategy's build phase for an XorDelta that touches every tensor (read v1 into the pool,
   streamed zstd decode + XOR + adler32, write materialized/v2 and start its write-back) vs numpy XOR of in-memory
   buffers of the same sizes (one thread, XOR only); for scale, the warm load's build phase (read + adler32 only),
@@ -84,17 +87,6 @@ MODEL = "bench-model"
 def parse_size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
-
-
-def timed(fn: Callable[[], float | None], reps: int) -> list[float]:
-    """Runs fn reps+1 times (the first is a warm-up); fn may return its own measured seconds."""
-    fn()
-    out = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        inner = fn()
-        out.append(inner if inner is not None else time.perf_counter() - start)
-    return out
 
 
 def make_weights(total: int, tensor_bytes: int, seed: int) -> dict[str, np.ndarray]:
@@ -186,14 +178,15 @@ class Ranks:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         s3.forget_clients()  # a forked rank must not share its parent's pooled S3 connections
         with TorchRankGroup.init(rank=rank, world_size=ranks, store=dist.FileStore(str(root / "gloo"), ranks)) as g:
-            while (root := pipe.recv()) is not None:
+            while (job := pipe.recv()) is not None:
+                root, version = job
                 ctx = LoadContext(model=MODEL, version="", rank=rank, target_id="bench", world_size=ranks)
                 store = CheckpointStore(root, quota_bytes=64 << 30)
                 strategy = make(store)
                 g.all_gather_object(None)  # start together
                 start = time.perf_counter()
                 result = run_cold_start(
-                    g, ctx, configured="v1", source_order=["ObjectStorage"], strategies={"ObjectStorage": strategy}
+                    g, ctx, configured=version, source_order=["ObjectStorage"], strategies={"ObjectStorage": strategy}
                 )
                 seconds = time.perf_counter() - start
                 part = shas(dict(result.resident.tensors))
@@ -201,10 +194,10 @@ class Ranks:
                 store.close()  # the leader's write-behind finishes before the next load (untimed)
                 self._results.put((rank, seconds, part))
 
-    def load(self, store: Path) -> tuple[float, dict[str, str]]:
+    def load(self, store: Path, version: str = "v1") -> tuple[float, dict[str, str]]:
         """The slower rank's seconds, and every tensor's sha256 across the ranks."""
         for pipe in self._pipes:
-            pipe.send(store)
+            pipe.send((store, version))
         outcomes = [self._results.get(timeout=600) for _ in self._procs]
         union: dict[str, str] = {}
         for _, _, part in outcomes:
@@ -376,26 +369,61 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
         ranked_shas.append(union)
         return seconds
 
+    warm_ranked_shas: list[dict[str, str]] = []
+
+    def ranked_warm_load() -> float:
+        assert ranks is not None
+        store = work / "ranked-warm"
+        if not warm_ranked_shas:  # the store fills on the first call
+            ranks.load(store)
+        seconds, union = ranks.load(store)
+        warm_ranked_shas.append(union)
+        return seconds
+
+    delta_ranked_shas: list[dict[str, str]] = []
+
+    def ranked_delta_load() -> float:
+        """v2 on a node whose store holds v1 (each round fetches and stores the delta and materialized/v2 again)."""
+        assert ranks is not None
+        store = work / "ranked-delta"
+        if not delta_ranked_shas:
+            ranks.load(store)
+        model_dir = CheckpointStore(store, quota_bytes=64 << 30).model_dir(model_key("bench", MODEL))
+        for kind in ("materialized", "deltas"):
+            shutil.rmtree(model_dir / kind, ignore_errors=True)
+        seconds, union = ranks.load(store, "v2")
+        delta_ranked_shas.append(union)
+        return seconds
+
     def raw_delta_gets() -> None:  # the S3 floor of a delta load: its frames' bytes, in the load's ranges
         size = ranges_of(sum(delta_objects.values()), range_bytes, args.workers)
         raw_ranged_gets(client, delta_objects, args.workers, size)
 
-    delta = delta_rows(strategy, empty_store, stores, work, ctx, w1, w2, total, args.reps, raw_delta_gets)
+    ranks = Ranks(loader, work / "ranked", 2)  # kept for every round, as the agent keeps its rank processes
+    delta = delta_rows(
+        strategy, empty_store, stores, work, ctx, w1, w2, total, args.reps, raw_delta_gets, ranked_delta_load
+    )
     results: dict[str, Any] = dict(delta["results"])
-    verified = delta["verified"]
+    verified = delta["verified"] and all(union == shas(w2) for union in delta_ranked_shas)
     full_ratios: dict[str, float] = {}
     if args.only == "all":
-        ranks = Ranks(loader, work / "ranked", 2)  # kept for every round, as the agent keeps its rank processes
-        paired = rounds({"raw": raw_gets, **references, "full": full_load, "ranked": ranked_full_load}, args.reps)
-        raw, full, ranked = paired["raw"], paired["full"], paired["ranked"]
-        ranks.close()
-        shutil.rmtree(work / "ranked", ignore_errors=True)
-        warm = timed(warm_load, args.reps)
+        paired = rounds(
+            {
+                "raw": raw_gets,
+                **references,
+                "full": full_load,
+                "ranked": ranked_full_load,
+                "warm": warm_load,
+                "ranked_warm": ranked_warm_load,
+            },
+            args.reps,
+        )
+        raw, full, ranked, warm = paired["raw"], paired["full"], paired["ranked"], paired["warm"]
         verified = (
             verified
             and shas(dict(last["full"].resident.tensors)) == shas(w1)
             and shas(dict(last["warm"].resident.tensors)) == shas(w1)
-            and all(union == shas(w1) for union in ranked_shas)
+            and all(union == shas(w1) for union in ranked_shas + warm_ranked_shas)
             and (
                 all(
                     {k: hashlib.sha256(v).hexdigest() for k, v in got[reader].items()}
@@ -413,6 +441,7 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
                 "strategy_full_load_2_ranks": summary(total, ranked),
                 "raw_boto3_ranged_gets": summary(total, raw),
                 "strategy_warm_load_from_store": summary(total, warm),
+                "strategy_warm_load_2_ranks": summary(total, paired["ranked_warm"]),
                 "strategy_warm_build_phase": summary(total, [t["build"] for t in timings["warm"][1:]]),
                 **{name: summary(total, paired[name]) for name in references},
             }
@@ -424,11 +453,16 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
                 med["strategy_full_load_until_stored"] / med["raw_boto3_ranged_gets"], 3
             ),
             "full_load_2_ranks_vs_raw_gets": round(med["strategy_full_load_2_ranks"] / med["raw_boto3_ranged_gets"], 3),
+            "full_load_2_ranks_vs_1_rank": round(med["strategy_full_load_2_ranks"] / med["strategy_full_load"], 3),
             "warm_load_vs_raw_gets": round(med["strategy_warm_load_from_store"] / med["raw_boto3_ranged_gets"], 3),
+            "warm_load_2_ranks_vs_1_rank": round(
+                med["strategy_warm_load_2_ranks"] / med["strategy_warm_load_from_store"], 3
+            ),
             "warm_build_vs_numpy_xor": round(med["strategy_warm_build_phase"] / med["numpy_xor_in_memory"], 3),
             **{f"full_load_vs_{name}": round(med["strategy_full_load"] / med[name], 3) for name in references},
             **{f"{name}_vs_raw_gets": round(med[name] / med["raw_boto3_ranged_gets"], 3) for name in references},
         }
+    ranks.close()
     timings["delta"] = delta["timings"]
     return {
         "host": f"{platform.node()} ({os.cpu_count()} cpus)",
@@ -468,11 +502,12 @@ def delta_rows(
     total: int,
     reps: int,
     raw_delta_gets: Callable[[], None],
+    ranked_delta_load: Callable[[], float],
 ) -> dict[str, Any]:
     """The delta rows, in the same rounds as their numpy baseline (each round runs each once): the whole load of
     v2 on a store holding v1 (its build phase too), the same with v1 also held in the agent's host memory (its
-    sealed chunks: what a replica that serves v1 replays on), the decoder alone on in-memory frames, and the S3 floor
-    (plain boto3 ranged GETs of the delta's objects into memory)."""
+    sealed chunks: what a replica that serves v1 replays on), the same for a two-rank replica, the decoder alone on
+    in-memory frames, and the S3 floor (plain boto3 ranged GETs of the delta's objects into memory)."""
     # Baselines for the delta: the same XOR in memory (numpy only), and the decoder on in-memory frames.
     xors = {n: np.bitwise_xor(w1[n].reshape(-1).view(np.uint8), w2[n].reshape(-1).view(np.uint8)) for n in w1}
     targets = {n: w1[n].reshape(-1).view(np.uint8).copy() for n in w1}
@@ -525,6 +560,7 @@ def delta_rows(
         "decoder_in_memory": decoder_in_memory,
         "strategy_delta_load": delta_load,
         "strategy_delta_load_v1_held": delta_load_held,
+        "strategy_delta_load_2_ranks": ranked_delta_load,
         "raw_boto3_delta_gets": raw_delta_gets,
     }
     paired = rounds(fns, reps)
@@ -543,6 +579,8 @@ def delta_rows(
         "delta_load_vs_numpy_xor": round(med["strategy_delta_load"] / base, 3),
         "delta_load_v1_held_vs_numpy_xor": round(med["strategy_delta_load_v1_held"] / base, 3),
         "delta_load_vs_delta_gets": round(med["strategy_delta_load"] / med["raw_boto3_delta_gets"], 3),
+        "delta_load_2_ranks_vs_delta_gets": round(med["strategy_delta_load_2_ranks"] / med["raw_boto3_delta_gets"], 3),
+        "delta_load_2_ranks_vs_1_rank": round(med["strategy_delta_load_2_ranks"] / med["strategy_delta_load"], 3),
     }
     return {"results": results, "ratios": ratios, "verified": verified, "timings": phases[1:]}
 
@@ -595,8 +633,12 @@ def markdown(report: dict[str, Any]) -> str:
             f"| full, empty store, 2 ranks (leader fetches once, the other rank maps its share) | "
             f"{cell('strategy_full_load_2_ranks')} | same boto3 baseline | "
             f"{ratio['full_load_2_ranks_vs_raw_gets']:.2f} |",
+            f"| full, empty store, 2 ranks vs 1 rank (same rounds) | {cell('strategy_full_load_2_ranks')} | "
+            f"{cell('strategy_full_load')} | {ratio['full_load_2_ranks_vs_1_rank']:.2f} |",
             f"| full, from the store | {cell('strategy_warm_load_from_store')} | same boto3 baseline | "
             f"{ratio['warm_load_vs_raw_gets']:.2f} |",
+            f"| full, from the store, 2 ranks vs 1 rank (same rounds) | {cell('strategy_warm_load_2_ranks')} | "
+            f"{cell('strategy_warm_load_from_store')} | {ratio['warm_load_2_ranks_vs_1_rank']:.2f} |",
             f"| warm build phase (read only, for scale) | {cell('strategy_warm_build_phase')} | numpy XOR in memory "
             f"(below) | {ratio['warm_build_vs_numpy_xor']:.2f} |",
         ]
@@ -628,6 +670,10 @@ def markdown(report: dict[str, Any]) -> str:
             f"| delta load end to end, store holds v1 | {cell('strategy_delta_load')} | "
             f"{cell('raw_boto3_delta_gets')} boto3 ranged GETs of the delta's objects alone (its S3 floor) | "
             f"{ratio['delta_load_vs_delta_gets']:.2f} |",
+            f"| delta load end to end, store holds v1, 2 ranks | {cell('strategy_delta_load_2_ranks')} | same "
+            f"delta GETs | {ratio['delta_load_2_ranks_vs_delta_gets']:.2f} |",
+            f"| delta load, 2 ranks vs 1 rank (same rounds) | {cell('strategy_delta_load_2_ranks')} | "
+            f"{cell('strategy_delta_load')} | {ratio['delta_load_2_ranks_vs_1_rank']:.2f} |",
             "",
             *([f"The purpose-built clients' throughput over boto3's: {against_boto3}."] if against_boto3 else []),
             *report["skipped"],

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from ferry_agent.store.checkpoints import ArtifactKind, ArtifactRef, CheckpointS
 from ferry_agent.store.resident import ResidentWeights, TensorSpec
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
 from tests.support.ranks import spawn
-from tests.support.s3 import KEY, MODEL, Registry, Weights, delta, full, publish_chain3, shas
+from tests.support.s3 import KEY, MODEL, Registry, Weights, ctx, delta, full, publish_chain3, shas
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -51,12 +52,12 @@ def test_ranks_split_a_replayed_chain_bit_for_bit(
     root = tmp_path / "node-store"
     results = spawn(tmp_path, 2, _rank_load(registry, [root, root], "v3"), timeout=90)
     assert all(r[0] == "ok" for r in results), results
-    (shas0, down0, _, state0), (shas1, down1, reused1, state1) = (r[1] for r in results)
+    (shas0, down0, _, state0), (shas1, down1, _, _) = (r[1] for r in results)
     assert shas0 and shas1 and not set(shas0) & set(shas1)  # each rank holds its share, no tensor twice
     assert {**shas0, **shas1} == shas(chain3[2])  # together: exactly v3 as published in full
-    assert down0 > 0 and down1 == 0  # only the local leader downloads; rank 1 reads what it prepared
-    assert reused1 == "materialized/v3"
-    assert state0 == state1 == ("v3", ("v1", "v2", "v3"))  # activated only after both ranks loaded
+    assert down0 > 0 and down1 == 0  # only the local leader downloads; rank 1 maps what it landed
+    assert state0 == ("v3", ("v1", "v2", "v3"))  # stored behind, activated only after both ranks loaded
+    assert CheckpointStore(root, quota_bytes=1 << 30).artifact(ArtifactRef(KEY, ArtifactKind.MATERIALIZED, "v3"))
 
     # A second cold start of the same version on the same node reads only the store.
     (tmp_path / "again").mkdir()
@@ -72,18 +73,20 @@ def test_ranks_split_a_replayed_chain_bit_for_bit(
 def test_a_rank_that_cannot_see_the_leaders_store_fails_every_rank(
     registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
 ) -> None:
-    w1, w2, _ = chain3
-    registry.publish("v1", full(w1))
-    registry.publish("v2", delta(w1, w2, "v2", "v1"), "XorDelta", "v1")
+    """When the node's store holds the version, every rank reads its own share from it: a rank whose store is
+    another one (misconfigured) fails them all, and the leader's prepared mark is released."""
+    registry.publish("v1", full(chain3[0]))
     roots = [tmp_path / "leader-store", tmp_path / "elsewhere"]  # rank 1 misconfigured with its own store
-    results = spawn(tmp_path, 2, _rank_load(registry, roots, "v2"), timeout=90)
+    leader = CheckpointStore(roots[0], quota_bytes=1 << 30)
+    registry.strategy(leader).load(ctx("v1"))  # a one-rank load stored it on the leader's node
+    leader.flush()
+    results = spawn(tmp_path, 2, _rank_load(registry, roots, "v1"), timeout=90)
     for status, message, _cause in results:
         assert status == "fatal", results
-        assert message.startswith("S3 cold start of 'v2' failed in s3_all_prepared: rank 1: StrategyFailed:")
+        assert message.startswith("S3 cold start of 'v1' failed in s3_engine_loaded: rank 1: StrategyFailed:")
         assert "neither prepared nor active in this node's checkpoint store" in message
-    leader = CheckpointStore(roots[0], quota_bytes=1 << 30)
     state = leader.state(KEY)
-    assert (state.version, state.target) == (None, None)  # never activated, and the prepared mark released
+    assert (state.version, state.target) == ("v1", None)  # as it was, and the prepared mark released
 
 
 def test_ranks_configured_with_different_versions_fail_before_any_download(
@@ -129,9 +132,18 @@ def test_a_follower_finding_a_corrupt_tensor_discards_the_stored_copy(
     assert store.artifact(ArtifactRef(KEY, ArtifactKind.FULL, "v1")) is None  # fetched again on retry
 
 
-def _rank_load_counting(registry: Registry, roots: list[Path], version: str, fail_allocate_on: int | None = None):
+def _rank_load_counting(
+    registry: Registry,
+    roots: list[Path],
+    version: str,
+    fail_allocate_on: int | None = None,
+    overlap: Path | None = None,
+):
     """Like `_rank_load`, also counting the bytes of this rank's S3 GETs and of its reads from the store, and
-    with an allocation (and a take-over of its landed share) that fails on rank `fail_allocate_on`."""
+    with an allocation (and a take-over of its landed share) that fails on rank `fail_allocate_on`. A follower
+    records whether the store held anything of `version` while it loaded its share (`stored_while_loading`). With
+    `overlap`, rank 0's read from the store waits (at most 20 s) for rank 1's to start (`overlapped`): it can only
+    see it if both ranks read the store at the same time."""
 
     def run(group: TorchRankGroup) -> Any:
         from botocore.response import StreamingBody
@@ -139,7 +151,13 @@ def _rank_load_counting(registry: Registry, roots: list[Path], version: str, fai
         from ferry_agent.strategies.object_storage import build
 
         # Observed in this forked rank only: the bytes its S3 response bodies return, and its builds from the store.
-        counted = {"s3": 0, "store_reads": 0}
+        counted: dict[str, Any] = {"s3": 0, "store_reads": 0}
+
+        def while_loading() -> None:
+            if group.rank:
+                refs = [ArtifactRef(KEY, kind, version) for kind in ArtifactKind]
+                counted["stored_while_loading"] = [str(r) for r in refs if store.path(r).exists()]
+
         real_read, real_readinto = StreamingBody.read, StreamingBody.readinto
 
         def counting_read(self: StreamingBody, amt: int | None = None) -> bytes:
@@ -158,6 +176,14 @@ def _rank_load_counting(registry: Registry, roots: list[Path], version: str, fai
 
         def counting_build(*args: Any, **kwargs: Any) -> Any:
             counted["store_reads"] += 1
+            while_loading()
+            if overlap is not None:
+                (overlap / f"rank{group.rank}").touch()
+                if group.rank == 0:
+                    deadline = time.monotonic() + 20
+                    while not (overlap / "rank1").exists() and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    counted["overlapped"] = (overlap / "rank1").exists()
             return real_build(*args, **kwargs)
 
         import ferry_agent.strategies.object_storage.strategy as strategy_module
@@ -170,6 +196,7 @@ def _rank_load_counting(registry: Registry, roots: list[Path], version: str, fai
             return ResidentWeights.allocate(specs, device)
 
         def map_sealed(fds: Any, *args: Any) -> Any:
+            while_loading()
             if group.rank == fail_allocate_on:
                 for fd in fds:
                     os.close(fd)
@@ -208,7 +235,7 @@ def test_a_full_cold_start_reads_s3_once_and_the_follower_maps_the_leaders_copy(
     assert {**shas0, **shas1} == shas(w1)
     total = sum(len(data) for data in full(w1).values()) - len(full(w1)[ckpt.INDEX_NAME])
     assert down0 > 0 and counted0["s3"] >= total  # the leader fetched every shard byte, once
-    assert down1 == 0 and counted1 == {"s3": 0, "store_reads": 0}
+    assert down1 == 0 and counted1 == {"s3": 0, "store_reads": 0, "stored_while_loading": []}
     assert counted0["store_reads"] == 0  # streamed: the store is written behind, never read back
     assert state0 == ("v1", ("v1",))  # stored and activated once both ranks had loaded
     assert state1 == (None, ()) and not CheckpointStore(roots[1], quota_bytes=1).model_dir(KEY).exists()
@@ -258,3 +285,86 @@ def test_a_corrupt_tensor_of_the_followers_share_fails_every_rank_in_the_leaders
         assert f"tensor {name!r} fails its adler32 check" in message
     store = CheckpointStore(root, quota_bytes=1 << 30)
     assert store.state(KEY).version is None and store.artifacts() == []
+
+
+def test_a_two_rank_delta_streams_once_and_the_follower_maps_its_share_of_the_result(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    """A delta on a version the node's store holds: the leader replays it once, streaming the delta from S3 onto
+    the stored base, its share into its pool and the follower's into the follower's landing, which the follower
+    maps; the delta and materialized/v2 are stored only after both ranks loaded (not on the critical path)."""
+    w1, w2, _ = chain3
+    registry.publish("v1", full(w1))
+    registry.publish("v2", delta(w1, w2, "v2", "v1"), "XorDelta", "v1")
+    root = tmp_path / "node-store"
+    (tmp_path / "v1").mkdir()
+    first = spawn(tmp_path / "v1", 2, _rank_load(registry, [root, root], "v1"), timeout=90)  # v1 stored behind
+    assert all(r[0] == "ok" for r in first), first
+    (tmp_path / "v2").mkdir()
+    results = spawn(tmp_path / "v2", 2, _rank_load_counting(registry, [root, root], "v2"), timeout=90)
+    assert all(r[0] == "ok" for r in results), results
+    (shas0, down0, counted0, state0), (shas1, down1, counted1, _) = (r[1] for r in results)
+    assert shas0 and shas1 and not set(shas0) & set(shas1)
+    assert {**shas0, **shas1} == shas(w2)  # bit for bit v2, each tensor's sha256
+    delta_bytes = sum(len(data) for data in delta(w1, w2, "v2", "v1").values())
+    assert 0 < down0 <= delta_bytes and counted0["s3"] > 0  # only the delta came from S3, once
+    assert counted0["store_reads"] == 0  # streamed: the leader built nothing from the store on the critical path
+    assert down1 == 0 and counted1 == {"s3": 0, "store_reads": 0, "stored_while_loading": []}
+    assert state0 == ("v2", ("v1", "v2"))  # written behind and activated once both ranks had loaded
+    store = CheckpointStore(root, quota_bytes=1 << 30)
+    assert store.artifact(ArtifactRef(KEY, ArtifactKind.MATERIALIZED, "v2")) is not None
+    assert store.artifact(ArtifactRef(KEY, ArtifactKind.DELTA, "v2")) is not None
+
+    # The stored result is v2: the next cold start reads only the store, bit for bit the same split.
+    (tmp_path / "again").mkdir()
+    again = spawn(tmp_path / "again", 2, _rank_load(registry, [root, root], "v2"), timeout=90)
+    assert [r[1][0] for r in again] == [shas0, shas1] and [r[1][1] for r in again] == [0, 0]
+
+
+def test_when_the_store_holds_the_version_every_rank_reads_its_share_at_once(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    """The leader only marks the stored version prepared; the ranks then read their shares from the store at the
+    same time (rank 0's read waits for rank 1's to start: it would wait forever if rank 1 read only after it)."""
+    registry.publish("v1", full(chain3[0]))
+    root = tmp_path / "node-store"
+    registry.strategy(CheckpointStore(root, quota_bytes=1 << 30)).load(ctx("v1"))  # the node's store holds v1
+    overlap = tmp_path / "overlap"
+    overlap.mkdir()
+    results = spawn(tmp_path, 2, _rank_load_counting(registry, [root, root], "v1", overlap=overlap), timeout=90)
+    assert all(r[0] == "ok" for r in results), results
+    (shas0, down0, counted0, state0), (shas1, down1, counted1, _) = (r[1] for r in results)
+    assert {**shas0, **shas1} == shas(chain3[0]) and not set(shas0) & set(shas1)
+    assert (down0, down1, counted0["s3"], counted1["s3"]) == (0, 0, 0, 0)
+    assert counted0["store_reads"] == counted1["store_reads"] == 1  # each rank reads its own share, once
+    assert counted0["overlapped"] is True
+    assert state0 == ("v1", ("v1",))
+    assert CheckpointStore(root, quota_bytes=1 << 30).state(KEY).target is None  # the prepared mark is gone
+
+
+def test_a_corrupt_delta_frame_fails_every_rank_and_stores_nothing(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    w1, w2, _ = chain3
+    registry.publish("v1", full(w1))
+    files = delta(w1, w2, "v2", "v1")
+    index = ckpt.parse_index(files[ckpt.INDEX_NAME])
+    owner = rank_of_tensors([TensorSpec(n, str(t.dtype), t.shape, t.nbytes) for n, t in w1.items()], 2)
+    name = next(n for n in sorted(index.weight_map) if owner[n] == 1)  # a frame of the follower's share
+    shard = index.weight_map[name]
+    header_len, header = ckpt.parse_safetensors_header(files[shard])
+    begin, end = header[name]["data_offsets"]
+    corrupted = bytearray(files[shard])
+    corrupted[ckpt.HEADER_PREFIX_BYTES + header_len + (begin + end) // 2] ^= 0x08
+    registry.publish("v2", {**files, shard: bytes(corrupted)}, "XorDelta", "v1")
+    root = tmp_path / "node-store"
+    registry.strategy(CheckpointStore(root, quota_bytes=1 << 30)).load(ctx("v1"))  # the node's store holds v1
+    results = spawn(tmp_path, 2, _rank_load_counting(registry, [root, root], "v2"), timeout=90)
+    for status, message, _cause in results:
+        assert status == "fatal", results
+        assert message.startswith("S3 cold start of 'v2' failed in s3_local_leader_prepared: rank 0: StrategyFailed:")
+        assert f"tensor {name!r}" in message and "delta shard" in message
+    store = CheckpointStore(root, quota_bytes=1 << 30)
+    state = store.state(KEY)
+    assert (state.version, state.target) == ("v1", None)
+    assert {(a.ref.kind, a.ref.version) for a in store.artifacts()} == {(ArtifactKind.FULL, "v1")}

@@ -37,7 +37,13 @@ def _steps(calls: list[tuple[str, float]], fail: dict[str, str] | None = None) -
 
         return run
 
-    return S3Steps(step("chain", ("v1", "v3")), step("prepare"), step("load"), step("activate"))
+    load = step("load")
+
+    def load_from(prepared: Any) -> None:
+        assert prepared == "the leader's landing"  # every rank is told what the leader prepared
+        load()
+
+    return S3Steps(step("chain", ("v1", "v3")), step("prepare", "the leader's landing"), load_from, step("activate"))
 
 
 def _agree_everything(group: TorchRankGroup) -> Any:
@@ -67,9 +73,9 @@ def test_agreement_succeeds(tmp_path: Path, rendezvous: str, monkeypatch: pytest
         )
     calls = [dict(r[1][5]) for r in results]
     assert list(calls[0]) == ["chain", "prepare", "load", "activate"]  # rank 0 leads: prepares first, activates
-    assert all(list(c) == ["chain", "prepare", "load"] for c in calls[1:])
-    assert all(calls[0]["prepare"] < c["prepare"] for c in calls[1:])  # followers attach to the leader's prepare
-    assert max(c["prepare"] for c in calls) < min(c["load"] for c in calls)
+    assert all(list(c) == ["chain", "load"] for c in calls[1:])  # the chain is resolved while the leader prepares
+    assert calls[0]["prepare"] < min(c["load"] for c in calls)  # every rank loads what the leader prepared
+    assert max(c["chain"] for c in calls) < min(c["load"] for c in calls)  # and only once every chain agreed
     assert calls[0]["activate"] > max(c["load"] for c in calls)  # activated only once every rank loaded
 
 
@@ -188,20 +194,31 @@ def _desired_meets_other_collective(group: TorchRankGroup) -> Any:
     # Rank 1 is already in a later step; its payload must not be read as a desired version.
     if group.rank == 0:
         return agree_desired_version(group, "v1")
-    announced = group.broadcast_object("v1", src=0)
-    group.all_gather_object("v1")
-    return announced
+    return group.all_gather_object("v1")
 
 
-def test_desired_version_broadcast_is_tagged(tmp_path: Path) -> None:
+def test_desired_version_collective_is_tagged(tmp_path: Path) -> None:
     results = spawn(tmp_path, 2, _desired_meets_other_collective)
     assert results[0][0] == "fatal", results
     assert "phase disagreement during desired_version" in results[0][1]
 
 
+def _desired_from_out_of_step_leader(group: TorchRankGroup) -> Any:
+    # Rank 0 is already in a later step: its payload must not be taken for the desired version either.
+    if group.rank == 0:
+        return group.all_gather_object(("desired", "v1"))
+    return agree_desired_version(group, None)
+
+
+def test_an_untagged_leader_payload_is_no_desired_version(tmp_path: Path) -> None:
+    results = spawn(tmp_path, 2, _desired_from_out_of_step_leader)
+    assert results[1][0] == "fatal", results
+    assert "phase disagreement during desired_version" in results[1][1]
+
+
 def _s3_follower_fails(group: TorchRankGroup) -> Any:
     calls: list[tuple[str, float]] = []
-    fail = {"prepare": "disk full on rank 2"} if group.rank == 2 else None
+    fail = {"load": "disk full on rank 2"} if group.rank == 2 else None
     try:
         s3_phases(group, _steps(calls, fail), pinned="v3", configured="v3")
     except StrategyRecoveryError as exc:
@@ -209,11 +226,32 @@ def _s3_follower_fails(group: TorchRankGroup) -> Any:
     return None
 
 
-def test_one_rank_failing_prepared_phase_fails_all_ranks(tmp_path: Path) -> None:
+def test_one_rank_failing_to_load_fails_all_ranks(tmp_path: Path) -> None:
     results = spawn(tmp_path, 3, _s3_follower_fails)
     for rank, (status, outcome) in enumerate(results):
         assert status == "ok" and outcome is not None, results
         message, cause, calls = outcome
-        assert message == "S3 cold start of 'v3' failed in s3_all_prepared: rank 2: OSError: disk full on rank 2"
+        assert message == "S3 cold start of 'v3' failed in s3_engine_loaded: rank 2: OSError: disk full on rank 2"
         assert cause == ("OSError" if rank == 2 else "NoneType")  # the local failure is the cause where it happened
-        assert calls == ["chain", "prepare"]  # the leader prepared, rank 2 tried; nobody went on to load
+        assert calls == (["chain", "prepare", "load"] if rank == 0 else ["chain", "load"])  # nobody activated
+
+
+def _s3_chains_differ(group: TorchRankGroup) -> Any:
+    calls: list[tuple[str, float]] = []
+    steps = _steps(calls)
+    if group.rank == 1:
+        steps = S3Steps(lambda: ("v2", "v3"), steps.prepare, steps.load, steps.activate)
+    try:
+        s3_phases(group, steps, pinned="v3", configured="v3")
+    except StrategyRecoveryError as exc:
+        return str(exc), [name for name, _ in calls]
+    return None
+
+
+def test_a_chain_disagreement_stops_every_rank_before_it_loads(tmp_path: Path) -> None:
+    results = spawn(tmp_path, 2, _s3_chains_differ)
+    for rank, (status, outcome) in enumerate(results):
+        assert status == "ok" and outcome is not None, results
+        message, calls = outcome
+        assert message.startswith("replay chain disagreement for 'v3': rank 0: ('v1', 'v3'); rank 1: ('v2', 'v3')")
+        assert calls == (["chain", "prepare"] if rank == 0 else [])

@@ -15,7 +15,10 @@ from botocore.response import StreamingBody
 
 from ferry import checkpoint_format as ckpt
 from ferry_agent.attach.memstore import HostStore
+from ferry_agent.ranks.landing import MappedLanding, unaccounted
+from ferry_agent.ranks.sharding import rank_of_tensors
 from ferry_agent.store.checkpoints import ArtifactRef, CheckpointStore, StoreState, StoreStatus
+from ferry_agent.store.resident import TensorSpec
 from ferry_agent.strategies.chain import StrategyFailed
 from ferry_agent.strategies.object_storage import stream as stream_module
 from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
@@ -317,4 +320,44 @@ def test_a_failed_write_behind_leaves_nothing_and_the_next_load_fetches_again(
     assert store.state(KEY) == StoreState(StoreStatus.READY)
     again = strategy(store, s3, versions).load(ctx("v1"))
     assert again.reused is None and resident_shas(again) == shas(w)
+    store.close()
+
+
+def test_a_multi_rank_leader_replays_on_its_held_share_and_the_store_and_lands_the_others(tmp_path: Path) -> None:
+    """A two-rank leader's delta replay: the base bytes of its own tensors from its share of v1 sealed in its host
+    memory (the unchanged ones shared, not copied), the other rank's from the store's v1; the other rank's share
+    of v2 lands, sealed, in chunks it maps; nothing of v2 is stored before `commit_landed`."""
+    w1 = weights(20)
+    owner = rank_of_tensors([TensorSpec(n, str(a.dtype), a.shape, a.nbytes) for n, a in w1.items()], 2)
+    changed = [next(n for n in sorted(w1) if owner[n] == r and w1[n].nbytes) for r in (0, 1)]
+    w2 = evolve(w1, 21, changed)
+    s3, versions = publish(full(w1))
+    publish_delta(s3, versions, delta(w1, w2, "v2", "v1"))
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    strategy(store, s3, versions).load(ctx("v1"))  # the node's store holds v1
+    store.flush()
+    host, key = HostStore(), (NAMESPACE, "replica-0")
+    leader = strategy(store, s3, versions, allocate=host.allocator(key, "r"))
+    assert leader.lead(ctx("v1", world_size=2)) is None  # stored: every rank reads its share from the store
+    share = leader.load_prepared(ctx("v1", world_size=2))
+    leader.activate(ctx("v1", world_size=2), ("v1",))
+    sealed = host.seal(share.resident, "r:v1#0", "v1", versions["v1"]["metadata"]["uid"])  # as a rank serves it
+    del share
+
+    result = leader.lead(ctx("v2", world_size=2))
+    assert result is not None and result.landed is not None
+    mine = {n for n in w1 if owner[n] == 0}
+    assert resident_shas(result) == {n: s for n, s in shas(w2).items() if n in mine}
+    assert result.resident.shared == {n for n in mine if w1[n].nbytes} - set(changed)  # v1's very pages
+    follower = MappedLanding(result.landed.landing.descriptor(), 1)
+    theirs = follower.share(None, unaccounted)
+    assert shas(dict(theirs.tensors)) == {n: s for n, s in shas(w2).items() if n not in mine}
+    assert store.artifact(ArtifactRef(KEY, MAT, "v2")) is None and store.artifact(ArtifactRef(KEY, DELTA, "v2")) is None
+    leader.commit_landed(result.landed)
+    store.flush()
+    assert store.state(KEY).version == "v2" and store.artifact(ArtifactRef(KEY, MAT, "v2")) is not None
+    again = strategy(store, s3, versions).load(ctx("v2"))
+    assert (again.reused, again.bytes_downloaded, resident_shas(again)) == ("materialized/v2", 0, shas(w2))
+    follower.close()
+    sealed.unref()
     store.close()

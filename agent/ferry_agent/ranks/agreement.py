@@ -1,18 +1,18 @@
 """Rank agreement for a desired-version cold start (docs/ranks.md).
 
-The ranks of one replica load the same version or none of them does. Rank 0 broadcasts the desired version;
+The ranks of one replica load the same version or none of them does. Rank 0's desired version is every rank's;
 every later step is all-gathered and any disagreement raises `StrategyRecoveryError` on every rank, so the
 chain stops everywhere instead of one rank falling back to another source while the others load.
 
 - `agree_desired_version`: rank 0's value wins; a rank configured with a different non-empty value is fatal.
-  A rank with nothing configured follows rank 0 (that is what the broadcast is for).
+  A rank with nothing configured follows rank 0 (one all-gather tells every rank rank 0's value).
 - `agree_phase`: (phase, pinned, configured, result) must agree on every rank.
 - `agree_source_order`, `agree_peer_outcome`: uniform, and a peer outcome is loaded | miss on all ranks or fatal.
 
 Every collective carries its phase name (and, after the first, the pinned and configured versions), so ranks that
 are out of step fail instead of agreeing by accident on values that happen to be equal.
-- `s3_phases`: chain → local-leader prepare → all prepared → loaded → activated; one rank's failure in any
-  phase is fatal for all, and every rank's exception carries the failing ranks' error text.
+- `s3_phases`: chain and local-leader prepare → loaded → activated; one rank's failure in any phase is fatal
+  for all, and every rank's exception carries the failing ranks' error text.
 
 Every function is a collective: all ranks of the group must call it in the same order.
 """
@@ -40,7 +40,7 @@ SOURCE_ORDER_PHASE = "source_order"
 
 @runtime_checkable
 class RankGroup(Protocol):
-    """The collectives the agreement needs (vLLM's `all_gather_state` / `broadcast_state` in ModelExpress)."""
+    """The collective the agreement needs (vLLM's `all_gather_state` in ModelExpress)."""
 
     @property
     def rank(self) -> int: ...
@@ -51,9 +51,6 @@ class RankGroup(Protocol):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, indexed by rank."""
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Rank `src`'s `obj` on every rank."""
-
 
 class SingleRank:
     """A one-rank replica: every collective is the identity."""
@@ -63,11 +60,6 @@ class SingleRank:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        if src != 0:
-            raise ValueError(f"a single-rank group has no rank {src}")
-        return obj
 
 
 class TorchRankGroup:
@@ -119,14 +111,6 @@ class TorchRankGroup:
             self._dist.all_gather_object(out, obj, group=self._group)
         return out
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        # broadcast_object_list takes a global rank; `src` is a rank within this group.
-        root = src if self._group is None else self._dist.get_global_rank(self._group, src)
-        box = [obj]
-        with _collective("broadcast"):
-            self._dist.broadcast_object_list(box, src=root, group=self._group)
-        return box[0]
-
     def close(self) -> None:
         if self._owned and self._dist.is_initialized():
             self._dist.destroy_process_group()
@@ -164,16 +148,14 @@ def agree_desired_version(group: RankGroup, configured: str | None) -> str | Non
     """Rank 0's desired version, on every rank. None (nothing configured on rank 0) means only the
     version-agnostic load path may run."""
     configured = configured or None  # an empty variable is "not set"
+    # One all-gather: every rank learns rank 0's value (what a broadcast would tell it) and every rank's, to check.
     # Tagged with the phase, like every later collective: a rank out of step never reads another's payload as this.
-    announced = group.broadcast_object((DESIRED_VERSION_PHASE, configured), src=0)
-    if not (isinstance(announced, tuple) and len(announced) == 2 and announced[0] == DESIRED_VERSION_PHASE):
-        raise StrategyRecoveryError(f"rank 0 broadcast {announced!r} instead of its desired version")
-    desired = announced[1]
-    if desired is not None and not isinstance(desired, str):
-        raise StrategyRecoveryError(f"rank 0 broadcast a desired version of type {type(desired).__name__}")
     states = group.all_gather_object((DESIRED_VERSION_PHASE, configured))
     if any(not (isinstance(s, tuple) and len(s) == 2 and s[0] == DESIRED_VERSION_PHASE) for s in states):
         raise StrategyRecoveryError(f"phase disagreement during {DESIRED_VERSION_PHASE}: {_ranks(states)}")
+    desired = states[0][1]
+    if desired is not None and not isinstance(desired, str):
+        raise StrategyRecoveryError(f"rank 0 sent a desired version of type {type(desired).__name__}")
     conflicts = _conflicts(desired, [s[1] for s in states])
     if conflicts:
         others = ", ".join(f"rank {r} is configured with {c!r}" for r, c in conflicts)
@@ -248,19 +230,20 @@ def agree_peer_outcome(
 
 @dataclass(frozen=True)
 class S3Steps:
-    """What each S3 phase does on this rank. `resolve_chain` runs on every rank and its (picklable) result must
-    be the same everywhere; `prepare` runs on the local leader first, then on the other ranks (which attach
-    to the leader's prepared checkpoint); `load` on every rank; `activate` on the local leader only. With
-    `attach`, the other ranks run `attach(what the leader's prepare returned)` instead of `prepare`."""
+    """What each S3 phase does on this rank. `resolve_chain` runs on every rank and its (picklable) result must be
+    the same everywhere; `prepare` runs on the local leader right after it, and what it returns is given to every
+    rank's `load` (where to load from: the leader's landing, or the node's store); `activate` runs on the local
+    leader only, once every rank has loaded."""
 
     resolve_chain: Callable[[], Any]
     prepare: Callable[[], Any]
-    load: Callable[[], None]
+    load: Callable[[Any], None]
     activate: Callable[[], None]
-    attach: Callable[[Any], None] | None = None
 
 
-S3_PHASES = ("s3_chain", "s3_local_leader_prepared", "s3_all_prepared", "s3_engine_loaded", "s3_checkpoint_activated")
+# The chain is resolved in the first phase, by every rank, while the leader prepares: one collective less on every
+# load, and a chain disagreement is still found before any rank loads (the leader then drops what it prepared).
+S3_PHASES = ("s3_local_leader_prepared", "s3_engine_loaded", "s3_checkpoint_activated")
 
 
 def _run_phase(
@@ -291,15 +274,16 @@ def s3_phases(
     leader (default: the group rank, i.e. all ranks on one node, as a WeightReplica's are)."""
     leader = (group.rank if local_rank is None else local_rank) == 0
     leader_rank = 0 if local_rank is None else group.rank - local_rank  # a node's ranks are contiguous
-    chains = _run_phase(group, S3_PHASES[0], steps.resolve_chain, pinned=pinned, configured=configured)
+
+    def resolve_and_prepare() -> tuple[Any, Any]:
+        chain = steps.resolve_chain()
+        return chain, steps.prepare() if leader else None
+
+    outcomes = _run_phase(group, S3_PHASES[0], resolve_and_prepare, pinned=pinned, configured=configured)
+    chains = [chain for chain, _ in outcomes]
     if any(c != chains[0] for c in chains):
         raise StrategyRecoveryError(f"replay chain disagreement for {pinned!r}: {_ranks(chains)}")
-    prepared = _run_phase(group, S3_PHASES[1], steps.prepare if leader else None, pinned=pinned, configured=configured)
-    attach = steps.prepare
-    if steps.attach is not None:
-        attach_with = steps.attach
-        attach = lambda: attach_with(prepared[leader_rank])  # noqa: E731
-    _run_phase(group, S3_PHASES[2], None if leader else attach, pinned=pinned, configured=configured)
-    _run_phase(group, S3_PHASES[3], steps.load, pinned=pinned, configured=configured)
-    _run_phase(group, S3_PHASES[4], steps.activate if leader else None, pinned=pinned, configured=configured)
+    prepared = outcomes[leader_rank][1]
+    _run_phase(group, S3_PHASES[1], lambda: steps.load(prepared), pinned=pinned, configured=configured)
+    _run_phase(group, S3_PHASES[2], steps.activate if leader else None, pinned=pinned, configured=configured)
     return chains[0]

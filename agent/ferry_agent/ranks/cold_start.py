@@ -2,14 +2,14 @@
 
 `run_cold_start` is what every rank of a replica runs, one-rank replicas included (with `SingleRank`):
 
-1. Rank 0 broadcasts the desired version; a rank configured with another one is fatal for all.
+1. Rank 0's desired version is every rank's; a rank configured with another one is fatal for all.
 2. No desired version: only the version-agnostic strategies run, and that is logged as a warning.
 3. Otherwise the ranks agree on the source order, then run the strategy chain with every strategy wrapped so
    that its availability and its outcome are agreed:
    - `RankAgreedStrategy` (Peer, LocalFile): loaded / miss / fatal per rank; mixed or any fatal is fatal;
      all miss falls through to the next source, keeping `mutated`;
-   - `RankAgreedObjectStorage`: the S3 phases (chain → local-leader prepare → all prepared → loaded →
-     activated), where any failure on any rank is fatal: there is no fallback after S3.
+   - `RankAgreedObjectStorage`: the S3 phases (chain and local-leader prepare → loaded → activated), where any
+     failure on any rank is fatal: there is no fallback after S3.
 
 Every wrapper normalises its rank's exceptions into a value before the collective, so all ranks always call
 the same collectives in the same order, and every rank raises the same error.
@@ -138,12 +138,12 @@ class RankAgreedStrategy(_Agreed):
 
 
 class RankAgreedObjectStorage(_Agreed):
-    """The S3 cold start in lockstep. The local leader replays the chain into the node's store and loads its
-    own tensors in the same pass; the other ranks then load theirs from what it prepared; the leader activates
-    the version in the store only after every rank has loaded. A full checkpoint the store lacks is streamed
-    instead: the leader lands the other ranks' shares in sealed shared memory (`ranks.landing`), which they
-    serve as they are (on `cpu`; a GPU rank copies its share out), and the store entry is written behind once
-    every rank has loaded. `map_sealed` takes a follower's landed chunks over (its host store's)."""
+    """The S3 cold start in lockstep. What the node's store lacks, the local leader streams once (a full
+    checkpoint, or a delta replay on the stored base): its own tensors into its pool, the other ranks' into
+    sealed shared memory (`ranks.landing`), which they serve as it is (on `cpu`; a GPU rank copies its share
+    out); the store entries are written behind once every rank has loaded. When the store holds the version,
+    the leader only marks it prepared and every rank reads its own share from the store at the same time.
+    `map_sealed` takes a follower's landed chunks over (its host store's)."""
 
     inner: ObjectStorageStrategy
 
@@ -178,34 +178,30 @@ class RankAgreedObjectStorage(_Agreed):
             return chain[0]
 
         def prepare() -> dict[str, Any] | None:
-            """The leader's step; what it returns tells the others where to load from."""
+            """The leader's step; what it returns tells every rank where to load from (None: the store)."""
             if self._group.world_size == 1:
                 # No other rank reads the store: the load activates it itself, so a full checkpoint or a replay
                 # on a stored base streams into the pool and the store is written behind (`load`).
                 self._result = self.inner.load(ctx)
                 return None
-            self._result = self.inner.prepare(ctx, activate=False, land=True)
-            if self._result.landed is not None:
+            self._result = self.inner.lead(ctx)
+            if self._result is not None and self._result.landed is not None:
                 return {"landing": self._result.landed.landing.descriptor(), "version_uid": ctx.version_uid}
-            self._prepared = True
+            self._prepared = True  # in the store, for `activate` or `release_prepared`
             return None
 
-        def attach(prepared: dict[str, Any] | None) -> None:
-            if prepared is None:
-                self.inner.attach(ctx, chain[0])
+        def load(prepared: dict[str, Any] | None) -> None:
+            if self._result is not None:  # the leader loaded its tensors while preparing
+                return
+            if prepared is None:  # every rank reads its share from the store, the leader's too, at once
+                self._result = self.inner.load_prepared(ctx)
                 return
             try:
                 mapped.append(MappedLanding(prepared["landing"], self._group.rank))
             except (OSError, ValueError) as exc:
                 raise StrategyFailed(f"ObjectStorage: cannot map the local leader's landing: {exc}") from exc
             ctx.version_uid = prepared["version_uid"]
-
-        def load() -> None:
-            if self._leader:  # the leader loaded its tensors while preparing
-                return
-            if not mapped:
-                self._result = self.inner.load_prepared(ctx)
-            elif torch.device(ctx.device).type == "cpu":
+            if torch.device(ctx.device).type == "cpu":
                 self._result = self._map_share(ctx, mapped[0])
             else:
                 self._result = self.inner.load_landed(ctx, mapped[0])
@@ -223,7 +219,7 @@ class RankAgreedObjectStorage(_Agreed):
         try:
             s3_phases(
                 self._group,
-                S3Steps(resolve, prepare, load, activate, attach),
+                S3Steps(resolve, prepare, load, activate),
                 pinned=self._pinned,
                 configured=self._configured,
                 local_rank=self._local_rank,

@@ -1,11 +1,12 @@
-"""A one-rank delta replay, streamed: the deltas the store lacks are fetched with parallel ranged GETs into memory,
-and each tensor is built as soon as the last of its frames lands, in the thread that fetched it: its base bytes
-(from the base version's sealed host memory when the replica still holds that very version, else from the
-store), XOR each decoded frame, straight into the new version's memory, its adler32 checked after every delta
-(`ckpt.apply_xor_delta_into` checksums each block as it writes it). The store entries (the fetched deltas and
-materialized/<target>) are written behind the load (`store_replay_behind`), so the replica serves without waiting
-for the disk. Nothing is handed out before every tensor is checked, so a failure changes nothing a replica
-serves."""
+"""A delta replay, streamed: the deltas the store lacks are fetched with parallel ranged GETs into memory, and each
+tensor is built as soon as the last of its frames lands, in the thread that fetched it: its base bytes (from the
+base version's sealed host memory when the replica still holds that very version, else from the store), XOR each
+decoded frame, straight into the new version's memory, its adler32 checked after every delta
+(`ckpt.apply_xor_delta_into` checksums each block as it writes it). A one-rank replica builds every tensor into its
+new pool; a multi-rank leader builds its own share there and every other rank's into that rank's landing
+(`ranks.landing`), which the other ranks map. The store entries (the fetched deltas and materialized/<target>) are
+written behind the load (`store_replay_behind`), so the replica serves without waiting for the disk. Nothing is
+handed out before every tensor is checked, so a failure changes nothing a replica serves."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import contextlib
 import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -52,25 +53,29 @@ class _Step:
 class _Base:
     """A tensor's base bytes, mapped read-only for the load: the held version's sealed chunks, or the store's copy
     of the base (immutable once renamed into place; a discarded one is unlinked, never truncated, so a mapping of
-    it stays valid). XORing straight from the mapping into the new pool reads the base once."""
+    it stays valid). XORing straight from the mapping into the new pool reads the base once. A multi-rank leader's
+    held version has only its own share: the other tensors' base bytes are the store's."""
 
     def __init__(self, plan: Plan, resident: ResidentWeights, stack: contextlib.ExitStack) -> None:
         base = plan.base
         held = plan.held if plan.held is not None else resident.shared_from
         self.checksums = dict(base.checksums)
         self.arrays: dict[str, np.ndarray] = {}
-        self.in_memory = held is not None and (held.version, held.uid) == (base.link.name, base.link.uid)
-        if self.in_memory:
+        self.in_memory: set[str] = set()  # the tensors read from sealed host memory
+        if held is not None and (held.version, held.uid) == (base.link.name, base.link.uid):
             chunks: dict[int, mmap.mmap] = {}
             for e in held.entries:
                 if e.chunk not in chunks:
                     chunks[e.chunk] = stack.enter_context(_mapped_fd(held.chunks[e.chunk].fd))
                 self.arrays[e.name] = np.frombuffer(chunks[e.chunk], dtype=np.uint8, count=e.nbytes, offset=e.offset)
                 self.checksums[e.name] = f"{e.adler32:08x}"
-        else:
+                self.in_memory.add(e.name)
+        rest = [name for name in plan.layout if name not in self.arrays]
+        if rest:
             assert base.path is not None
             shards = {name: stack.enter_context(mapped(base.path / name)) for name in base.shards}
-            for name, (shard, info) in plan.layout.items():
+            for name in rest:
+                shard, info = plan.layout[name]
                 offset = shard.layout.data_start + info.begin
                 self.arrays[name] = np.frombuffer(shards[shard.name], dtype=np.uint8, count=info.nbytes, offset=offset)
         stack.callback(self.arrays.clear)  # before the mappings close
@@ -125,9 +130,18 @@ def _build(
         if on_checked is not None:  # final and checked: a load that serves while it loads hands it to peers
             on_checked(name, steps[-1].checksum if steps else base.checksums[name])
         return
-    if failure.origin < 0 and base.in_memory:  # sealed memory changed: nothing on disk to discard
+    if failure.origin < 0 and name in base.in_memory:  # sealed memory changed: nothing on disk to discard
         raise LoadError(f"tensor {name!r} of {plan.base.link.name} held in host memory {failure.message}")
     raise load_error(plan, failure)
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """What a streamed replay built, for the store write behind it: the fetched deltas' shard objects (by version,
+    then shard; their headers checked) and every tensor's checked bytes of the target (`hosts`)."""
+
+    fetched: dict[str, dict[str, bytearray]]
+    hosts: dict[str, np.ndarray]
 
 
 def replay(
@@ -140,11 +154,12 @@ def replay(
     range_bytes: int,
     workers: int,
     on_checked: Callable[[str, str], None] | None = None,
-) -> dict[str, dict[str, bytearray]]:
+    into: Mapping[str, np.ndarray] | None = None,
+) -> Replayed:
     """Build the target of `plan` (its base in the store or held in memory; deltas in the store or in S3) into
-    `resident` (a CPU pool holding every tensor), streaming the deltas the store lacks; `on_checked(name, adler32)`
-    as each tensor is built and checked. Returns the fetched deltas' shard objects (by version, then shard), whose
-    headers were checked, for the store write."""
+    `resident` (a CPU pool), a tensor it lacks into `into[name]` (another rank's share: `ranks.landing`),
+    streaming the deltas the store lacks; `on_checked(name, adler32)` as each tensor of `resident` is built and
+    checked."""
     t = time.monotonic()
     remote = [d for d in plan.deltas if d.path is None]
     fetched: dict[str, dict[str, bytearray]] = {
@@ -179,11 +194,18 @@ def replay(
                     waits[name] = waits.get(name, 0) + sum(1 for b, e in ranges[key] if b < end and e > begin)
         local: list[Callable[[], None]] = []
         done: dict[str, Countdown] = {}
+        hosts: dict[str, np.ndarray] = {}
         for name in plan.layout:
+            tensor = resident.tensors.get(name)
+            if tensor is None and into is not None:
+                target = into[name]
+            else:
+                target = resident.tensors[name].reshape(-1).view(torch.uint8).numpy()
+            hosts[name] = target
             if name in resident.shared:  # the held version's very bytes, in place
                 continue
-            target = resident.tensors[name].reshape(-1).view(torch.uint8).numpy()
-            build = partial(_build, plan, name, target, base, steps.get(name, []), on_checked)
+            mine = on_checked if tensor is not None else None  # another rank's share is not served from here
+            build = partial(_build, plan, name, target, base, steps.get(name, []), mine)
             if waits.get(name):
                 done[name] = Countdown(waits[name], build)
             else:
@@ -215,20 +237,19 @@ def replay(
                 if bytes(fetched[delta.link.name][shard.name][: shard.layout.data_start]) != shard.header:
                     raise LoadError(f"shard {delta.where(shard.name)} changed while it was downloaded")
     timings["build"] = time.monotonic() - t  # the deltas' ranged GETs, and every tensor built and checked
-    return fetched
+    return Replayed(fetched, hosts)
 
 
 def _frame(memory: Any, begin: int, nbytes: int) -> np.ndarray:
     return np.frombuffer(memory, dtype=np.uint8, count=nbytes, offset=begin)
 
 
-def store_replay_behind(
-    store: CheckpointStore, plan: Plan, resident: ResidentWeights, fetched: dict[str, dict[str, bytearray]]
-) -> None:
+def store_replay_behind(store: CheckpointStore, plan: Plan, replayed: Replayed) -> None:
     """Queue the store entries of a streamed replay: each fetched delta (its checked objects), then
     materialized/<target> from the new version's memory, then the store's active version."""
+    fetched = replayed.fetched
     artifacts = [_delta_artifact(d, fetched[d.link.name]) for d in plan.deltas if d.link.name in fetched]
-    store_behind(store, plan, [*artifacts, materialized(plan, resident)])
+    store_behind(store, plan, [*artifacts, materialized(plan, replayed.hosts)])
 
 
 def _delta_artifact(delta: Checkpoint, shards: dict[str, bytearray]) -> Artifact:

@@ -12,21 +12,24 @@ ModelExpress semantics, in four phases:
    tensor's adler32 before the rename. A one-rank load of a full checkpoint the store lacks streams instead
    (`stream`): the ranged GETs read straight into the new pool, each tensor checked as its last range lands, and
    the store entry is written behind the load (`CheckpointStore.write_behind`, still tmp + fsync + rename), so
-   the replica serves without waiting for the disk. A multi-rank leader streams such a load too
-   (`prepare(activate=False)` returns it `landed`): the other ranks' tensors land in a sealed memfd
-   (`ranks.landing`) that they copy their shares from (`load_landed`), and the store entry is queued only once
-   every rank has loaded (`commit_landed`).
+   the replica serves without waiting for the disk. A multi-rank leader streams such a load too (`lead` returns
+   it `landed`): the other ranks' tensors land in sealed memfd chunks of each rank's own (`ranks.landing`) that
+   they map (or copy their shares from: `load_landed`), and the store entry is queued only once every rank has
+   loaded (`commit_landed`). When the store holds the version, `lead` only marks it prepared and every rank reads
+   its own share from the store at once (`load_prepared`).
 4. Build the target in one pass per tensor, in parallel: read the base bytes straight into a freshly allocated
    `ResidentWeights` pool (CPU: the agent's host store; through a host buffer for other devices), from the store,
    or from the base version's sealed host memory when a pod still holds that very version (then the tensors no
    delta changes are not copied at all: the new version shares the base's chunks), check their adler32, apply
    each delta in place (streamed zstd, numpy XOR) checking the exact decoded size and adler32 after each, and
    write the result to `materialized/<target>` (tmp + fsync + rename). Then activate the version in the store.
-   The ranks of a multi-rank replica read the store, so their leader builds this way. A one-rank replay into a
-   CPU pool whose base the store holds streams instead (`replay`): the deltas the store lacks are fetched with
-   ranged GETs into memory, each tensor is built (base XOR each decoded frame, adler32 after each) in the
-   thread its last frame lands in, straight into the new pool, and the fetched deltas and `materialized/<target>`
-   are written behind the load. A chain whose base the store lacks is fetched into the store first (above).
+   A replay into a CPU pool whose base the store holds streams instead (`replay`): the deltas the store lacks
+   are fetched with ranged GETs into memory, each tensor is built (base XOR each decoded frame, adler32 after
+   each) in the thread its last frame lands in, straight into the new pool (a multi-rank leader: its own share
+   there, every other rank's into that rank's landing, as above), and the fetched deltas and
+   `materialized/<target>` are written behind the load (for a multi-rank replica, once every rank has loaded).
+   A chain whose base the store lacks is fetched into the store first (above). A multi-rank leader on another
+   device than `cpu` still builds a delta into the store, which the other ranks read.
 
 A write-behind stores and activates only after the load returned; until then the store stays at its last
 activated version, and a crash leaves only what `CheckpointStore.recover()` removes.
@@ -67,7 +70,7 @@ from ferry_agent.strategies.object_storage.build import build, unchanged_since
 from ferry_agent.strategies.object_storage.checkpoint import Link, LoadError, Plan
 from ferry_agent.strategies.object_storage.download import download
 from ferry_agent.strategies.object_storage.plan import Planner
-from ferry_agent.strategies.object_storage.replay import replay, store_replay_behind
+from ferry_agent.strategies.object_storage.replay import Replayed, replay, store_replay_behind
 from ferry_agent.strategies.object_storage.stream import Streamed, store_full_behind, stream
 from ferry_agent.strategies.progress import Progress
 from ferry_agent.transport.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
@@ -166,12 +169,23 @@ class ObjectStorageStrategy:
         with self._failures():
             return tuple(link.name for link in self._planner.resolve(ctx))
 
-    def prepare(self, ctx: LoadContext, *, activate: bool, land: bool = False) -> S3LoadResult:
+    def prepare(self, ctx: LoadContext, *, activate: bool) -> S3LoadResult:
         """The local leader's step: fetch what the store lacks, replay the chain and load this rank's tensors
         in the same pass, materializing every rank's tensors in the store. With `activate=False` the store only
-        marks the version prepared; `activate()` follows once every rank has loaded it. With `land` (and
-        `activate=False`), a full checkpoint the store lacks is streamed instead, the other ranks' tensors into
-        the result's `landed`, and nothing is stored until `commit_landed`."""
+        marks the version prepared; `activate()` follows once every rank has loaded it."""
+        result = self._prepare(ctx, activate=activate, land=False)
+        assert result is not None
+        return result
+
+    def lead(self, ctx: LoadContext) -> S3LoadResult | None:
+        """A multi-rank local leader's step. What the store lacks is streamed once: a full checkpoint, or a delta
+        replay on the stored base (a base the store lacks is fetched into it first), this rank's share into its
+        new pool and every other rank's into a sealed landing they map (the result's `landed`); nothing is stored
+        until `commit_landed`. When the store holds the target, it is only marked prepared and None is returned:
+        every rank, this one included, then reads its own share from the store at once (`load_prepared`)."""
+        return self._prepare(ctx, activate=False, land=True)
+
+    def _prepare(self, ctx: LoadContext, *, activate: bool, land: bool) -> S3LoadResult | None:
         t0 = time.monotonic()
         timings: dict[str, float] = {}
         with self._failures():
@@ -183,6 +197,12 @@ class ObjectStorageStrategy:
             ):
                 plan = self._planner.plan(ctx, links, pool, held=held)
                 timings["validate"] = time.monotonic() - t0
+                if land and not plan.deltas and plan.base.path is not None:
+                    with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
+                        update.commit(activate=False)
+                    ctx.version_uid = links[-1].uid
+                    log.info("%s is in this node's store (%s): prepared for every rank", ctx.version, plan.reused)
+                    return None
                 resident, downloaded, landed, behind = self._execute(
                     ctx, plan, pool, timings, activate=activate, land=land
                 )
@@ -204,11 +224,6 @@ class ObjectStorageStrategy:
         finally:
             for version in held:
                 version.unref()
-
-    def attach(self, ctx: LoadContext, chain: Sequence[str]) -> None:
-        """Another rank's check that its local leader prepared `chain` in the node's store."""
-        with self._failures():
-            self._require_prepared(ctx, tuple(chain))
 
     def _require_prepared(self, ctx: LoadContext, chain: tuple[str, ...]) -> None:
         if self._store.prepared_head(self._planner.key(ctx), chain) is None:
@@ -371,16 +386,24 @@ class ObjectStorageStrategy:
             resident, streamed = self._stream(ctx, plan, pool, timings, needed)
             store_full_behind(self._store, plan, streamed)
             return resident, downloaded, None, True
-        if land and not activate and ctx.world_size > 1 and fetch == [plan.base] and not plan.deltas:
+        on_cpu = torch.device(ctx.device).type == "cpu"
+        streamed_full = not plan.deltas and fetch == [plan.base]
+        if land and not activate and ctx.world_size > 1 and (streamed_full or (plan.deltas and on_cpu)):
             # A multi-rank leader: the other ranks' shares land in shared memory they map, not in the store.
-            resident, landed = self._stream_ranks(ctx, plan, pool, timings, needed)
+            if not plan.deltas:
+                resident, landed = self._stream_ranks(ctx, plan, pool, timings, needed)
+            else:
+                if plan.base.path is None and plan.held is None:
+                    self._fetch_base(ctx, plan, pool, timings)
+                    needed -= plan.base.stored_bytes
+                resident, landed = self._replay_ranks(ctx, plan, pool, timings, needed)
             return resident, downloaded, landed, True
         stored_or_held = plan.base.path is not None or plan.held is not None
-        if alone and plan.deltas and stored_or_held and torch.device(ctx.device).type == "cpu":
+        if alone and plan.deltas and stored_or_held and on_cpu:
             # A one-rank replay on a stored or held base into a CPU pool: the deltas stream, the store is written
             # behind.
-            resident, fetched = self._replay(ctx, plan, pool, timings, needed)
-            store_replay_behind(self._store, plan, resident, fetched)
+            resident, replayed = self._replay(ctx, plan, pool, timings, needed)
+            store_replay_behind(self._store, plan, replayed)
             return resident, downloaded, None, True
         with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
             try:
@@ -394,13 +417,20 @@ class ObjectStorageStrategy:
         return resident, downloaded, None, False
 
     def _replay(
-        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
-    ) -> tuple[ResidentWeights, dict[str, dict[str, bytearray]]]:
-        """A one-rank replay whose base the store or host memory holds: the deltas the store lacks stream from S3
-        and each tensor is built as its frames land (`replay`); the caller writes the store behind from what it
-        returns."""
+        self,
+        ctx: LoadContext,
+        plan: Plan,
+        pool: ThreadPoolExecutor,
+        timings: dict[str, float],
+        needed: int,
+        *,
+        into: Mapping[str, np.ndarray] | None = None,
+    ) -> tuple[ResidentWeights, Replayed]:
+        """A replay whose base the store or host memory holds: the deltas the store lacks stream from S3 and each
+        tensor is built as its frames land (`replay`; tensors the new pool lacks into `into`); the caller writes
+        the store behind from what it returns."""
         resident = self._allocate_for(ctx, plan, needed, timings)
-        fetched = replay(
+        replayed = replay(
             plan,
             resident,
             pool,
@@ -409,15 +439,12 @@ class ObjectStorageStrategy:
             range_bytes=self._range_bytes,
             workers=self._workers,
             on_checked=self._on_checked,
+            into=into,
         )
-        return resident, fetched
+        return resident, replayed
 
-    def _stream_ranks(
-        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
-    ) -> tuple[ResidentWeights, Landed]:
-        """A multi-rank leader's full load the store lacks: one stream from S3, this rank's share into its new
-        pool and every other rank's into a sealed landing they map (`ranks.landing`); the store entry is written
-        behind once every rank has loaded (`commit_landed`)."""
+    def _landing(self, ctx: LoadContext, plan: Plan) -> Landing:
+        """Memfd chunks of each other rank's own for its share of the target (`ranks.landing`)."""
         owner = rank_of_tensors(
             [
                 TensorSpec(n, f"torch.{ckpt.TORCH_DTYPES[i.dtype]}", i.shape, i.nbytes)
@@ -431,9 +458,17 @@ class ObjectStorageStrategy:
                 spec = TensorSpec(name, f"torch.{ckpt.TORCH_DTYPES[info.dtype]}", info.shape, info.nbytes)
                 shares.setdefault(owner[name], []).append(spec)
         try:
-            landing = Landing(shares, f"landing:{plan.model}/{ctx.version}"[:200])  # memfd names: < 250 bytes
+            return Landing(shares, f"landing:{plan.model}/{ctx.version}"[:200])  # memfd names: < 250 bytes
         except OSError as exc:
             raise LoadError(f"cannot allocate the other ranks' landing in host memory: {exc}") from exc
+
+    def _stream_ranks(
+        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
+    ) -> tuple[ResidentWeights, Landed]:
+        """A multi-rank leader's full load the store lacks: one stream from S3, this rank's share into its new
+        pool and every other rank's into a sealed landing they map (`ranks.landing`); the store entry is written
+        behind once every rank has loaded (`commit_landed`)."""
+        landing = self._landing(ctx, plan)
         try:
             resident, streamed = self._stream(ctx, plan, pool, timings, needed, into=landing.views)
             landing.seal()
@@ -441,6 +476,31 @@ class ObjectStorageStrategy:
             landing.close()
             raise
         return resident, Landed(landing, lambda: store_full_behind(self._store, plan, streamed))
+
+    def _replay_ranks(
+        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
+    ) -> tuple[ResidentWeights, Landed]:
+        """A multi-rank leader's delta replay: streamed once (`replay`), this rank's share of the target into its
+        new pool and every other rank's into a sealed landing they map; the fetched deltas and
+        materialized/<target> are written behind once every rank has loaded (`commit_landed`)."""
+        landing = self._landing(ctx, plan)
+        try:
+            resident, replayed = self._replay(ctx, plan, pool, timings, needed, into=landing.views)
+            landing.seal()
+        except BaseException:
+            landing.close()
+            raise
+        return resident, Landed(landing, lambda: store_replay_behind(self._store, plan, replayed))
+
+    def _fetch_base(self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float]) -> None:
+        """A multi-rank replay whose base the store lacks: the base is downloaded into the store first (on the
+        critical path, as for a one-rank replay), then the deltas stream onto it."""
+        with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]):
+            try:
+                self._store.reserve(plan.base.stored_bytes)
+            except CheckpointCacheCapacityError as exc:
+                raise LoadError(str(exc)) from exc
+            download(self._store, [plan.base], pool, timings, report=self._progress, range_bytes=self._range_bytes)
 
     def _stream(
         self,

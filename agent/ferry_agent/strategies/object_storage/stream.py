@@ -228,14 +228,13 @@ def store_full_behind(store: CheckpointStore, plan: Plan, streamed: Streamed) ->
     store_behind(store, plan, [Artifact(checkpoint.ref, source, checkpoint.identity, fill, checkpoint.stored_bytes)])
 
 
-def materialized(plan: Plan, resident: ResidentWeights) -> Artifact:
-    """materialized/<target> of a replayed chain, from the new version's memory (a CPU pool holding every tensor:
-    checked after each delta, and never written once handed out)."""
+def materialized(plan: Plan, hosts: Mapping[str, np.ndarray]) -> Artifact:
+    """materialized/<target> of a replayed chain, from the new version's memory (every tensor's bytes, in CPU
+    memory: checked after each delta, and never written once handed out)."""
     base = plan.base
     checksums = dict(base.checksums)
     for delta in plan.deltas:
         checksums.update(delta.checksums)
-    hosts = {name: t.reshape(-1).view(torch.uint8).numpy() for name, t in resident.tensors.items()}
 
     def fill(tmp: Path) -> None:
         (tmp / ckpt.INDEX_NAME).write_bytes(base.index_raw)
@@ -250,7 +249,7 @@ def materialized(plan: Plan, resident: ResidentWeights) -> Artifact:
     return Artifact(plan.head, source, identity, fill, base.stored_bytes)
 
 
-def write_shard(path: os.PathLike[str], shard: Shard, hosts: dict[str, np.ndarray]) -> None:
+def write_shard(path: os.PathLike[str], shard: Shard, hosts: Mapping[str, np.ndarray]) -> None:
     """One shard file from the checked header and tensor bytes; `CheckpointStore.write` fsyncs it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
