@@ -78,6 +78,8 @@ def test_defaults_are_applied_by_the_apiserver(cluster, namespace):
         "stallSeconds": 60,
         "rpcRetries": 3,
         "rpcBackoffSeconds": 0.5,
+        "maxReadersPerSource": 4,
+        "chunkMiB": 16,
     }
 
 

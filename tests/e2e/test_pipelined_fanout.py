@@ -150,7 +150,7 @@ def test_replicas_read_from_loading_holders_within_the_reader_limit(
         assert [n for n, r in final.items() if r["status"]["source"] == "s3"] == [first]
         for name in others:
             status = final[name]["status"]
-            assert status["source"].startswith("peer/"), status
+            assert status["source"].startswith("peer/"), json.dumps(status["attempts"], indent=1)
             assert not status.get("loadingRanks"), status
             loaded = [a for a in status["attempts"] if a["source"].startswith("peer/") and a["outcome"] == "Loaded"]
             assert any("while it was loading" in a["message"] for a in loaded), status["attempts"]
@@ -227,11 +227,12 @@ def test_a_dead_s3_loader_mid_pipeline_is_replaced_without_restarting_the_others
 
 
 def test_a_rollout_reads_only_the_tensors_the_delta_changed(cluster, s3, namespace, operator, tmp_path):
-    """Every replica holds v1; v2 changes two of eight tensors. The first loader replays the delta on its held v1
-    (the six others are v1's very memory) and says so; the others share those six with their own v1 and READ only
-    the two changed tensors from peers, each checked, and all serve exactly v2."""
+    """Every replica holds v1; v2 changes four of eight tensors, a delta too large for every replica to replay it
+    from S3 (`replica_load.DELTAS_FIRST_SHARE`, which `test_rollout` covers). The first loader replays the delta on
+    its held v1 (the four others are v1's very memory) and says so; the others share those four with their own v1
+    and READ only the four changed tensors from peers, each checked, and all serve exactly v2."""
     v1 = tensors(11, n=8, shape=(256, 256))
-    changed = ["layer1.weight", "layer6.weight"]
+    changed = ["layer1.weight", "layer3.weight", "layer4.weight", "layer6.weight"]
     v2 = {k: (a + 1 if k in changed else a) for k, a in v1.items()}
     publish_full(s3, namespace, "v1", v1)
     publish_delta(s3, namespace, "v2", "v1", v1, v2)
@@ -275,7 +276,7 @@ def test_a_rollout_reads_only_the_tensors_the_delta_changed(cluster, s3, namespa
         changed_bytes = sum(v2[k].nbytes for k in changed)
         for name in sorted(final)[1:]:
             status = final[name]["status"]
-            assert status["source"].startswith("peer/"), status
+            assert status["source"].startswith("peer/"), json.dumps(status["attempts"], indent=1)
             loaded = [a for a in status["attempts"] if a["source"].startswith("peer/") and a["outcome"] == "Loaded"]
             moved = sum(int(re.match(r"(\d+) bytes", a["message"]).group(1)) for a in loaded)
             assert moved == changed_bytes, status["attempts"]
