@@ -59,21 +59,30 @@ def source_candidates(
             continue
         if not lease_is_live(leases.get(lease_name(name)), now, node=(wr.get("spec") or {}).get("nodeName")):
             continue
-        for entry in status.get("ranks") or []:
-            if entry.get("rank") == rank and entry.get("state", RankState.READY) == RankState.READY:
-                found.append(
-                    SourceCandidate(
-                        replica=name,
-                        rank=rank,
-                        agent_name=entry["agentName"],
-                        grpc_endpoint=entry["grpcEndpoint"],
-                        tensor_count=entry.get("tensorCount", 0),
-                        manifest_digest=entry.get("manifestDigest", ""),
-                        active_leases=status.get("activeLeases"),
-                        node=(wr.get("spec") or {}).get("nodeName") or "",
-                    )
-                )
+        found += _rank_candidates(
+            wr, status.get("ranks"), rank, RankState.READY, active_leases=status.get("activeLeases")
+        )
     return found
+
+
+def _rank_candidates(
+    wr: Mapping[str, Any], entries: Iterable[Mapping[str, Any]] | None, rank: int, state: RankState, **extra: Any
+) -> list[SourceCandidate]:
+    """The source of `rank` among a replica's rank entries (`status.ranks` or `status.loadingRanks`) in `state`."""
+    return [
+        SourceCandidate(
+            replica=wr["metadata"]["name"],
+            rank=rank,
+            agent_name=entry["agentName"],
+            grpc_endpoint=entry["grpcEndpoint"],
+            tensor_count=entry.get("tensorCount", 0),
+            manifest_digest=entry.get("manifestDigest", ""),
+            node=(wr.get("spec") or {}).get("nodeName") or "",
+            **extra,
+        )
+        for entry in entries or ()
+        if entry.get("rank") == rank and entry.get("state", RankState.READY) == state
+    ]
 
 
 def loading_version(status: Mapping[str, Any]) -> str | None:
@@ -103,20 +112,7 @@ def holder_candidates(
             continue
         if loading_version(status) != version or status.get("loadingVersionUid") != version_uid:
             continue
-        for entry in status.get("loadingRanks") or []:
-            if entry.get("rank") == rank and entry.get("state") == RankState.LOADING:
-                found.append(
-                    SourceCandidate(
-                        replica=name,
-                        rank=rank,
-                        agent_name=entry["agentName"],
-                        grpc_endpoint=entry["grpcEndpoint"],
-                        tensor_count=entry.get("tensorCount", 0),
-                        manifest_digest=entry.get("manifestDigest", ""),
-                        node=spec.get("nodeName") or "",
-                        loading=True,
-                    )
-                )
+        found += _rank_candidates(wr, status.get("loadingRanks"), rank, RankState.LOADING, loading=True)
     return found
 
 
