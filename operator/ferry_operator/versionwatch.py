@@ -159,14 +159,18 @@ class VersionWatch:
     async def _watch(self, resource_version: str) -> None:
         timeout = CONFIG.watch_server_timeout  # as kopf's watches
         failures = 0
+        relist = False
         while True:
-            params = {
-                "watch": "1",
-                "allowWatchBookmarks": "true",
-                "resourceVersion": resource_version,
-                "timeoutSeconds": str(timeout),
-            }
             try:
+                if relist:
+                    resource_version = await self._relist()
+                    relist = False
+                params = {
+                    "watch": "1",
+                    "allowWatchBookmarks": "true",
+                    "resourceVersion": resource_version,
+                    "timeoutSeconds": str(timeout),
+                }
                 async for event in API.stream(custom_path(WV[2]), params, timeout + 10):
                     kind, obj = event.get("type"), event.get("object") or {}
                     if kind == "ERROR":
@@ -176,16 +180,17 @@ class VersionWatch:
                         self._event(kind, obj)
                     failures = 0
             except ApiException as exc:
-                if exc.status != 410:
+                if exc.status == 410:
+                    log.info("the WeightVersion watch expired (410 Gone); listing again")
+                    relist = True
+                else:
                     failures = await self._backoff(failures, exc)
-                    continue
-                log.info("the WeightVersion watch expired (410 Gone); listing again")
-                try:
-                    resource_version = await self._relist()
-                except (ApiException, aiohttp.ClientError, TimeoutError) as relist_exc:
-                    failures = await self._backoff(failures, relist_exc)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 failures = await self._backoff(failures, exc)
+            except Exception as exc:  # anything else must not end the watch for good: events may be lost, so list
+                log.exception("the WeightVersion watch failed unexpectedly; listing again")
+                failures = await self._backoff(failures, exc)
+                relist = True
 
     async def _backoff(self, failures: int, exc: BaseException) -> int:
         delay = WATCH_BACKOFF[min(failures, len(WATCH_BACKOFF) - 1)]

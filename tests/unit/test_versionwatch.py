@@ -192,6 +192,31 @@ def test_a_broken_watch_resumes_where_it_stopped(monkeypatch):
     assert api.watched_from[:4] == ["10", "11", "11", "11"]
 
 
+def test_an_unexpected_failure_lists_again_instead_of_ending_the_watch(monkeypatch):
+    """A watch that fails in a way nobody foresaw (here: a line that is not JSON) may have lost events: the watch
+    lists again and goes on from that list, instead of ending for good while the operator looks healthy."""
+
+    async def run() -> tuple[Recorder, FakeApi]:
+        api = FakeApi([wv("v1", 5)], "10")
+        monkeypatch.setattr(versionwatch, "API", api)
+        monkeypatch.setattr(versionwatch, "WATCH_BACKOFF", (0.0,))
+        recorder = Recorder()
+        recorder.gate.set()
+        watch = VersionWatch(VersionIndex(), recorder, kopf.Memo(), workers=1)
+        await watch.start()
+        watch.begin()
+        api.lists = [([wv("v1", 5), wv("v2", 20)], "30")]  # v2 was created while the watch was broken
+        await api.streams.put(ValueError("Expecting value: line 1 column 1 (char 0)"))
+        await api.streams.put([{"type": "MODIFIED", "object": wv("v2", 31)}])
+        for _ in range(50):
+            await asyncio.sleep(0)
+        return recorder, api
+
+    recorder, api = asyncio.run(run())
+    assert api.watched_from[:2] == ["10", "30"]
+    assert ("v2", "31") in [(name, rv) for _, name, rv in recorder.seen]
+
+
 def test_the_first_list_is_tried_until_the_apiserver_answers(monkeypatch):
     async def run() -> VersionWatch:
         api = FakeApi([wv("v1", 5)], "10")
