@@ -123,6 +123,18 @@ def test_a_dead_idle_process_is_replaced_and_the_agent_woken() -> None:
         pool.shutdown()
 
 
+def test_a_process_killed_on_purpose_is_not_taken_for_an_idle_one_that_died() -> None:
+    """The processes of a failed load are killed after they are unlent: their exit must not count as an idle
+    process dying (which wakes the agent and, for one not ready yet, backs the pool's next start off)."""
+    died: list[RankWorker] = []
+    worker = RankWorker(StandIn(agent_name="n-1"), "n-1-w1", on_idle_exit=died.append)
+    wait(worker.ready.is_set)
+    worker.kill()
+    for reader in [t for t in threading.enumerate() if t.name == "ferry-n-1-w1"]:
+        reader.join(10)  # it has delivered the exit
+    assert worker.stopped.is_set() and died == []
+
+
 def test_a_process_that_failed_before_it_was_lent_says_why_to_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STAND_IN_BROKEN", "1")
     worker = RankWorker(StandIn(agent_name="n-1"), "n-1-w1", on_idle_exit=lambda _worker: None)

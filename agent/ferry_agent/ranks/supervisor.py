@@ -176,6 +176,7 @@ class RankWorker:
             self.kill()
 
     def kill(self) -> None:
+        self._ending = True  # killed on purpose: its exit is no idle process dying
         if self.alive():
             log.warning("killing rank process %d (%s)", self.pid, self.name)
             self.proc.kill()
