@@ -113,7 +113,9 @@ def test_a_follower_finding_a_corrupt_tensor_discards_the_stored_copy(
     def rank(r: int) -> LoadContext:
         return LoadContext(model=MODEL, version="v1", rank=r, target_id="replica-0", world_size=2)
 
-    strategy.prepare(rank(0), activate=False)
+    strategy.load(LoadContext(model=MODEL, version="v1", rank=0, target_id="replica-0"))  # one rank: stores v1
+    store.flush()  # written behind
+    assert strategy.lead(rank(0)) is None  # stored: every rank reads its own share of it
     follower = max(strategy.load_prepared(rank(1)).resident.manifest, key=lambda spec: spec.nbytes).name
     path = store.artifact(ArtifactRef(KEY, ArtifactKind.FULL, "v1"))
     assert path is not None

@@ -179,11 +179,6 @@ class RankAgreedObjectStorage(_Agreed):
 
         def prepare() -> dict[str, Any] | None:
             """The leader's step; what it returns tells every rank where to load from (None: the store)."""
-            if self._group.world_size == 1:
-                # No other rank reads the store: the load activates it itself, so a full checkpoint or a replay
-                # on a stored base streams into the pool and the store is written behind (`load`).
-                self._result = self.inner.load(ctx)
-                return None
             self._result = self.inner.lead(ctx)
             if self._result is not None and self._result.landed is not None:
                 return {"landing": self._result.landed.landing.descriptor(), "version_uid": ctx.version_uid}
@@ -208,8 +203,6 @@ class RankAgreedObjectStorage(_Agreed):
 
         def activate() -> None:
             assert self._result is not None
-            if self._group.world_size == 1:  # `load` activated it (or queued that behind the load)
-                return
             if self._result.landed is not None:
                 self.inner.commit_landed(self._result.landed)
             else:

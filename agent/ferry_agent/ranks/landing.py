@@ -120,7 +120,7 @@ class MappedLanding:
     def share(self, expected_digest: str | None, map_sealed: MapSealed) -> ResidentWeights:
         """This rank's share in host memory: the landing's pages themselves, read-only (the descriptors are
         `map_sealed`'s from here on)."""
-        self._check(expected_digest)
+        self.check(expected_digest)
         fds, self._fds = self._fds, []
         return map_sealed(fds, self.sizes, self.specs, self.places)
 
@@ -143,7 +143,8 @@ class MappedLanding:
             for chunk in chunks:
                 chunk.unref()
 
-    def _check(self, expected: str | None) -> None:
+    def check(self, expected: str | None) -> None:
+        """ValueError unless the landed share has the manifest digest the replica expects (when it expects one)."""
         if expected and manifest_digest(self.specs) != expected:
             raise ValueError(
                 f"the share the local leader landed has manifest digest {manifest_digest(self.specs)}, "

@@ -64,7 +64,7 @@ from ferry.api.models import SourceKind
 from ferry_agent.ranks.landing import Landing, MappedLanding
 from ferry_agent.ranks.sharding import rank_of_tensors
 from ferry_agent.store.checkpoints import CheckpointCacheCapacityError, CheckpointStore, chain_refs
-from ferry_agent.store.resident import ResidentWeights, TensorSpec, manifest_digest
+from ferry_agent.store.resident import ResidentWeights, TensorSpec
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
 from ferry_agent.strategies.object_storage.build import build, unchanged_since
 from ferry_agent.strategies.object_storage.checkpoint import Link, LoadError, Plan
@@ -162,20 +162,14 @@ class ObjectStorageStrategy:
     def load(self, ctx: LoadContext) -> S3LoadResult:
         """Replay `ctx.version` into a new pool and activate it in the store (a one-rank replica); every failure
         is StrategyFailed(mutated=False)."""
-        return self.prepare(ctx, activate=True)
+        result = self._prepare(ctx, activate=True, land=False)
+        assert result is not None
+        return result
 
     def resolve(self, ctx: LoadContext) -> tuple[str, ...]:
         """The replay chain of `ctx.version`, root first (the ranks of a replica agree on it first)."""
         with self._failures():
             return tuple(link.name for link in self._planner.resolve(ctx))
-
-    def prepare(self, ctx: LoadContext, *, activate: bool) -> S3LoadResult:
-        """The local leader's step: fetch what the store lacks, replay the chain and load this rank's tensors
-        in the same pass, materializing every rank's tensors in the store. With `activate=False` the store only
-        marks the version prepared; `activate()` follows once every rank has loaded it."""
-        result = self._prepare(ctx, activate=activate, land=False)
-        assert result is not None
-        return result
 
     def lead(self, ctx: LoadContext) -> S3LoadResult | None:
         """A multi-rank local leader's step. What the store lacks is streamed once: a full checkpoint, or a delta
@@ -265,12 +259,10 @@ class ObjectStorageStrategy:
         leader's sealed landing (checked there as it arrived), without touching S3 or the store."""
         t0 = time.monotonic()
         with self._failures():
-            expected = ctx.expected_manifest_digest
-            if expected and manifest_digest(landing.specs) != expected:
-                raise LoadError(
-                    f"the manifest of {ctx.version} the local leader landed has digest "
-                    f"{manifest_digest(landing.specs)}, but the replica expects {expected}"
-                )
+            try:
+                landing.check(ctx.expected_manifest_digest)
+            except ValueError as exc:
+                raise LoadError(str(exc)) from exc
             try:
                 resident = self._allocate(landing.specs, ctx.device)
             except (RuntimeError, ValueError) as exc:
@@ -296,7 +288,7 @@ class ObjectStorageStrategy:
             landed.store()
 
     def release_prepared(self, ctx: LoadContext) -> None:
-        """Undo `prepare(activate=False)` when the replica gives up: the store forgets the prepared version."""
+        """Undo `lead`'s marking of a stored version prepared when the replica gives up: the store forgets it."""
         self._store.release_prepared(self._planner.key(ctx), ctx.version)
 
     @contextlib.contextmanager
