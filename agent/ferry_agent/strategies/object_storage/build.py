@@ -144,9 +144,7 @@ def build(
     except (RuntimeError, ValueError) as exc:  # e.g. out of device memory
         nbytes = sum(s.nbytes for s in plan.specs)
         raise LoadError(f"cannot allocate {nbytes} bytes on {ctx.device}: {exc}") from exc
-    checksums = dict(base.checksums)
-    for delta in plan.deltas:
-        checksums.update(delta.checksums)
+    checksums = plan.target_checksums
     # A delta replays on the very base version a pod still holds in host memory (the same WeightVersion
     # object): its tensors' bytes are read from that sealed memory, not from the store's copy on disk.
     held = resident.shared_from

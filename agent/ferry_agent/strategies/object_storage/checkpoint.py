@@ -108,6 +108,27 @@ class Plan:
     def __post_init__(self) -> None:
         self.head = head_ref(self.model, self.chain)
 
+    @property
+    def target_checksums(self) -> dict[str, str]:
+        """Each tensor's adler32 in the target: the base's, then each delta's for the tensors it changes."""
+        checksums = dict(self.base.checksums)
+        for delta in self.deltas:
+            checksums.update(delta.checksums)
+        return checksums
+
+    @property
+    def tensor_specs(self) -> list[TensorSpec]:
+        """Every tensor of the target (every rank's), by name."""
+        return layout_specs(self.layout)
+
+
+def layout_specs(layout: Mapping[str, tuple[Shard, ckpt.TensorInfo]]) -> list[TensorSpec]:
+    """The specs of the tensors of `layout` (tensor → where it lives in a shard), by name."""
+    return [
+        TensorSpec(name, f"torch.{ckpt.TORCH_DTYPES[info.dtype]}", info.shape, info.nbytes)
+        for name, (_, info) in sorted(layout.items())
+    ]
+
 
 def s3_error(exc: Exception, uri: str) -> LoadError:
     """The load's error for a failed S3 request, worded by the one translator (`ferry.s3.translate`)."""

@@ -26,7 +26,7 @@ from ferry_agent.store.checkpoints import (
     index_digest,
     model_key,
 )
-from ferry_agent.store.resident import TensorSpec, manifest_digest
+from ferry_agent.store.resident import manifest_digest
 from ferry_agent.strategies.chain import LoadContext
 from ferry_agent.strategies.object_storage.checkpoint import (
     CHECKSUMS_FILE,
@@ -35,6 +35,7 @@ from ferry_agent.strategies.object_storage.checkpoint import (
     LoadError,
     Plan,
     Shard,
+    layout_specs,
     s3_error,
 )
 from ferry_agent.strategies.object_storage.files import run_tasks
@@ -183,14 +184,7 @@ class Planner:
                             f"delta shard {delta.where(shard.name)} stores {name!r} as {info.dtype}{list(info.shape)},"
                             " not as a 1-D U8 zstd frame"
                         )
-        specs = rank_specs(
-            [
-                TensorSpec(name, f"torch.{ckpt.TORCH_DTYPES[info.dtype]}", info.shape, info.nbytes)
-                for name, (_, info) in sorted(layout.items())
-            ],
-            ctx.rank,
-            ctx.world_size,
-        )
+        specs = rank_specs(layout_specs(layout), ctx.rank, ctx.world_size)
         expected = ctx.expected_manifest_digest
         if expected and manifest_digest(specs) != expected:
             raise LoadError(

@@ -53,12 +53,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
-from ferry import checkpoint_format as ckpt
 from ferry import s3
 from ferry.api.models import SourceKind
 from ferry_agent.ranks.landing import Landing, MappedLanding
@@ -317,9 +317,7 @@ class ObjectStorageStrategy:
         behind: bool = False,
     ) -> S3LoadResult:
         seconds = time.monotonic() - t0
-        checksums = dict(plan.base.checksums)
-        for delta in plan.deltas:
-            checksums.update(delta.checksums)
+        checksums = plan.target_checksums
         if all(name in checksums for name in resident.tensors):  # what the load checked every tensor against
             resident.checksums = {name: checksums[name] for name in resident.tensors}
         log.info(
@@ -382,13 +380,10 @@ class ObjectStorageStrategy:
         streamed_full = not plan.deltas and fetch == [plan.base]
         if land and not activate and ctx.world_size > 1 and (streamed_full or (plan.deltas and on_cpu)):
             # A multi-rank leader: the other ranks' shares land in shared memory they map, not in the store.
-            if not plan.deltas:
-                resident, landed = self._stream_ranks(ctx, plan, pool, timings, needed)
-            else:
-                if plan.base.path is None and plan.held is None:
-                    self._fetch_base(ctx, plan, pool, timings)
-                    needed -= plan.base.stored_bytes
-                resident, landed = self._replay_ranks(ctx, plan, pool, timings, needed)
+            if plan.deltas and plan.base.path is None and plan.held is None:
+                self._fetch_base(ctx, plan, pool, timings)
+                needed -= plan.base.stored_bytes
+            resident, landed = self._land_ranks(ctx, plan, pool, timings, needed)
             return resident, downloaded, landed, True
         stored_or_held = plan.base.path is not None or plan.held is not None
         if alone and plan.deltas and stored_or_held and on_cpu:
@@ -437,52 +432,37 @@ class ObjectStorageStrategy:
 
     def _landing(self, ctx: LoadContext, plan: Plan) -> Landing:
         """Memfd chunks of each other rank's own for its share of the target (`ranks.landing`)."""
-        owner = rank_of_tensors(
-            [
-                TensorSpec(n, f"torch.{ckpt.TORCH_DTYPES[i.dtype]}", i.shape, i.nbytes)
-                for n, (_, i) in plan.layout.items()
-            ],
-            ctx.world_size,
-        )
+        specs = plan.tensor_specs
+        owner = rank_of_tensors(specs, ctx.world_size)
         shares: dict[int, list[TensorSpec]] = {}
-        for name, (_, info) in sorted(plan.layout.items()):
-            if owner[name] != ctx.rank:
-                spec = TensorSpec(name, f"torch.{ckpt.TORCH_DTYPES[info.dtype]}", info.shape, info.nbytes)
-                shares.setdefault(owner[name], []).append(spec)
+        for spec in specs:
+            if owner[spec.name] != ctx.rank:
+                shares.setdefault(owner[spec.name], []).append(spec)
         try:
             return Landing(shares, f"landing:{plan.model}/{ctx.version}"[:200])  # memfd names: < 250 bytes
         except OSError as exc:
             raise LoadError(f"cannot allocate the other ranks' landing in host memory: {exc}") from exc
 
-    def _stream_ranks(
+    def _land_ranks(
         self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
     ) -> tuple[ResidentWeights, Landed]:
-        """A multi-rank leader's full load the store lacks: one stream from S3, this rank's share into its new
-        pool and every other rank's into a sealed landing they map (`ranks.landing`); the store entry is written
-        behind once every rank has loaded (`commit_landed`)."""
+        """A multi-rank leader's load the store lacks, streamed once from S3: a full checkpoint (`_stream`) or a
+        delta replay (`_replay`), this rank's share into its new pool and every other rank's into a sealed landing
+        they map (`ranks.landing`); the store entry (the checkpoint, or the fetched deltas and
+        materialized/<target>) is written behind once every rank has loaded (`commit_landed`)."""
         landing = self._landing(ctx, plan)
         try:
-            resident, streamed = self._stream(ctx, plan, pool, timings, needed, into=landing.views)
+            if plan.deltas:
+                resident, replayed = self._replay(ctx, plan, pool, timings, needed, into=landing.views)
+                behind = partial(store_replay_behind, self._store, plan, replayed)
+            else:
+                resident, streamed = self._stream(ctx, plan, pool, timings, needed, into=landing.views)
+                behind = partial(store_full_behind, self._store, plan, streamed)
             landing.seal()
         except BaseException:
             landing.close()
             raise
-        return resident, Landed(landing, lambda: store_full_behind(self._store, plan, streamed))
-
-    def _replay_ranks(
-        self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
-    ) -> tuple[ResidentWeights, Landed]:
-        """A multi-rank leader's delta replay: streamed once (`replay`), this rank's share of the target into its
-        new pool and every other rank's into a sealed landing they map; the fetched deltas and
-        materialized/<target> are written behind once every rank has loaded (`commit_landed`)."""
-        landing = self._landing(ctx, plan)
-        try:
-            resident, replayed = self._replay(ctx, plan, pool, timings, needed, into=landing.views)
-            landing.seal()
-        except BaseException:
-            landing.close()
-            raise
-        return resident, Landed(landing, lambda: store_replay_behind(self._store, plan, replayed))
+        return resident, Landed(landing, behind)
 
     def _fetch_base(self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float]) -> None:
         """A multi-rank replay whose base the store lacks: the base is downloaded into the store first (on the

@@ -232,9 +232,7 @@ def materialized(plan: Plan, hosts: Mapping[str, np.ndarray]) -> Artifact:
     """materialized/<target> of a replayed chain, from the new version's memory (every tensor's bytes, in CPU
     memory: checked after each delta, and never written once handed out)."""
     base = plan.base
-    checksums = dict(base.checksums)
-    for delta in plan.deltas:
-        checksums.update(delta.checksums)
+    checksums = plan.target_checksums
 
     def fill(tmp: Path) -> None:
         (tmp / ckpt.INDEX_NAME).write_bytes(base.index_raw)
