@@ -47,24 +47,26 @@ class Failure:
     origin: int  # -1: the base checkpoint; i: plan.deltas[i]
 
 
+def mismatch(got: str, expected: str, *, after_delta: bool = False) -> str | None:
+    """Why a tensor whose adler32 is `got` is not the one expected, or None (the load's wording, build or replay)."""
+    if got == expected:
+        return None
+    return f"fails its adler32 check{' after the delta' if after_delta else ''}: got {got}, expected {expected}"
+
+
 def _apply_step(host: np.ndarray, step: _Step) -> str | None:
     frame = np.frombuffer(step.source, dtype=np.uint8, count=step.end - step.begin, offset=step.begin)
     try:
         got = ckpt.apply_xor_delta_into(host, frame)
     except ValueError as exc:
         return str(exc)
-    return (
-        None
-        if got == step.checksum
-        else f"fails its adler32 check after the delta: got {got}, expected {step.checksum}"
-    )
+    return mismatch(got, step.checksum, after_delta=True)
 
 
 def _base_error(source: tuple[int, int], nbytes: int, checksum: str) -> str | None:
     host = np.empty(nbytes, dtype=np.uint8)
     pread_into(source[0], memoryview(host), source[1])
-    got = ckpt.adler32_hex(host)
-    return None if got == checksum else f"fails its adler32 check: got {got}, expected {checksum}"
+    return mismatch(ckpt.adler32_hex(host), checksum)
 
 
 def _build_tensor(
@@ -85,10 +87,8 @@ def _build_tensor(
     # A non-CPU pool is filled through a host buffer of the tensor's size; a CPU pool is worked on directly.
     host = flat.numpy() if flat is not None and flat.device.type == "cpu" else np.empty(nbytes, dtype=np.uint8)
     pread_into(source[0], memoryview(host), source[1])
-    if not steps:
-        got = ckpt.adler32_hex(host)
-        if got != checksum:
-            return Failure(name, f"fails its adler32 check: got {got}, expected {checksum}", -1)
+    if not steps and (error := mismatch(ckpt.adler32_hex(host), checksum)):
+        return Failure(name, error, -1)
     for step in steps:
         error = _apply_step(host, step)
         if error is not None:

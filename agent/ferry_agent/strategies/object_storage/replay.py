@@ -26,7 +26,7 @@ import torch
 from ferry import checkpoint_format as ckpt
 from ferry_agent.store.checkpoints import CheckpointStore
 from ferry_agent.store.resident import ResidentWeights
-from ferry_agent.strategies.object_storage.build import Failure, load_error
+from ferry_agent.strategies.object_storage.build import Failure, load_error, mismatch
 from ferry_agent.strategies.object_storage.checkpoint import Checkpoint, LoadError, Plan
 from ferry_agent.strategies.object_storage.download import _Progress
 from ferry_agent.strategies.object_storage.files import Countdown, mapped, pwrite_all, run_tasks
@@ -82,9 +82,7 @@ class _Base:
 
     def error(self, name: str) -> str | None:
         """Why the base bytes of `name` are not the ones the base version has, or None."""
-        got = ckpt.adler32_hex(self.arrays[name])
-        expected = self.checksums[name]
-        return None if got == expected else f"fails its adler32 check: got {got}, expected {expected}"
+        return mismatch(ckpt.adler32_hex(self.arrays[name]), self.checksums[name])
 
 
 @contextlib.contextmanager
@@ -111,15 +109,12 @@ def _build(
     failure: Failure | None = None
     if not steps:
         np.copyto(target, base.arrays[name])
-        got = ckpt.adler32_hex(target)
-        if got != base.checksums[name]:
-            failure = Failure(name, f"fails its adler32 check: got {got}, expected {base.checksums[name]}", -1)
+        if error := mismatch(ckpt.adler32_hex(target), base.checksums[name]):
+            failure = Failure(name, error, -1)
     for i, step in enumerate(steps):
         try:
             got = ckpt.apply_xor_delta_into(target, step.frame(), base.arrays[name] if i == 0 else None)
-            error = None
-            if got != step.checksum:
-                error = f"fails its adler32 check after the delta: got {got}, expected {step.checksum}"
+            error = mismatch(got, step.checksum, after_delta=True)
         except ValueError as exc:
             error = str(exc)
         if error is not None:
