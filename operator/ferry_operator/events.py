@@ -59,9 +59,11 @@ def is_problem(type_: str, status: str, reason: str) -> bool:
     return status == ConditionStatus.FALSE and reason not in WAITING_REASONS
 
 
-def condition_event(type_: str, before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> bool | None:
+def condition_event(
+    type_: str, before: Mapping[str, Any] | None, after: Mapping[str, Any], *, quiet_ready: bool = False
+) -> bool | None:
     """None: the change from `before` (None: the condition is new) to `after` is no Event; else whether it is a
-    Warning."""
+    Warning. `quiet_ready`: Ready=True from nothing is no Event either (a new WeightVersion's first Ready)."""
     if (
         type_ == ModelLoadConditionType.ENGINES_ATTACHED
     ):  # informational: a pod attaching or the last one leaving is news, never a problem
@@ -73,9 +75,8 @@ def condition_event(type_: str, before: Mapping[str, Any] | None, after: Mapping
     status, reason = after.get("status", ConditionStatus.UNKNOWN), after.get("reason", "")
     warning = is_problem(type_, status, reason)
     if before is None or before.get("status", ConditionStatus.UNKNOWN) == ConditionStatus.UNKNOWN:
-        return (
-            warning if warning or (type_ == ModelLoadConditionType.READY and status == ConditionStatus.TRUE) else None
-        )
+        ready = type_ == ModelLoadConditionType.READY and status == ConditionStatus.TRUE
+        return warning if warning or (ready and not quiet_ready) else None
     was = (before.get("status"), before.get("reason", ""))
     if was == (status, reason):
         return None
@@ -111,17 +112,8 @@ def emit_transitions(
     thousands of versions published at once those Events would cost the apiserver a fifth of its work."""
     old = {c["type"]: c for c in before}
     for c in after:
-        was = old.get(c["type"])
-        warning = condition_event(c["type"], was, c)
-        if (
-            first_ready
-            and warning is False
-            and c["type"] == WeightVersionConditionType.READY
-            and c["status"] == ConditionStatus.TRUE
-            and c["type"] not in announced
-            and not (was and is_problem(c["type"], was.get("status", ""), was.get("reason", "")))
-        ):
-            continue
+        quiet = first_ready and c["type"] not in announced  # (after an announced problem, its end is news)
+        warning = condition_event(c["type"], old.get(c["type"]), c, quiet_ready=quiet)
         if warning is not None and first_time(announced, c["type"], (c["status"], c["reason"])):
             EVENTS.post(
                 body,
