@@ -150,6 +150,14 @@ async def add_finalizer(plural: str, namespace: str, name: str, uid: str, curren
     return await _json_patch(plural, namespace, name, kubeapi.add_finalizer_ops(uid, current, finalizer))
 
 
+async def remove_finalizer(
+    plural: str, namespace: str, name: str, uid: str, current: list[str], finalizer: str
+) -> bool:
+    """Remove `finalizer` from that very object (`remove_finalizer_ops`). False: the object is gone, or the list
+    changed since it was read."""
+    return await _json_patch(plural, namespace, name, kubeapi.remove_finalizer_ops(uid, current, finalizer))
+
+
 async def _json_patch(plural: str, namespace: str, name: str, ops: list[dict]) -> bool:
     try:
         await API.patch(custom_path(plural, namespace, name), ops, JSON_PATCH)

@@ -169,26 +169,11 @@ def add_finalizer_ops(uid: str, current: list[str], finalizer: str) -> list[dict
     return [{"op": "test", "path": "/metadata/uid", "value": uid}, *ops]
 
 
-def remove_finalizer(plural: str, namespace: str, name: str, uid: str, current: list[str], finalizer: str) -> bool:
-    """Remove `finalizer` from that very object, tested at the index it has in `current` (as read). False: gone,
-    or the list changed since it was read."""
+def remove_finalizer_ops(uid: str, current: list[str], finalizer: str) -> list[dict]:
+    """A JSON patch removing `finalizer` from that very object, tested at the index it has in `current` (as read)."""
     at = f"/metadata/finalizers/{current.index(finalizer)}"
-    ops = [
+    return [
         {"op": "test", "path": "/metadata/uid", "value": uid},
         {"op": "test", "path": at, "value": finalizer},
         {"op": "remove", "path": at},
     ]
-    return _json_patch(plural, namespace, name, ops)
-
-
-def _json_patch(plural: str, namespace: str, name: str, ops: list[dict]) -> bool:
-    try:
-        # The client would send a list as a merge patch: say what it is.
-        _objects().patch_namespaced_custom_object(
-            GROUP, VERSION, namespace, plural, name, ops, _content_type="application/json-patch+json"
-        )
-    except ApiException as exc:
-        if exc.status in (404, 409, 422):  # gone, or a test failed: the object is not as it was read
-            return False
-        raise
-    return True

@@ -74,7 +74,7 @@ def test_a_new_blocker_wakes_it_too(woken):
 
 def test_the_finalizer_patches_are_json_patches(monkeypatch):
     """A client sends a list body as a merge patch unless told: the apiserver would refuse it. The addition goes
-    on the event loop (kubeaio), the removal through the blocking client (kubeapi)."""
+    on the event loop (kubeaio), as does the removal."""
     sent: list[tuple[str, list]] = []
     api = client.ApiClient(client.Configuration(host="http://127.0.0.1:1"))
 
@@ -93,8 +93,8 @@ def test_the_finalizer_patches_are_json_patches(monkeypatch):
     monkeypatch.setattr(kubeaio.API, "request", request_async)
     assert not asyncio.run(kubeaio.add_finalizer("weightversions", "ns", "v1", "u1", [], "ferry.dev/release"))
     assert not asyncio.run(kubeaio.add_finalizer("weightversions", "ns", "v1", "u1", ["a/b"], "ferry.dev/release"))
-    assert not kubeapi.remove_finalizer(
-        "weightversions", "ns", "v1", "u1", ["a/b", "ferry.dev/release"], "ferry.dev/release"
+    assert not asyncio.run(
+        kubeaio.remove_finalizer("weightversions", "ns", "v1", "u1", ["a/b", "ferry.dev/release"], "ferry.dev/release")
     )
     assert {content for content, _ in sent} == {"application/json-patch+json"}
     assert sent[0][1] == [

@@ -31,7 +31,7 @@ from ferry.api.models import (
 )
 from ferry.api.models import WeightVersionEventReason as WVEvent
 from ferry.chain import VersionView, dependents, resolve_chain
-from ferry_operator import kubeaio, kubeapi, metrics, verification
+from ferry_operator import kubeaio, metrics, verification
 from ferry_operator.config import CONFIG
 from ferry_operator.events import EVENTS, emit_transitions
 from ferry_operator.handlers import retention
@@ -180,9 +180,7 @@ async def _release(
         return
     metadata = body["metadata"]
     finalizers = list(metadata.get("finalizers") or [])
-    if await asyncio.to_thread(
-        kubeapi.remove_finalizer, WV[2], namespace, name, metadata["uid"], finalizers, RELEASE_FINALIZER
-    ):
+    if await kubeaio.remove_finalizer(WV[2], namespace, name, metadata["uid"], finalizers, RELEASE_FINALIZER):
         logger.info("%s/%s released", namespace, name)
         EVENTS.post(body, reason=WVEvent.RELEASED, message="no dependents left; releasing", action=EventAction.RELEASE)
 
