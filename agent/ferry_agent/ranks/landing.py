@@ -53,7 +53,6 @@ class Landing:
         except BaseException:
             self.close()
             raise
-        self.size = sum(c.size for c in self._chunks)
 
     def _add(self, rank: int, specs: Sequence[TensorSpec], label: str) -> None:
         sizes, places = layout(specs)

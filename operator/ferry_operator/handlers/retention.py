@@ -156,20 +156,21 @@ async def retention_on_version(
         _retired.discard(uid)
         _refused.pop(uid, None)
         _storage_tries.pop(uid, None)
-    indexes: Indexes = memo.indexes
-    models = {spec.get("modelName", "")}
-    if (base := _model_of(namespace, spec.get("baseVersion"), indexes)) is not None:
-        models.add(base)
-    await _apply_policies(namespace, models, memo, indexes)
+    await _apply_with(namespace, spec.get("modelName", ""), spec.get("baseVersion"), memo)
 
 
 @kopf.on.event(*ML)
 async def retention_on_modelload(namespace: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
     """Its model's policy, and that of the model of the version it desires (protected whatever its model)."""
+    await _apply_with(namespace, spec.get("modelName", ""), spec.get("desiredVersion"), memo)
+
+
+async def _apply_with(namespace: str, model: str, related: str | None, memo: kopf.Memo) -> None:
+    """The policies of `model` and of the model of version `related` (when it exists)."""
     indexes: Indexes = memo.indexes
-    models = {spec.get("modelName", "")}
-    if (desired := _model_of(namespace, spec.get("desiredVersion"), indexes)) is not None:
-        models.add(desired)
+    models = {model}
+    if (other := _model_of(namespace, related, indexes)) is not None:
+        models.add(other)
     await _apply_policies(namespace, models, memo, indexes)
 
 
