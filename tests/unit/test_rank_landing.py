@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from ferry import checkpoint_format as ckpt
 from ferry.client.protocol import REQUIRED_SEALS
 from ferry_agent.attach.memstore import HostStore
 from ferry_agent.ranks.agreement import TorchRankGroup
@@ -32,7 +33,9 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 def test_a_landing_is_sealed_before_a_follower_maps_it() -> None:
     specs = {1: [TensorSpec("a", "torch.uint8", (300,), 300)], 2: [TensorSpec("b", "torch.uint8", (5,), 5)]}
-    landing = Landing(specs, "test")
+    # What the stream checks each tensor against travels with the landing: the followers serve with it.
+    checksums = {"a": ckpt.adler32_hex(bytes([7] * 300)), "b": ckpt.adler32_hex(bytes([9] * 5))}
+    landing = Landing(specs, "test", checksums)
     landing.views["a"][:] = 7
     landing.views["b"][:] = 9
     descriptor = landing.descriptor()
@@ -54,12 +57,13 @@ def test_a_landing_is_sealed_before_a_follower_maps_it() -> None:
     with ThreadPoolExecutor(2) as pool:  # a GPU rank's path: a copy into its own memory
         mapped.copy_share(mine, pool)
     assert mine.tensors["a"].tolist() == [7] * 300
+    assert mine.checksums == {"a": checksums["a"]} == {"a": ckpt.adler32_hex(mine.tensors["a"].numpy())}
 
     # A CPU rank's path: the landing's pages themselves, read-only, through descriptors of its own.
     host = HostStore()
     shared = mapped.share(None, functools.partial(host.map_sealed, "replica"))
     landing.close()  # the leader lets go; the follower's share keeps the memory
-    assert shared.tensors["a"].tolist() == [7] * 300
+    assert shared.tensors["a"].tolist() == [7] * 300 and shared.checksums == {"a": checksums["a"]}
     assert host.resident_bytes("replica") == 0  # counted once sealed as a version of the replica
     sealed = host.seal(shared, "share")
     assert host.resident_bytes("replica") == 300 and sealed.chunk_sizes == descriptor["ranks"][1]["sizes"]

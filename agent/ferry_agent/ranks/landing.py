@@ -40,7 +40,12 @@ def unaccounted(
 class Landing:
     """The tensors of the ranks other than the leader: each rank's in memfd chunks of its own."""
 
-    def __init__(self, shares: Mapping[int, Sequence[TensorSpec]], label: str) -> None:
+    def __init__(
+        self, shares: Mapping[int, Sequence[TensorSpec]], label: str, checksums: Mapping[str, str] | None = None
+    ) -> None:
+        """`checksums`: each tensor's adler32, which the stream checks as it lands it (handed to the followers, so
+        that they serve with them instead of reading every byte again)."""
+        self._checksums = checksums or {}
         self._chunks: list[Chunk] = []
         self._mappings: list[_Mapping] = []
         self._ranks: dict[int, dict[str, Any]] = {}
@@ -72,6 +77,7 @@ class Landing:
             "fds": [c.fd for c in self._chunks[first:]],
             "sizes": sizes,
             "tensors": [(s.name, s.dtype, list(s.shape), s.nbytes, *places[s.name]) for s in specs],
+            "checksums": {s.name: self._checksums[s.name] for s in specs if s.name in self._checksums},
         }
 
     def seal(self) -> None:
@@ -104,6 +110,9 @@ class MappedLanding:
         self.specs = [TensorSpec(name, dtype, tuple(shape), nbytes) for name, dtype, shape, nbytes, _, _ in entries]
         self.places = {name: (int(chunk), int(offset)) for name, _, _, _, chunk, offset in entries}
         self.sizes = [int(s) for s in mine["sizes"]]
+        checksums = dict(mine.get("checksums") or {})
+        # What the leader checked each tensor against (the replica serves with them), when it names them all.
+        self.checksums = checksums if set(checksums) == set(self.places) else None
         self._fds: list[int] = []
         try:
             for fd, size in zip(mine["fds"], self.sizes, strict=True):
@@ -121,7 +130,9 @@ class MappedLanding:
         `map_sealed`'s from here on)."""
         self.check(expected_digest)
         fds, self._fds = self._fds, []
-        return map_sealed(fds, self.sizes, self.specs, self.places)
+        resident = map_sealed(fds, self.sizes, self.specs, self.places)
+        resident.checksums = self.checksums
+        return resident
 
     def copy_share(self, resident: ResidentWeights, pool: ThreadPoolExecutor) -> None:
         """Copy this rank's tensors into `resident` (its own pool, on another device), in parallel."""
@@ -138,6 +149,7 @@ class MappedLanding:
 
             for future in [pool.submit(copy, spec) for spec in self.specs]:
                 future.result()
+            resident.checksums = self.checksums
         finally:
             for chunk in chunks:
                 chunk.unref()

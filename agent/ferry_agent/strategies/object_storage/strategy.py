@@ -439,7 +439,8 @@ class ObjectStorageStrategy:
             if owner[spec.name] != ctx.rank:
                 shares.setdefault(owner[spec.name], []).append(spec)
         try:
-            return Landing(shares, f"landing:{plan.model}/{ctx.version}"[:200])  # memfd names: < 250 bytes
+            # memfd names: < 250 bytes
+            return Landing(shares, f"landing:{plan.model}/{ctx.version}"[:200], plan.target_checksums)
         except OSError as exc:
             raise LoadError(f"cannot allocate the other ranks' landing in host memory: {exc}") from exc
 
