@@ -22,6 +22,7 @@ import pytest
 from ferry import checkpoint_format as ckpt
 from ferry_agent.store.checkpoints import ArtifactRef, CheckpointStore, StoreStatus, chain_refs
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
+from ferry_agent.strategies.object_storage import replay as replay_module
 from ferry_agent.strategies.object_storage import stream as stream_module
 from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
 from tests.support.s3 import (
@@ -225,8 +226,11 @@ def test_sigkill_mid_apply_then_recover(
 
 @pytest.mark.cluster
 def test_quota_eviction_never_evicts_the_active_chain(
-    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Every replayed version materialized (however small its delta), so that each load activates its version:
+    # what eviction keeps of the active chains is the subject here.
+    monkeypatch.setattr(replay_module, "MATERIALIZE_AFTER", 0)
     w3 = chain3[2]
     publish_chain3(registry, chain3)
     w4 = evolve(w3, 5, ["mask"])

@@ -382,7 +382,7 @@ class ObjectStorageStrategy:
         downloaded = sum(c.stored_bytes for c in fetch)
         needed = downloaded + (plan.base.stored_bytes if plan.deltas else 0)  # + the materialized target
         alone = activate and ctx.world_size == 1  # no other rank reads what this load stores
-        if alone and fetch == [plan.base]:
+        if alone and fetch == [plan.base] and not plan.deltas:  # a full version; stored deltas need a replay
             resident, streamed = self._stream(ctx, plan, pool, timings, needed)
             store_full_behind(self._store, plan, streamed)
             return resident, downloaded, None, True
@@ -403,7 +403,7 @@ class ObjectStorageStrategy:
             # A one-rank replay on a stored or held base into a CPU pool: the deltas stream, the store is written
             # behind.
             resident, replayed = self._replay(ctx, plan, pool, timings, needed)
-            store_replay_behind(self._store, plan, replayed)
+            store_replay_behind(self._store, plan, replayed, every_version=False)
             return resident, downloaded, None, True
         with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
             try:
@@ -490,7 +490,7 @@ class ObjectStorageStrategy:
         except BaseException:
             landing.close()
             raise
-        return resident, Landed(landing, lambda: store_replay_behind(self._store, plan, replayed))
+        return resident, Landed(landing, lambda: store_replay_behind(self._store, plan, replayed, every_version=True))
 
     def _fetch_base(self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float]) -> None:
         """A multi-rank replay whose base the store lacks: the base is downloaded into the store first (on the
