@@ -12,7 +12,9 @@ Publish → serving, for 1, 3 and 8 replicas serving a version, per `spec.rollou
 default maxUnavailable 25%): from the end of `ferry publish` of an XorDelta (10% of the tensors changed; the
 WeightVersion is created, not yet verified) and the ModelLoad's desiredVersion patched to it, to every replica
 serving it. Split into the operator's verification (→ WeightVersion Ready) and the rollout (→ all serving). The
-ratio 8 replicas vs 1 is the rollout's scaling (goal: at most 2x).
+ratio 8 replicas vs 1 is the rollout's scaling (goal: at most 2x). The rollout is observed with watches (a poll
+would load the apiserver it measures), and each round prints every process's CPU seconds over it (`cpu_seconds`:
+where the time went on a VM that the agents, the control plane and S3 share).
 
 Writes bench/results/modelload.json and modelload.md.
 """
