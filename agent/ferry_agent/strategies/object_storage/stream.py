@@ -202,8 +202,8 @@ def store_behind(
     """Queue the store write of what a load built in memory: each artifact in order (tmp + fsync + rename each),
     and then the store's active version, unless another load changed it meanwhile. The last artifact is the
     target's head (its full or materialized copy); `head_wanted()` False, asked once the others are written,
-    leaves it and the activation out (the store keeps its active version). Called under the store lock, once the load's
-    own update is over."""
+    leaves it and the activation out (the store keeps its active version). Called under the store lock, once the
+    load's own update is over."""
     before = store.state(plan.model)
 
     def job() -> None:
