@@ -12,7 +12,9 @@ Publish → serving, for 1, 3 and 8 replicas serving a version, per `spec.rollou
 default maxUnavailable 25%): from the end of `ferry publish` of an XorDelta (10% of the tensors changed; the
 WeightVersion is created, not yet verified) and the ModelLoad's desiredVersion patched to it, to every replica
 serving it. Split into the operator's verification (→ WeightVersion Ready) and the rollout (→ all serving). The
-ratio 8 replicas vs 1 is the rollout's scaling (goal: at most 2x).
+ratio 8 replicas vs 1 is the rollout's scaling (goal: at most 2x). The rollout is observed with watches (a poll
+would load the apiserver it measures), and each round prints every process's CPU seconds over it (`cpu_seconds`:
+where the time went on a VM that the agents, the control plane and S3 share).
 
 Writes bench/results/modelload.json and modelload.md.
 """
@@ -25,6 +27,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -248,20 +251,9 @@ def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int, socket_dir: st
             objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, "modelloads", "m", patch)
             publish_delta(cluster, s3, root, namespace, base, version)
             published, published_wall = time.monotonic(), time.time()  # the end of `ferry publish`
-            patch = {"spec": {"desiredVersion": version}}
-            objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, "modelloads", "m", patch)
-            ready_s = first_s = None
-            while (count := serving(objects, namespace, version)) < n:
-                now = time.monotonic() - published
-                if ready_s is None and version_ready(objects, namespace, version):
-                    ready_s = now
-                if first_s is None and count:
-                    first_s = now
-                if now > 600:
-                    raise TimeoutError(f"{n} replicas not serving {version} after 600 s")
-                time.sleep(0.02)
-            all_s = time.monotonic() - published
-            ready_s = all_s if ready_s is None else ready_s
+            cpu_before = cpu_seconds()
+            ready_s, first_s, all_s = observe(objects, namespace, version, n, published)
+            cpu = cpu_spent(cpu_before, cpu_seconds())
             items = objects.list_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas")["items"]
             sources = [r["status"]["source"] for r in items]
             # Where the time went, per replica: when its agent started the load, and when it served.
@@ -274,12 +266,13 @@ def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int, socket_dir: st
                 for r in items
             )
             print(json.dumps({"replicas": n, "rollout": mode, "started_served_source": detail}), flush=True)
+            print(json.dumps({"replicas": n, "rollout": mode, "cpu_seconds": cpu}), flush=True)
             rows.append(
                 {
                     "replicas": n,
                     "rollout": mode,
                     "publish_to_ready_s": round(ready_s, 2),
-                    "first_serving_s": round(first_s if first_s is not None else all_s, 2),
+                    "first_serving_s": round(first_s, 2),
                     "all_serving_s": round(all_s, 2),
                     "rollout_s": round(all_s - ready_s, 2),
                     "from_s3": sum(s == "s3" for s in sources),
@@ -296,19 +289,105 @@ def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int, socket_dir: st
     return rows
 
 
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) so far of every process of this machine, by what it is: an agent (by node), the
+    operator, the apiserver, etcd, SeaweedFS, this bench. Where a rollout's time went on a machine it saturates."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--node" in argv:
+            label = "agent " + argv[argv.index(b"--node") + 1].decode()
+        elif b"ferry_operator.main" in argv:
+            label = "operator"
+        elif int(stat.parent.name) == os.getpid():
+            label = "bench"
+        else:
+            label = Path(argv[0].decode(errors="replace")).name
+        out[label] = out.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    spent = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
+    return dict(sorted(((k, v) for k, v in spent.items() if v >= 0.01), key=lambda kv: -kv[1]))
+
+
 def wall(rfc3339: str) -> float:
     return dt.datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+
+
+def observe(objects, namespace: str, version: str, n: int, published: float) -> tuple[float, float, float]:
+    """Patch the ModelLoad's desiredVersion to `version` and return the seconds from `published` to the
+    WeightVersion Ready, to the first and to the n-th replica serving it, as watch events arrive: a poll would add
+    its interval and load the apiserver that the rollout shares (watches opened from a list before the patch, so
+    no event is missed)."""
+    from kubernetes import watch
+
+    got: dict[str, float] = {}
+
+    def version_ready() -> None:
+        body = objects.list_namespaced_custom_object(
+            GROUP, VERSION, namespace, "weightversions", field_selector=f"metadata.name={version}"
+        )
+        items = body["items"]
+        if items and (items[0].get("status") or {}).get("phase") == WeightVersionPhase.READY:
+            got["ready"] = time.monotonic() - published
+            return
+        rv = body["metadata"]["resourceVersion"]
+        for event in watch.Watch().stream(
+            objects.list_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            "weightversions",
+            field_selector=f"metadata.name={version}",
+            resource_version=rv,
+            timeout_seconds=600,
+        ):
+            if (event["object"].get("status") or {}).get("phase") == WeightVersionPhase.READY:
+                got["ready"] = time.monotonic() - published
+                return
+
+    listed = objects.list_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas")
+    statuses = {r["metadata"]["name"]: r.get("status") or {} for r in listed["items"]}
+    ready = threading.Thread(target=version_ready, daemon=True)
+    ready.start()
+    patch = {"spec": {"desiredVersion": version}}
+    objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, "modelloads", "m", patch)
+    stream = watch.Watch()
+    for event in stream.stream(
+        objects.list_namespaced_custom_object,
+        GROUP,
+        VERSION,
+        namespace,
+        "weightreplicas",
+        resource_version=listed["metadata"]["resourceVersion"],
+        timeout_seconds=600,
+    ):
+        statuses[event["object"]["metadata"]["name"]] = event["object"].get("status") or {}
+        want = (ReplicaPhase.SERVING, version)
+        count = sum(1 for st in statuses.values() if (st.get("phase"), st.get("version")) == want)
+        if count and "first" not in got:
+            got["first"] = time.monotonic() - published
+        if count >= n:
+            got["all"] = time.monotonic() - published
+            stream.stop()
+            break
+    if "all" not in got:
+        raise TimeoutError(f"{n} replicas not serving {version} after 600 s")
+    ready.join(10)
+    return got.get("ready", got["all"]), got["first"], got["all"]
 
 
 def serving(objects, namespace: str, version: str) -> int:
     items = objects.list_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas")["items"]
     statuses = [r.get("status") or {} for r in items]
     return sum(1 for s in statuses if s.get("phase") == ReplicaPhase.SERVING and s.get("version") == version)
-
-
-def version_ready(objects, namespace: str, version: str) -> bool:
-    body = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, "weightversions", version)
-    return (body.get("status") or {}).get("phase") == WeightVersionPhase.READY
 
 
 def rollout_table(rows: list[dict]) -> list[str]:

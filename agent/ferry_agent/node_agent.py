@@ -306,7 +306,13 @@ class NodeAgent:
 
         def progress(done: int, total: int, source: str) -> None:
             status = dict(bytesDone=done, bytesTotal=total or None, source=source, lastProgressTime=now_rfc3339())
-            self._patch_status(key, {**status, "progress": tracked.update(done, total)})
+            status["progress"] = tracked.update(done, total)
+            if total and done >= total:
+                # Every load ends with a Serving or failure patch: a completion goes with it, one status round trip
+                # (and one event to every watcher of the namespace's replicas) fewer on the load's path.
+                self.replicas.stage_status(key, status)
+            else:
+                self._patch_status(key, status)
 
         noted = [start["message"]]
 

@@ -22,10 +22,12 @@ import pytest
 from ferry import checkpoint_format as ckpt
 from ferry_agent.store.checkpoints import ArtifactRef, CheckpointStore, StoreStatus, chain_refs
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
+from ferry_agent.strategies.object_storage import replay as replay_module
 from ferry_agent.strategies.object_storage import stream as stream_module
 from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
 from tests.support.s3 import (
     DELTA,
+    FULL,
     KEY,
     MAT,
     MODEL,
@@ -224,9 +226,52 @@ def test_sigkill_mid_apply_then_recover(
 
 
 @pytest.mark.cluster
-def test_quota_eviction_never_evicts_the_active_chain(
-    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+def test_small_deltas_are_stored_and_replayed_from_disk_and_a_whole_copy_is_written_every_few_versions(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], store: CheckpointStore
 ) -> None:
+    w1 = chain3[0]
+    registry.publish("v1", full(w1))
+    w2 = evolve(w1, 21, ["mask"])  # a delta of a few bytes over the stored full/v1
+    registry.publish("v2", delta(w1, w2, "v2", "v1"), "XorDelta", "v1")
+    strategy = registry.strategy(store)
+    strategy.load(ctx("v1"))
+    r2 = strategy.load(ctx("v2"))
+    assert resident_shas(r2) == shas(w2) and r2.reused == "full/v1"
+    store.flush()
+    # The delta is stored, not a whole materialized/v2; the active version stays the one stored whole.
+    assert (
+        store.artifact(ArtifactRef(KEY, DELTA, "v2")) is not None
+        and not store.path(ArtifactRef(KEY, MAT, "v2")).exists()
+    )
+    assert (store.state(KEY).version, store.state(KEY).chain) == ("v1", ("v1",)) and not debris(store.root)
+    again = strategy.load(ctx("v2"))  # from disk: full/v1 and the stored delta
+    assert (again.reused, again.bytes_downloaded, resident_shas(again)) == ("full/v1", 0, shas(w2))
+
+    # Half the model changed: the chain's stored deltas pass a quarter of it, so v3 is stored whole and active.
+    w3 = evolve(w2, 22, ["embed.weight", "layers.0.attn.weight"], scramble=True)
+    registry.publish("v3", delta(w2, w3, "v3", "v2"), "XorDelta", "v2")
+    r3 = strategy.load(ctx("v3"))
+    assert resident_shas(r3) == shas(w3) and r3.reused == "full/v1"
+    store.flush()
+    assert (store.state(KEY).version, store.state(KEY).chain) == ("v3", ("v1", "v2", "v3"))
+    again = strategy.load(ctx("v3"))
+    assert (again.reused, again.bytes_downloaded, resident_shas(again)) == ("materialized/v3", 0, shas(w3))
+
+    # A store that holds a version's delta but not its base (here: full/v1 discarded) fetches the base and
+    # replays the stored delta on it; it once served the fetched base as the version.
+    store.discard(ArtifactRef(KEY, FULL, "v1"))
+    store.discard(ArtifactRef(KEY, MAT, "v3"))
+    r2 = strategy.load(ctx("v2"))
+    assert (r2.reused, resident_shas(r2)) == (None, shas(w2))
+
+
+@pytest.mark.cluster
+def test_quota_eviction_never_evicts_the_active_chain(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every replayed version materialized (however small its delta), so that each load activates its version:
+    # what eviction keeps of the active chains is the subject here.
+    monkeypatch.setattr(replay_module, "MATERIALIZE_AFTER", 0)
     w3 = chain3[2]
     publish_chain3(registry, chain3)
     w4 = evolve(w3, 5, ["mask"])

@@ -142,6 +142,18 @@ def test_outbox_keeps_merges_and_writes_in_order():
     assert not outbox.pending("a") and outbox.next_try_in() is None
 
 
+def test_a_staged_patch_is_written_only_with_the_next_one():
+    write = FlakyWriter()
+    write.down = False
+    outbox = StatusOutbox(write, backoff=fast)
+    outbox.stage("a", {"bytesDone": 10, "source": "s3"})
+    assert outbox.pending("a") and not write.written
+    assert outbox.patch("a", {"phase": "Serving", "bytesDone": 12})
+    assert write.written == [("a", {"bytesDone": 12, "source": "s3", "phase": "Serving"})]
+    outbox.stage("b", {"bytesDone": 1})
+    assert outbox.flush() and write.written[-1] == ("b", {"bytesDone": 1})  # or with the next reconcile's flush
+
+
 def test_outbox_backs_off_per_object():
     write = FlakyWriter()
     outbox = StatusOutbox(write, backoff=lambda: Backoff(initial=60, cap=60))

@@ -84,7 +84,8 @@ def test_a_replay_writes_its_materialized_version_behind_the_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w1 = weights(10)
-    w2 = evolve(w1, 11, ["embed.weight", "mask"])
+    # Half the model's bytes changed past compression: more than a replay from the stored delta is worth.
+    w2 = evolve(w1, 11, ["embed.weight", "layers.0.attn.weight", "mask"], scramble=True)
     s3, versions = publish(full(w1))
     s3.objects.update({f"m/v2/{name}": data for name, data in delta(w1, w2, "v2", "v1").items()})
     versions["v2"] = wv("v2", "XorDelta", "v1", uri=f"s3://{BUCKET}/m/v2/{ckpt.INDEX_NAME}")
@@ -110,7 +111,7 @@ def publish_delta(s3: MemoryS3, versions: dict[str, Any], files: Mapping[str, by
     versions["v2"] = wv("v2", "XorDelta", "v1", uri=f"s3://{BUCKET}/m/v2/{ckpt.INDEX_NAME}")
 
 
-def test_a_delta_replay_streams_and_writes_every_store_entry_behind_the_load(
+def test_a_delta_replay_streams_and_stores_small_deltas_behind_the_load_materializing_every_few_versions(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w1 = weights(12)
@@ -135,18 +136,32 @@ def test_a_delta_replay_streams_and_writes_every_store_entry_behind_the_load(
     # Served before any store entry of v2 exists: the writer waits at its first one (read without the lock,
     # which would wait for it).
     assert not store.path(ArtifactRef(KEY, DELTA, "v2")).exists()
-    assert not store.path(ArtifactRef(KEY, MAT, "v2")).exists()
     gate.set()
     store.flush()
-    assert [ref for ref, _ in writes] == [ArtifactRef(KEY, DELTA, "v2"), ArtifactRef(KEY, MAT, "v2")]
+    # A small delta (under a quarter of the model) over the stored full/v1: the delta is stored, not a whole
+    # materialized copy of v2, and the store's active version stays the one it holds whole.
+    assert [ref for ref, _ in writes] == [ArtifactRef(KEY, DELTA, "v2")]
     assert all(thread.startswith("ferry-store-writer") for _, thread in writes)  # none on the load's path
-    assert store.state(KEY).version == "v2" and not debris(store.root)
-    # The stored delta is the one fetched: without materialized/v2 the replay reads it, and nothing from S3.
-    store.discard(ArtifactRef(KEY, MAT, "v2"))
+    assert not store.path(ArtifactRef(KEY, MAT, "v2")).exists()
+    assert store.state(KEY) == StoreState(StoreStatus.READY, "v1", ("v1",)) and not debris(store.root)
+    # The stored delta is the one fetched: the replay from disk reads it, and nothing from S3.
     gets = s3.gets
     again = strategy(store, s3, versions).load(ctx("v2"))
     assert (again.reused, again.bytes_downloaded, s3.gets) == ("full/v1", 0, gets)
     assert resident_shas(again) == shas(w2)
+    # A third version whose delta takes the chain's stored deltas past a quarter of the model: materialized/v3
+    # is written behind, and v3 becomes the store's active version.
+    w3 = evolve(w2, 14, ["layers.0.mlp.weight"], scramble=True)
+    s3.objects.update({f"m/v3/{name}": data for name, data in delta(w2, w3, "v3", "v2").items()})
+    versions["v3"] = wv("v3", "XorDelta", "v2", uri=f"s3://{BUCKET}/m/v3/{ckpt.INDEX_NAME}")
+    writes.clear()
+    third = strategy(store, s3, versions).load(ctx("v3"))
+    assert resident_shas(third) == shas(w3) and third.reused == "full/v1"
+    store.flush()
+    assert [ref for ref, _ in writes] == [ArtifactRef(KEY, DELTA, "v3"), ArtifactRef(KEY, MAT, "v3")]
+    assert store.state(KEY) == StoreState(StoreStatus.READY, "v3", ("v1", "v2", "v3")) and not debris(store.root)
+    again = strategy(store, s3, versions).load(ctx("v3"))
+    assert (again.reused, again.bytes_downloaded, resident_shas(again)) == ("materialized/v3", 0, shas(w3))
     store.close()
 
 
@@ -202,12 +217,21 @@ def test_a_delta_replays_on_the_version_held_in_host_memory_when_the_store_lacks
     assert (result.reused, result.bytes_downloaded) == ("held/v1", sum(map(len, files2.values())))
     assert result.resident.shared == {n for n, a in w1.items() if a.nbytes} - {"embed.weight", "mask"}
     store.flush()
-    assert store.state(KEY).version == "v2" and not debris(store.root)
-    assert store.artifact(ArtifactRef(KEY, FULL, "v1")) is None
+    # The store keeps what came from object storage: the delta. Not a whole copy of v2, whose base came from
+    # elsewhere (a peer's copy is not stored either), so its active version is still none.
+    assert store.artifact(ArtifactRef(KEY, DELTA, "v2")) is not None
+    assert store.artifact(ArtifactRef(KEY, FULL, "v1")) is None and store.artifact(ArtifactRef(KEY, MAT, "v2")) is None
+    assert store.state(KEY) == StoreState(StoreStatus.READY) and not debris(store.root)
     del result
-    sealed.unref()  # v1 is gone from memory: the store's materialized/v2 alone serves v2 again
+    # v1 is gone from memory: v1 comes from S3 and the stored delta replays on it (the streamed full load once
+    # served the fetched base as v2 whenever the store held a delta but not its base).
+    sealed.unref()
     again = strategy(store, s3, versions).load(ctx("v2"))
-    assert (again.reused, again.bytes_downloaded, resident_shas(again)) == ("materialized/v2", 0, shas(w2))
+    assert (again.reused, again.bytes_downloaded, resident_shas(again)) == (
+        None,
+        sum(map(len, full(w1).values())),
+        shas(w2),
+    )
     store.close()
 
 

@@ -129,6 +129,12 @@ class StatusOutbox:
             self._pending.setdefault(key, {}).update(status)
         return self._try(key)
 
+    def stage(self, key: K, status: dict[str, Any]) -> None:
+        """Queue `status` after what is pending for `key` without writing it: the next `patch` (or `flush`) of
+        `key` writes it, merged with what follows, in one request."""
+        with self._lock:
+            self._pending.setdefault(key, {}).update(status)
+
     def flush(self) -> bool:
         """Try every pending object whose backoff has passed. True when nothing is pending any more."""
         for key in list(self._pending):

@@ -70,6 +70,10 @@ class NodeReplicas:
         """Never raises: what the apiserver does not take now is written by a later pass (in order)."""
         self.outbox.patch(key, status)
 
+    def stage_status(self, key: Key, status: dict[str, Any]) -> None:
+        """Written with the next `patch_status` of `key` (or the next reconcile's flush), not on its own."""
+        self.outbox.stage(key, status)
+
     def pending(self, key: Key) -> bool:
         """A status patch of `key` is not written yet: its object does not say what the agent last published."""
         return self.outbox.pending(key)

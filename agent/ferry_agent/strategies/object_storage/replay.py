@@ -4,9 +4,10 @@ base version's sealed host memory when the replica still holds that very version
 decoded frame, straight into the new version's memory, its adler32 checked after every delta
 (`ckpt.apply_xor_delta_into` checksums each block as it writes it). A one-rank replica builds every tensor into its
 new pool; a multi-rank leader builds its own share there and every other rank's into that rank's landing
-(`ranks.landing`), which the other ranks map. The store entries (the fetched deltas and materialized/<target>) are
-written behind the load (`store_replay_behind`), so the replica serves without waiting for the disk. Nothing is
-handed out before every tensor is checked, so a failure changes nothing a replica serves."""
+(`ranks.landing`), which the other ranks map. The store entries (the fetched deltas, and materialized/<target>: a
+one-rank replay writes it only every few versions over a stored base) are written behind the load
+(`store_replay_behind`), so the replica serves without waiting for the disk. Nothing is handed out before every
+tensor is checked, so a failure changes nothing a replica serves."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from ferry import checkpoint_format as ckpt
-from ferry_agent.store.checkpoints import CheckpointStore
+from ferry_agent.store.checkpoints import ArtifactKind, ArtifactRef, CheckpointStore
 from ferry_agent.store.resident import ResidentWeights
 from ferry_agent.strategies.object_storage.build import Failure, load_error, mismatch
 from ferry_agent.strategies.object_storage.checkpoint import Checkpoint, LoadError, Plan
@@ -239,12 +240,44 @@ def _frame(memory: Any, begin: int, nbytes: int) -> np.ndarray:
     return np.frombuffer(memory, dtype=np.uint8, count=nbytes, offset=begin)
 
 
-def store_replay_behind(store: CheckpointStore, plan: Plan, replayed: Replayed) -> None:
+# A one-rank replay writes materialized/<target> once the chain's deltas stored past its newest stored base exceed
+# this share of the model (as `replica_load.deltas_first` reads deltas of at most a quarter from S3).
+MATERIALIZE_AFTER = 1 / 4
+
+
+def store_replay_behind(store: CheckpointStore, plan: Plan, replayed: Replayed, *, every_version: bool) -> None:
     """Queue the store entries of a streamed replay: each fetched delta (its checked objects), then
-    materialized/<target> from the new version's memory, then the store's active version."""
+    materialized/<target> from the new version's memory and the store's active version. Without `every_version`
+    the materialized copy (a whole model written and fsynced per version and node, on the CPU and disk the rest of
+    a rollout needs) is written only when `materialize` says so; the store's active version then stays the last
+    one it holds whole. A multi-rank leader writes it every time: the other ranks load the prepared head."""
     fetched = replayed.fetched
     artifacts = [_delta_artifact(d, fetched[d.link.name]) for d in plan.deltas if d.link.name in fetched]
-    store_behind(store, plan, [*artifacts, materialized(plan, replayed.hosts)])
+    wanted = None if every_version else partial(materialize, store, plan)
+    store_behind(store, plan, [*artifacts, materialized(plan, replayed.hosts)], wanted)
+
+
+def materialize(store: CheckpointStore, plan: Plan) -> bool:
+    """Whether to store materialized/<target> of a one-rank replay: only when the store holds a base of the chain
+    (its root full, or a materialized version) and the deltas stored past it exceed `MATERIALIZE_AFTER` of the
+    model. Below that, a load without the version in memory (a restart) replays them from disk for little more
+    than reading a whole copy. Without a stored base the chain's bytes came from a peer, whose copies the store
+    does not keep either. Every artifact is checked against the chain's identities, as a load checks it."""
+    chain = plan.chain
+    identity = plan.base.identity + tuple(i for d in plan.deltas for i in d.identity)
+    for at in range(len(chain) - 2, -1, -1):
+        kind = ArtifactKind.MATERIALIZED if at else ArtifactKind.FULL
+        if store.artifact(ArtifactRef(plan.model, kind, chain[at]), identity[: at + 1]) is not None:
+            break
+    else:
+        return False
+    stored = 0
+    for i in range(at + 1, len(chain)):
+        path = store.artifact(ArtifactRef(plan.model, ArtifactKind.DELTA, chain[i]), identity[i : i + 1])
+        if path is None:  # the chain cannot be replayed from the store: a whole copy is what it can keep
+            return True
+        stored += sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return stored > plan.base.stored_bytes * MATERIALIZE_AFTER
 
 
 def _delta_artifact(delta: Checkpoint, shards: dict[str, bytearray]) -> Artifact:

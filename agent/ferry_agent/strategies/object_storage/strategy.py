@@ -372,7 +372,7 @@ class ObjectStorageStrategy:
         downloaded = sum(c.stored_bytes for c in fetch)
         needed = downloaded + (plan.base.stored_bytes if plan.deltas else 0)  # + the materialized target
         alone = activate and ctx.world_size == 1  # no other rank reads what this load stores
-        if alone and fetch == [plan.base]:
+        if alone and fetch == [plan.base] and not plan.deltas:  # a full version; stored deltas need a replay
             resident, streamed = self._stream(ctx, plan, pool, timings, needed)
             store_full_behind(self._store, plan, streamed)
             return resident, downloaded, None, True
@@ -390,7 +390,7 @@ class ObjectStorageStrategy:
             # A one-rank replay on a stored or held base into a CPU pool: the deltas stream, the store is written
             # behind.
             resident, replayed = self._replay(ctx, plan, pool, timings, needed)
-            store_replay_behind(self._store, plan, replayed)
+            store_replay_behind(self._store, plan, replayed, every_version=False)
             return resident, downloaded, None, True
         with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
             try:
@@ -455,7 +455,7 @@ class ObjectStorageStrategy:
         try:
             if plan.deltas:
                 resident, replayed = self._replay(ctx, plan, pool, timings, needed, into=landing.views)
-                behind = partial(store_replay_behind, self._store, plan, replayed)
+                behind = partial(store_replay_behind, self._store, plan, replayed, every_version=True)
             else:
                 resident, streamed = self._stream(ctx, plan, pool, timings, needed, into=landing.views)
                 behind = partial(store_full_behind, self._store, plan, streamed)

@@ -196,23 +196,35 @@ class Artifact:
     nbytes: int
 
 
-def store_behind(store: CheckpointStore, plan: Plan, artifacts: list[Artifact]) -> None:
+def store_behind(
+    store: CheckpointStore, plan: Plan, artifacts: list[Artifact], head_wanted: Callable[[], bool] | None = None
+) -> None:
     """Queue the store write of what a load built in memory: each artifact in order (tmp + fsync + rename each),
-    and then the store's active version, unless another load changed it meanwhile. Called under the store lock,
-    once the load's own update is over."""
+    and then the store's active version, unless another load changed it meanwhile. The last artifact is the
+    target's head (its full or materialized copy); `head_wanted()` False, asked once the others are written,
+    leaves it and the activation out (the store keeps its active version). Called under the store lock, once the
+    load's own update is over."""
     before = store.state(plan.model)
 
     def job() -> None:
         with store.lock(), store.update(plan.model, plan.chain[-1], plan.chain) as update:
-            for artifact in artifacts:
-                if store.artifact(artifact.ref, artifact.identity) is None:
-                    store.reserve(artifact.nbytes)
-                    with store.write(artifact.ref, artifact.source, artifact.identity) as tmp:
-                        artifact.fill(tmp)
+            *rest, head = artifacts
+            for artifact in rest:
+                _write(store, artifact)
+            if head_wanted is not None and not head_wanted():
+                return
+            _write(store, head)
             if update.previous == before:  # else another load activated a version meanwhile: keep it
                 update.commit(activate=True)
 
     store.write_behind(job, ", ".join(str(a.ref) for a in artifacts))
+
+
+def _write(store: CheckpointStore, artifact: Artifact) -> None:
+    if store.artifact(artifact.ref, artifact.identity) is None:
+        store.reserve(artifact.nbytes)
+        with store.write(artifact.ref, artifact.source, artifact.identity) as tmp:
+            artifact.fill(tmp)
 
 
 def store_full_behind(store: CheckpointStore, plan: Plan, streamed: Streamed) -> None:
