@@ -91,8 +91,8 @@ def deltas_first(
     if not ours or not chain or chain[-1] != target:
         return None
     deltas = 0
+    link = body
     for i in range(len(chain) - 1, 0, -1):
-        link = body if i == len(chain) - 1 else lookup(chain[i])
         size = ((link or {}).get("status") or {}).get("totalBytes")
         base = lookup(chain[i - 1])
         if not isinstance(size, int) or base is None:
@@ -102,6 +102,7 @@ def deltas_first(
         if version is not None:
             small = deltas <= version.total_bytes * DELTAS_FIRST_SHARE
             return (version.version, deltas, version.total_bytes) if small else None
+        link = base  # the next delta back
     return None
 
 

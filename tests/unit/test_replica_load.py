@@ -138,7 +138,14 @@ def test_deltas_first_when_the_replica_holds_a_version_of_the_chain_and_the_delt
     held: list[Held], sizes: tuple[int, ...], expected: tuple[str, int, int] | None
 ) -> None:
     versions = chain(*sizes)
-    assert deltas_first(f"v{len(sizes)}", versions.get, held) == expected
+    looked: list[str] = []
+
+    def lookup(name: str) -> dict | None:
+        looked.append(name)
+        return versions.get(name)
+
+    assert deltas_first(f"v{len(sizes)}", lookup, held) == expected
+    assert len(looked) == len(set(looked)), looked  # each version read from the API once
 
 
 def test_deltas_first_needs_every_delta_sized_and_the_chain_recorded() -> None:
