@@ -608,6 +608,7 @@ class PeerStrategy:
         holder.refusals = 0
         remote_name: str | None = None
         moved = 0
+        checks: list[Future[None]] = []
         try:
             manifest = lease.manifest
             target = self._prepare_target(manifest, cand, ctx, load, lease.holdings)
@@ -630,7 +631,6 @@ class PeerStrategy:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     raise TimeoutError(f"{cand.label}: transfer budget of {self.settings.timeout_s:g}s spent")
-                checks: list[Future[None]] = []
 
                 def on_start(total: int) -> None:
                     self._landed = True  # from here on target bytes may change
@@ -650,17 +650,17 @@ class PeerStrategy:
                     )
                 except Exception as exc:
                     raise SourceTransferError(f"NIXL read from {cand.label} failed: {exc}") from exc
-                finally:
-                    for check in checks:
-                        check.exception()  # wait for every check of what landed, whatever happens next
                 self._peer.synchronize(target.device)
-                for check in checks:
-                    check.result()  # a failed check fails this holder
             finally:
                 if remote_name is not None:
                     self._peer.remove_remote(remote_name)
         finally:
+            # The lease covers the READ, not the checks of what landed: it goes back while the last ones run.
             self._release(lease, cand)
+            for check in checks:
+                check.exception()  # wait for every check of what landed, whatever happens next
+        for check in checks:
+            check.result()  # a failed check fails this holder
         self._report(load, cand.label)
         return moved
 
