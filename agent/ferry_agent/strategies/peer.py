@@ -46,6 +46,7 @@ from ferry_agent.strategies.fanout import (
     HolderView,
     choose,
     chunks_held,
+    lease_batch,
     lease_chunks,
     plan_chunks,
 )
@@ -614,7 +615,8 @@ class PeerStrategy:
             target = self._prepare_target(manifest, cand, ctx, load, lease.holdings)
             self._update(load, holder, lease.holdings)
             held = holder.chunks or frozenset()
-            batch = [c for c in load.chunks if c.index in load.needed and c.index in held][: self._lease_chunks]
+            wanted = [c for c in load.chunks if c.index in load.needed and c.index in held]
+            batch = lease_batch(wanted, self.settings.chunk_bytes)
             if not batch:
                 return 0  # nothing new here yet (the lease is released below)
             remote_name = manifest.identity.agent_name  # claimed before the add, so a failed add is undone
