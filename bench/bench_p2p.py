@@ -1,7 +1,8 @@
 """P2P throughput: a full PeerStrategy load between two processes vs a raw NIXL READ of the same buffers vs
-an in-process memcpy (torch `copy_`), in one run, for 64 MiB to 4 GiB. A size needs four times its bytes of memory at
-once (the source's copy, the target, and memcpy's source and destination): sizes for which that plus 8 GiB left to
-the machine's other users exceeds MemAvailable are skipped and listed (on the shared 24 GiB VM: 4 GiB is).
+an in-process memcpy (torch `copy_`), in one run, for 64 MiB to 4 GiB; the peer loads and raw READs take turns. A
+size needs five times its bytes of memory at once (two sources' copies, the target, and memcpy's source and
+destination): sizes for which that plus 8 GiB left to the machine's other users exceeds MemAvailable are skipped and
+listed (on the shared 24 GiB VM: 4 GiB is).
 
     unshare -n bash -c 'ip link set lo up; UCX_NET_DEVICES=lo ~/.cache/ferry/venv/bin/python bench/bench_p2p.py'
 
@@ -9,7 +10,7 @@ the machine's other users exceeds MemAvailable are skipped and listed (on the sh
   into a pre-faulted target that the strategy reuses (the same buffers the raw READ uses). Authenticated as an
   agent's reads are (a pod-bound worker token, TokenReview and the replica-assignment check on a local apiserver
   started for the run), unless `--no-auth`.
-- raw: only `NixlPeer.read` on an already connected pair.
+- raw: only `NixlPeer.read` on an already connected pair (a second source of the same bytes).
 - memcpy: `dst.copy_(src)` of the same size in this process.
 Writes bench/results/p2p.json and p2p.md. GB/s means 1e9 bytes per second.
 """
@@ -160,9 +161,30 @@ def peer_load(
     return lambda: strategy.load(ctx)
 
 
+def alternating(runs: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+    """Seconds of `reps` timed calls of each run after one warm-up each, the runs taking turns (the order rotating
+    each round), so that a shared machine's drift hits them alike."""
+    for fn in runs.values():
+        fn()  # warm-up, not counted
+    seconds: dict[str, list[float]] = {k: [] for k in runs}
+    order = list(runs)
+    for i in range(reps):
+        for kind in order[i % len(order) :] + order[: i % len(order)]:
+            start = time.perf_counter()
+            runs[kind]()
+            seconds[kind].append(time.perf_counter() - start)
+    return seconds
+
+
 def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int, auth: Auth | None) -> dict[str, Any]:
+    """PeerStrategy loads and raw READs taking turns (`alternating`); the raw READ reads a second source of the same
+    seeded bytes, connected once (a peer load removes its source's remote when it is done)."""
     tensors = max(1, size // tensor_bytes)
-    proc, info = start_source(f"bench-src-{uuid.uuid4().hex[:6]}", tensors, tensor_bytes, auth)
+    sources = [
+        start_source(f"bench-{kind}-{uuid.uuid4().hex[:6]}", tensors, tensor_bytes, a)
+        for kind, a in (("src", auth), ("raw", None))
+    ]
+    (_, info), (_, raw_info) = sources
     credentials = (lambda: auth.token.read_text()) if auth is not None else None
     try:
         identity = SourceIdentity(info["agent_name"], info["instance_id"])
@@ -172,14 +194,21 @@ def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int, auth: Auth | 
             t.zero_()  # fault the pages in before timing
         peer.register(target)
 
-        peer_s = timed(peer_load(peer, "bench-source", info, target, auth), reps)
-        verified = target.content_sha256() == info["content_sha256"]
-
-        remote = peer.add_remote(manifest.nixl_metadata)
+        raw_manifest = get_tensor_manifest(
+            raw_info["endpoint"], SourceIdentity(raw_info["agent_name"], raw_info["instance_id"]), timeout_s=30
+        )
+        remote = peer.add_remote(raw_manifest.nixl_metadata)
+        load = peer_load(peer, "bench-source", info, target, auth)
         try:
-            raw_s = timed(lambda: peer.read(remote, manifest.tensors, target, 120), reps)
+            seconds = alternating(
+                {"peer": load, "raw": lambda: peer.read(remote, raw_manifest.tensors, target, 120)}, reps
+            )
         finally:
             peer.remove_remote(remote)
+        verified = raw_info["content_sha256"] == info["content_sha256"] == target.content_sha256()
+        for t in target.tensors.values():
+            t.zero_()
+        load()  # and a peer load alone lands the same bytes
         verified = verified and target.content_sha256() == info["content_sha256"]
         peer.deregister(target)
 
@@ -188,11 +217,12 @@ def bench_size(peer: Any, size: int, tensor_bytes: int, reps: int, auth: Auth | 
         dst = torch.zeros(total, dtype=torch.uint8)
         copy_s = timed(lambda: dst.copy_(src), reps)
     finally:
-        assert proc.stdin is not None
-        proc.stdin.close()
-        proc.wait(30)
+        for p, _ in sources:
+            assert p.stdin is not None
+            p.stdin.close()
+            p.wait(30)
 
-    peer_r, raw_r, copy_r = summary(total, peer_s), summary(total, raw_s), summary(total, copy_s)
+    peer_r, raw_r, copy_r = summary(total, seconds["peer"]), summary(total, seconds["raw"]), summary(total, copy_s)
     return {
         "bytes": total,
         "tensors": info["tensor_count"],
@@ -309,7 +339,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# P2P throughput (NIXL READ over UCX, CPU memory, loopback netns)",
         "",
-        f"{report['host']} · torch {report['torch']} · reps {report['reps']} (+1 warm-up) · "
+        f"{report['host']} · torch {report['torch']} · reps {report['reps']} (+1 warm-up; peer and raw taking turns) · "
         f"tensors of {report['tensor_mib']} MiB · median (best) GB/s · "
         f"{'authenticated reader (TokenReview + assignment check)' if report['authenticated'] else 'open source'}",
         "",
@@ -369,10 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             sizes, skipped = [], []
             for size in (parse_size(s) for s in args.sizes.split(",")):
-                (sizes if 4 * size + SPARE_BYTES <= available_bytes() else skipped).append(size)
+                (sizes if 5 * size + SPARE_BYTES <= available_bytes() else skipped).append(size)
             for size in skipped:
                 print(
-                    f"skipping {size // MIB} MiB: needs {4 * size + SPARE_BYTES >> 30} GiB, "
+                    f"skipping {size // MIB} MiB: needs {5 * size + SPARE_BYTES >> 30} GiB, "
                     f"{available_bytes() >> 30} available"
                 )
             if args.compare_auth:

@@ -9,7 +9,8 @@ import time
 import grpc
 import pytest
 
-from ferry_agent.strategies.fanout import HolderView, choose, chunks_held, plan_chunks
+from ferry_agent.strategies import fanout
+from ferry_agent.strategies.fanout import HolderView, choose, chunks_held, lease_batch, plan_chunks
 from ferry_agent.transport.holdings import Holdings, HoldingsView, decode_bitmap, encode_bitmap
 from ferry_agent.transport.worker_service import (
     SourceBusy,
@@ -50,6 +51,18 @@ def test_choose_takes_the_lowest_needed_chunk_from_the_first_usable_holder_in_or
     assert choose([2, 3], ranked) == ("a", [2, 3])
     assert choose([0], ranked) is None
     assert choose([0], [HolderView("new", None)]) == ("new", [0])  # not asked yet: its lease says
+
+
+def test_a_lease_takes_the_short_last_chunk_along_rather_than_leave_it_a_lease_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fanout, "LEASE_BYTES", 96)  # leases of two 48-byte chunks (1 GiB of 16 MiB, scaled down)
+    chunks = plan_chunks([48, 48, 10], 48)  # two full chunks and the short rest (a version of 1 GiB and a scalar)
+    assert lease_batch(chunks, 48) == chunks
+    more = plan_chunks([48, 48, 48, 10], 48)
+    assert lease_batch(more, 48) == more[:2]  # more than the short rest left: the cap holds
+    full = plan_chunks([48, 48, 48], 48)
+    assert lease_batch(full, 48) == full[:2]  # a full last chunk is worth a lease of its own
 
 
 def test_holdings_bitmaps_and_views() -> None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import atexit
 import math
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import pytest
@@ -112,8 +113,10 @@ class FakePeer:
         add_returns: str | None = None,
         read_error: Callable[[str], Exception | None] | None = None,
         sync_error: Exception | None = None,
+        corrupt: Collection[str] = (),
     ) -> None:
         self.log = log
+        self.corrupt = corrupt  # remotes whose READs land one flipped byte in each group
         self.add_error, self.add_returns = add_error, add_returns
         self.read_error, self.sync_error = read_error, sync_error
         self.loaded: set[str] = set()
@@ -160,6 +163,9 @@ class FakePeer:
         for i, group in enumerate(groups):
             for name in group:
                 local.tensors[name].copy_(SOURCE.tensors[name])
+            landed = [name for name in group if local.tensors[name].numel()]
+            if remote_name in self.corrupt and landed:
+                local.tensors[landed[0]].view(-1).view(torch.uint8)[0] ^= 1
             on_done(i)
         return total
 
@@ -369,6 +375,47 @@ def test_each_candidate_is_fully_released_before_the_next_lease() -> None:
         "lease_release",
     ]
     assert [e[1] for e in log if e[0] == "remove"] == ["agent-a", "agent-b"]
+
+
+def test_a_group_that_fails_its_check_fails_its_holder_and_the_next_lands_the_bytes() -> None:
+    log: list[tuple] = []
+    c = ctx()
+    result = strategy(FakePeer(log, corrupt={"agent-a"}), FakeClient(log), [cand("a"), cand("b")]).load(c)
+    assert result.resident.content_sha256() == SOURCE.content_sha256() and result.source.replica == "b"
+    assert [(a.source, a.outcome) for a in c.attempts] == [("peer/a", "Failed"), ("peer/b", "Loaded")]
+    assert c.attempts[0].reason == "TransferFailed" and "fails its adler32 check" in c.attempts[0].message
+    assert kinds(log).count("lease_release") == 2  # the corrupt holder's lease went back too
+
+    only = ctx()
+    with pytest.raises(StrategyFailed, match="fails its adler32 check") as info:
+        strategy(FakePeer([], corrupt={"agent-a"}), FakeClient([]), [cand("a")]).load(only)
+    assert info.value.mutated is True
+
+
+def test_the_lease_goes_back_while_the_checks_of_what_landed_still_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lease covers the READ: its release does not wait for the checks (each one here waits for the release)."""
+    log: list[tuple] = []
+    released = threading.Event()
+    client = FakeClient(log)
+    prepare = client.prepare
+
+    def leasing(*args: Any, **kw: Any) -> FakeLease:
+        lease = prepare(*args, **kw)
+        close = lease.close
+        lease.close = lambda: (close(), released.set())  # type: ignore[method-assign]
+        return lease
+
+    client.prepare = leasing  # type: ignore[method-assign]
+    check = PeerStrategy._check
+
+    def after_release(self: PeerStrategy, *args: Any) -> None:
+        assert released.wait(10), "the lease was held until the checks were done"
+        check(self, *args)
+
+    monkeypatch.setattr(PeerStrategy, "_check", after_release)
+    result = strategy(FakePeer(log), client, [cand("a")]).load(ctx())
+    assert result.resident.content_sha256() == SOURCE.content_sha256()
+    assert set(result.resident.checksums) == set(SOURCE.tensors)  # every tensor checked before the load returned
 
 
 def test_lease_release_failure_masks_neither_success_nor_the_original_error() -> None:
@@ -601,6 +648,17 @@ def test_read_pairs_by_name_with_one_prepped_xfer_and_releases_handles() -> None
     assert all(local_addrs[int(lo)] == by_addr[int(ro)] for lo, ro in pairs)
     assert agent.log.index(("post",)) > agent.log.index(("make", "READ", 2))
     assert [e[1] for e in agent.log if e[0] == "release"] == ["xfer", "local", "remote"]
+
+
+def test_groups_that_land_as_posted_are_handed_over_before_the_next_is_posted() -> None:
+    """A shared-memory READ is done when `transfer` returns: its check then overlaps the next group's copy."""
+    agent = FakeAgent(states=("DONE",))
+    peer = NixlPeer("t", agent=agent)
+    local = target()
+    peer.register(local)
+    groups = [["layers.0.weight"], ["layers.0.bias"]]
+    peer.read_groups("src", remote(), local, groups, 5, on_done=lambda i: agent.log.append(("done", i)))
+    assert [e for e in agent.log if e[0] in ("post", "done")] == [("post",), ("done", 0), ("post",), ("done", 1)]
 
 
 def test_wedged_read_times_out_and_still_releases_the_xfer() -> None:

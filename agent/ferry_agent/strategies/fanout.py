@@ -26,8 +26,18 @@ LEASE_BYTES = 1 << 30  # at most this much of chunks (at least one chunk) in one
 
 
 def lease_chunks(chunk_bytes: int) -> int:
-    """How many chunks one lease takes at most."""
+    """How many chunks one lease takes at most (see `lease_batch` for the one exception)."""
     return max(1, LEASE_BYTES // chunk_bytes)
+
+
+def lease_batch(wanted: Sequence[Chunk], chunk_bytes: int) -> list[Chunk]:
+    """What one lease takes of the chunks a reader wants from a holder (ascending): at most `lease_chunks`, and the
+    version's short last chunk too when it is all that would be left (the few tensors after the last full chunk, such
+    as a version of exactly 1 GiB plus a scalar, are not worth a lease and a connection of their own)."""
+    most = lease_chunks(chunk_bytes)
+    if len(wanted) == most + 1 and wanted[-1].nbytes < chunk_bytes:
+        return list(wanted)
+    return list(wanted[:most])
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from ferry_agent.strategies.fanout import (
     HolderView,
     choose,
     chunks_held,
+    lease_batch,
     lease_chunks,
     plan_chunks,
 )
@@ -608,12 +609,14 @@ class PeerStrategy:
         holder.refusals = 0
         remote_name: str | None = None
         moved = 0
+        checks: list[Future[None]] = []
         try:
             manifest = lease.manifest
             target = self._prepare_target(manifest, cand, ctx, load, lease.holdings)
             self._update(load, holder, lease.holdings)
             held = holder.chunks or frozenset()
-            batch = [c for c in load.chunks if c.index in load.needed and c.index in held][: self._lease_chunks]
+            wanted = [c for c in load.chunks if c.index in load.needed and c.index in held]
+            batch = lease_batch(wanted, self.settings.chunk_bytes)
             if not batch:
                 return 0  # nothing new here yet (the lease is released below)
             remote_name = manifest.identity.agent_name  # claimed before the add, so a failed add is undone
@@ -630,7 +633,6 @@ class PeerStrategy:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     raise TimeoutError(f"{cand.label}: transfer budget of {self.settings.timeout_s:g}s spent")
-                checks: list[Future[None]] = []
 
                 def on_start(total: int) -> None:
                     self._landed = True  # from here on target bytes may change
@@ -650,17 +652,17 @@ class PeerStrategy:
                     )
                 except Exception as exc:
                     raise SourceTransferError(f"NIXL read from {cand.label} failed: {exc}") from exc
-                finally:
-                    for check in checks:
-                        check.exception()  # wait for every check of what landed, whatever happens next
                 self._peer.synchronize(target.device)
-                for check in checks:
-                    check.result()  # a failed check fails this holder
             finally:
                 if remote_name is not None:
                     self._peer.remove_remote(remote_name)
         finally:
+            # The lease covers the READ, not the checks of what landed: it goes back while the last ones run.
             self._release(lease, cand)
+            for check in checks:
+                check.exception()  # wait for every check of what landed, whatever happens next
+        for check in checks:
+            check.result()  # a failed check fails this holder
         self._report(load, cand.label)
         return moved
 
