@@ -530,7 +530,25 @@ def test_progress_throttle() -> None:
     now[0] += 1
     throttle(30, 100, "s")
     throttle(100, 100, "s")  # completion always goes through
+    throttle(100, 100, "s")  # the same report again is no news
     assert [s[0] for s in seen] == [0, 30, 100]
+
+
+@pytest.mark.parametrize(("source_is_news", "forwarded"), [(True, ["a", "b", "b"]), (False, ["a", "a"])])
+def test_progress_throttle_another_source_is_news_only_when_sources_are_tried_one_by_one(
+    source_is_news: bool, forwarded: list[str]
+) -> None:
+    """A strategy that tries sources in turn shows the one it now waits on at once; a load that reads chunks from
+    many holders at once must not write a status per chunk because the holder changed."""
+    now = [0.0]
+    seen: list[tuple[int, int, str]] = []
+    throttle = ProgressThrottle(lambda *a: seen.append(a), 1.0, clock=lambda: now[0], source_is_news=source_is_news)
+    throttle(0, 100, "a")
+    now[0] += 0.1
+    throttle(10, 100, "b")
+    now[0] += 0.1
+    throttle(100, 100, "b" if source_is_news else "a")
+    assert [s[2] for s in seen] == forwarded
 
 
 # ----------------------------------------------------------------------------------- timeouts

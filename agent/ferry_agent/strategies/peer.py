@@ -326,14 +326,8 @@ class _Load:
     listed_at: float = 0.0
     polled: int = 0  # round robin over the holders waited on
     lock: threading.Lock = field(default_factory=threading.Lock)  # the checks of one lease run on two threads
-
-    @property
-    def total(self) -> int:
-        return sum(c.nbytes for c in self.chunks)
-
-    @property
-    def done(self) -> int:
-        return sum(c.nbytes for c in self.chunks if c.index not in self.needed)
+    total: int = 0  # bytes of every chunk, once they are planned
+    done: int = 0  # bytes of the chunks no longer needed (kept as they go: a sum per report is O(chunks) each)
 
 
 class PeerStrategy:
@@ -370,17 +364,22 @@ class PeerStrategy:
             self.settings.rpc_timeout_s, credentials=credentials, retry=self.settings.retry
         )
         self._allocate = allocate
-        self._progress = ProgressThrottle(progress, self.settings.progress_interval_s, clock)
         self._selector = selector or make_selector(self.settings.selector)
         self._enabled = enabled
         self._clock = clock
+        self._progress_to = progress
+        self._progress = self._throttle()
         self._sleep = sleep
         self._on_verified = on_verified
         self._first_loader = first_loader
         self._target: ResidentWeights | None = None
         self._landed = False
         self._lease_chunks = lease_chunks(self.settings.chunk_bytes)
-        self._reported: tuple[float, int, int, str] | None = None  # (when, total, done, source) last reported
+
+    def _throttle(self) -> ProgressThrottle:
+        """A load's progress: the first report, a new total and completion at once, the rest at most once an
+        interval (a report that names another holder is not more urgent)."""
+        return ProgressThrottle(self._progress_to, self.settings.progress_interval_s, self._clock, source_is_news=False)
 
     def is_available(self, ctx: LoadContext) -> bool:
         return self._enabled
@@ -413,7 +412,7 @@ class PeerStrategy:
 
     def load(self, ctx: LoadContext) -> PeerLoadResult:
         self._landed = False
-        self._reported = None
+        self._progress = self._throttle()
         try:
             listed = list(self._candidates(ctx))
         except Exception as exc:
@@ -550,15 +549,7 @@ class PeerStrategy:
             holder.chunks = chunks_held(load.chunks, view.held)
 
     def _report(self, load: _Load, label: str) -> None:
-        """Progress: the first report, a new total and completion at once, the rest at most once an interval (a
-        report that names another holder is not more urgent: status writes must not scale with chunks)."""
-        now, total, done = self._clock(), load.total, load.done
-        last = self._reported
-        if last is not None and last[1:] == (total, done, label):
-            return
-        if last is None or last[1] != total or done == total or now - last[0] >= self.settings.progress_interval_s:
-            self._reported = (now, total, done, label)
-            self._progress(done, total, label)
+        self._progress(load.done, load.total, label)
 
     def _result(self, load: _Load) -> PeerLoadResult:
         ctx = load.ctx
@@ -689,7 +680,9 @@ class PeerStrategy:
             verified[name] = got
         with load.lock:
             load.checksums.update(verified)
-            load.needed.discard(chunk.index)
+            if chunk.index in load.needed:
+                load.needed.discard(chunk.index)
+                load.done += chunk.nbytes
             load.progress_at = self._clock()
             load.orphaned_since = None
             holder.moved += moved
@@ -754,6 +747,8 @@ class PeerStrategy:
             load.chunks = plan_chunks([t.nbytes for t in manifest.tensors], self.settings.chunk_bytes)
             self._check_shared(load, self._target, holdings)
             load.needed = {c.index for c in load.chunks if not all(load.names[t] in load.checksums for t in c.tensors)}
+            load.total = sum(c.nbytes for c in load.chunks)
+            load.done = sum(c.nbytes for c in load.chunks if c.index not in load.needed)
             for h in load.holders.values():
                 if h.view is not None:
                     h.chunks = chunks_held(load.chunks, h.view.held)

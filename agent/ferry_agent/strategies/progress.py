@@ -14,23 +14,34 @@ Progress = Callable[[int, int, str], None]  # (bytes_done, bytes_total, source l
 
 class ProgressThrottle:
     """Forwards at most one report per interval, but always the first one, a completion, and any report that
-    changes the source or the total (a new candidate, or a transfer whose size just became known)."""
+    changes the total (a transfer whose size just became known) or, with `source_is_news`, the source (a new
+    candidate); a report identical to the last one forwarded is dropped. A load that reads many sources at once
+    (chunk by chunk from peers) passes `source_is_news=False`: its status writes must not scale with chunks."""
 
-    def __init__(self, callback: Progress | None, interval_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        callback: Progress | None,
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        source_is_news: bool = True,
+    ):
         self._callback = callback
         self._interval_s = interval_s
         self._clock = clock
+        self._source_is_news = source_is_news
         self._last: float | None = None
-        self._shape: tuple[int, str] | None = None
+        self._sent: tuple[int, int, str] | None = None
 
     def __call__(self, done: int, total: int, source: str) -> None:
-        if self._callback is None:
+        if self._callback is None or self._sent == (done, total, source):
             return
         now = self._clock()
-        shape = (total, source)
-        if self._last is not None and done < total and shape == self._shape and now - self._last < self._interval_s:
-            return
-        self._last, self._shape = now, shape
+        if self._last is not None and self._sent is not None and done < total and now - self._last < self._interval_s:
+            _, sent_total, sent_source = self._sent
+            if total == sent_total and (source == sent_source or not self._source_is_news):
+                return
+        self._last, self._sent = now, (done, total, source)
         try:
             self._callback(done, total, source)
         except Exception as exc:  # a status writer must not break a transfer

@@ -106,10 +106,6 @@ class Holdings:
         with self._cond:
             return len(self._held) == len(self.names)
 
-    def checksums(self) -> dict[str, str]:
-        with self._cond:
-            return {self.names[i]: self._checksums[i] for i in self._held}
-
     def wait(self, known: int, timeout_s: float) -> None:
         """Until more than `known` tensors are held (or every one), at most `timeout_s`."""
         deadline = time.monotonic() + timeout_s

@@ -126,16 +126,12 @@ class LoadingSource:
 
     def close(self) -> None:
         """Stop serving the load (readers drained first) and unpublish it."""
-        self._stop(publish=True)
-
-    def _stop(self, *, publish: bool) -> None:
         with self._lock:
             serving, self._serving = self._serving, None
         if serving is None:
             return
         self._end(serving)
-        if publish:
-            self._publish(None)
+        self._publish(None)
 
     def _end(self, serving: tuple[ResidentWeights, WorkerServer, Holdings]) -> None:
         resident, server, _ = serving

@@ -195,44 +195,11 @@ class NixlPeer:
         *,
         on_start: Callable[[int], None] | None = None,
     ) -> int:
-        """READ every remote tensor into the local tensor of the same name with one prepped transfer.
-
-        `on_start(total_bytes)` runs once the transfer is prepared, just before it is posted (from then on
-        target bytes may change). A transfer still in progress at the deadline raises `TimeoutError`:
-        a wedged connection yields neither completion nor error. Returns the bytes moved.
-        """
-        if local.registration is not self:
-            raise RuntimeError("target weights must be registered with this agent before a read")
-        pairs = _pair(remote_tensors, local)
-        total = sum(r.nbytes for r, _ in pairs)
-        if not pairs:
-            return 0
-        remote_kinds = {r.mem_type for r, _ in pairs}
-        if len(remote_kinds) != 1:
-            raise ManifestMismatchError(f"source tensors span memory types {sorted(remote_kinds)}")
-        local_dev = device_id(local.device)
-        local_descs = np.array([(t.data_ptr(), r.nbytes, local_dev) for r, t in pairs], dtype=np.uint64)
-        remote_descs = np.array([(r.addr, r.nbytes, r.device_id) for r, _ in pairs], dtype=np.uint64)
-        index = np.arange(len(pairs), dtype=np.int64)
-
-        handles: list[Any] = []
-        try:
-            local_side = self._agent.prep_xfer_dlist(INIT_AGENT, local_descs, mem_type(local.device))
-            handles.append(local_side)
-            remote_side = self._agent.prep_xfer_dlist(remote_name, remote_descs, remote_kinds.pop())
-            handles.append(remote_side)
-            xfer = self._agent.make_prepped_xfer("READ", local_side, index, remote_side, index)
-            handles.insert(0, xfer)  # an xfer must be released before the lists it was made from
-            if on_start is not None:
-                on_start(total)
-            self._wait(xfer, self._agent.transfer(xfer), remote_name, total, timeout_s)
-        finally:
-            for handle in handles:
-                try:
-                    handle.release()  # for an xfer still in flight this also asks NIXL to abort it
-                except Exception as exc:
-                    log.warning("releasing a NIXL handle for %s failed: %s", remote_name, exc)
-        return total
+        """READ every remote tensor into the local tensor of the same name with one prepped transfer (`read_groups`
+        with a single group). Returns the bytes moved."""
+        return self.read_groups(
+            remote_name, remote_tensors, local, [[r.name for r in remote_tensors]], timeout_s, on_start=on_start
+        )
 
     def read_groups(
         self,
@@ -331,20 +298,6 @@ class NixlPeer:
             if pause:
                 time.sleep(pause)
             pause = min(0.002, pause * 2 or 0.00005)
-
-    def _wait(self, xfer: Any, state: str, remote_name: str, total: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        pause = 0.0
-        # Polling drives UCX progress (no progress thread); back off gently so a long read does not spin.
-        while state == "PROC":
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"NIXL READ of {total} B from {remote_name} still in progress after {timeout_s:g}s")
-            if pause:
-                time.sleep(pause)
-            pause = min(0.002, pause * 2 or 0.00005)
-            state = self._agent.check_xfer_state(xfer)
-        if state != "DONE":
-            raise RuntimeError(f"NIXL READ of {total} B from {remote_name} ended in state {state}")
 
     def synchronize(self, device: torch.device) -> None:
         self._device_sync(device)

@@ -321,7 +321,6 @@ class WorkerServer:
         """`max_workers`: concurrent calls, long-polling `GetHoldings` included."""
         self.leases = leases or TensorReadLeases()
         self.identity = SourceIdentity(manifest.source.agent_name, manifest.source.instance_id)
-        self.holdings = holdings
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_GRPC_OPTIONS)
         service = WorkerService(manifest, self.leases, guard, holdings)
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
