@@ -252,7 +252,7 @@ def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int, socket_dir: st
             publish_delta(cluster, s3, root, namespace, base, version)
             published, published_wall = time.monotonic(), time.time()  # the end of `ferry publish`
             cpu_before = cpu_seconds()
-            ready_s, first_s, all_s = observe(objects, namespace, version, n, published)
+            ready_s, first_s, all_s, writes = observe(objects, namespace, version, n, published)
             cpu = cpu_spent(cpu_before, cpu_seconds())
             items = objects.list_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas")["items"]
             sources = [r["status"]["source"] for r in items]
@@ -277,6 +277,7 @@ def rollout_rounds(cluster: LocalCluster, s3, root: Path, n: int, socket_dir: st
                     "rollout_s": round(all_s - ready_s, 2),
                     "from_s3": sum(s == "s3" for s in sources),
                     "from_peer": sum(s.startswith("peer/") for s in sources),
+                    "replica_writes": writes,
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -321,11 +322,11 @@ def wall(rfc3339: str) -> float:
     return dt.datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
 
 
-def observe(objects, namespace: str, version: str, n: int, published: float) -> tuple[float, float, float]:
+def observe(objects, namespace: str, version: str, n: int, published: float) -> tuple[float, float, float, int]:
     """Patch the ModelLoad's desiredVersion to `version` and return the seconds from `published` to the
     WeightVersion Ready, to the first and to the n-th replica serving it, as watch events arrive: a poll would add
     its interval and load the apiserver that the rollout shares (watches opened from a list before the patch, so
-    no event is missed)."""
+    no event is missed); and the WeightReplica writes until then (each one an event to every watcher)."""
     from kubernetes import watch
 
     got: dict[str, float] = {}
@@ -360,6 +361,7 @@ def observe(objects, namespace: str, version: str, n: int, published: float) -> 
     patch = {"spec": {"desiredVersion": version}}
     objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, "modelloads", "m", patch)
     stream = watch.Watch()
+    writes = 0
     for event in stream.stream(
         objects.list_namespaced_custom_object,
         GROUP,
@@ -370,6 +372,7 @@ def observe(objects, namespace: str, version: str, n: int, published: float) -> 
         timeout_seconds=600,
     ):
         statuses[event["object"]["metadata"]["name"]] = event["object"].get("status") or {}
+        writes += 1
         want = (ReplicaPhase.SERVING, version)
         count = sum(1 for st in statuses.values() if (st.get("phase"), st.get("version")) == want)
         if count and "first" not in got:
@@ -381,7 +384,7 @@ def observe(objects, namespace: str, version: str, n: int, published: float) -> 
     if "all" not in got:
         raise TimeoutError(f"{n} replicas not serving {version} after 600 s")
     ready.join(10)
-    return got.get("ready", got["all"]), got["first"], got["all"]
+    return got.get("ready", got["all"]), got["first"], got["all"], writes
 
 
 def serving(objects, namespace: str, version: str) -> int:
@@ -396,13 +399,14 @@ def rollout_table(rows: list[dict]) -> list[str]:
         "publish → serving: end of `ferry publish` of a delta (desiredVersion patched at once) → every replica serving",
         "",
         "| rollout | replicas | → WeightVersion Ready s | → first serving s | → all serving s "
-        "| rollout s (Ready → all) | S3 reads / peer copies |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| rollout s (Ready → all) | S3 reads / peer copies | WeightReplica writes until all serve |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['rollout']} | {r['replicas']} | {r['publish_to_ready_s']:.2f} | {r['first_serving_s']:.2f} "
-            f"| {r['all_serving_s']:.2f} | {r['rollout_s']:.2f} | {r['from_s3']} / {r['from_peer']} |"
+            f"| {r['all_serving_s']:.2f} | {r['rollout_s']:.2f} | {r['from_s3']} / {r['from_peer']} "
+            f"| {r['replica_writes']} |"
         )
     for mode in ROLLOUTS:
         by_n = {r["replicas"]: r for r in rows if r["rollout"] == mode}

@@ -48,6 +48,10 @@ from ferry_agent.transport.nixl import NixlPeer
 from ferry_agent.transport.worker_auth import ReaderTokens, WorkerAuth
 from ferry_agent.transport.worker_service import WorkerServer
 
+# Progress a load reports in its first seconds is written only then (a stall is diagnosed after many more: the
+# ModelLoad's transfer.stallSeconds, 60 by default), so a load that ends sooner writes none of it on its own.
+QUIET_START_S = 1.0
+
 log = logging.getLogger("ferry.agent")
 
 
@@ -304,10 +308,15 @@ class NodeAgent:
         self._patch_status(key, {**progress_fields, **start})
         tracked = metrics.LoadProgress(namespace, name)
 
+        quiet_until = time.monotonic() + QUIET_START_S
+        written_late = threading.Timer(QUIET_START_S, self.replicas.write_staged, args=(key,))
+        written_late.daemon = True
+        written_late.start()
+
         def progress(done: int, total: int, source: str) -> None:
             status = dict(bytesDone=done, bytesTotal=total or None, source=source, lastProgressTime=now_rfc3339())
             status["progress"] = tracked.update(done, total)
-            if total and done >= total:
+            if (total and done >= total) or time.monotonic() < quiet_until:
                 # Every load ends with a Serving or failure patch: a completion goes with it, one status round trip
                 # (and one event to every watcher of the namespace's replicas) fewer on the load's path.
                 self.replicas.stage_status(key, status)
@@ -344,6 +353,7 @@ class NodeAgent:
                 self._fail_next(key, previous, version, reason, message, attempts)
             return
         finally:
+            written_late.cancel()
             tracked.close()
         seconds = time.monotonic() - t0
         kind = metrics.source_kind(loaded.source)

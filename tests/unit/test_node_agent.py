@@ -6,7 +6,8 @@ happens, in order, in `events`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,10 +66,15 @@ class Loads:
         self.events: list[str] = []
         self.failing: set[str] = set()
         self.seen_during_load: list[dict[str, Any]] = []
+        self.reports: list[tuple[int, int, str]] = []  # progress each load reports, in order
+        self.then: Callable[[], None] = lambda: None  # what a load does after its reports
 
     def load_rank(self, group, ctx: LoadContext, *, configured: str, **kwargs: Any) -> Result:  # type: ignore[no-untyped-def]
         self.events.append(f"load {configured}")
         self.seen_during_load.append(merged(self.objects))
+        for report in self.reports:
+            kwargs["progress"](*report)
+        self.then()
         ctx.version, ctx.version_uid = configured, f"uid-{configured}"
         if configured in self.failing:
             ctx.record("peer/other", AttemptOutcome.FAILED, AttemptReason.SOURCE_UNAVAILABLE, "UNAVAILABLE: refused")
@@ -122,6 +128,38 @@ def test_a_load_that_succeeds_serves_with_its_lease(agent) -> None:
     objects.items[0]["status"] = status
     a.reconcile_once()  # served and said so: nothing is loaded or written again
     assert loads.events == ["load v1", "serve v1"] and len(objects.patches) == patches
+
+
+def test_a_fast_load_writes_its_progress_with_its_serving_patch_not_on_its_own(agent) -> None:
+    """Every status write is an event to the operator and to every agent watching the namespace's replicas."""
+    a, objects, _, loads = agent
+    loads.reports = [(0, 0, "peer/a"), (0, 100, "peer/a"), (40, 100, "peer/b")]
+    objects.items = [replica("v1")]
+    a.reconcile_once()
+    assert [p.get("phase") for p in objects.patches] == [ReplicaPhase.LOADING, ReplicaPhase.SERVING]
+    assert merged(objects)["source"] == "peer/other"  # the load's result, not its last report
+
+
+def test_a_slow_load_writes_the_progress_of_its_first_seconds_then_even_if_it_reports_nothing_more(
+    agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load stuck on a peer right after its first report still names that peer in its status (what the ModelLoad's
+    PeerStalled condition quotes), once the quiet start is over; later reports are written as they come."""
+    a, objects, _, loads = agent
+    monkeypatch.setattr(node_agent, "QUIET_START_S", 0.05)
+    seen: list[dict[str, Any]] = []
+
+    def stuck() -> None:
+        time.sleep(0.5)
+        seen.append(merged(objects))
+        loads.reports = []
+
+    loads.reports = [(0, 100, "peer/a")]
+    loads.then = stuck
+    objects.items = [replica("v1")]
+    a.reconcile_once()
+    assert (seen[0]["phase"], seen[0]["source"], seen[0]["bytesTotal"]) == (ReplicaPhase.LOADING, "peer/a", 100)
+    assert [p.get("phase") for p in objects.patches] == [ReplicaPhase.LOADING, None, ReplicaPhase.SERVING]
 
 
 def test_a_load_that_fails_says_why_and_is_not_retried_before_its_backoff(agent) -> None:

@@ -135,11 +135,12 @@ class StatusOutbox:
         with self._lock:
             self._pending.setdefault(key, {}).update(status)
 
-    def flush(self) -> bool:
-        """Try every pending object whose backoff has passed. True when nothing is pending any more."""
-        for key in list(self._pending):
-            self._try(key)
-        return not self._pending
+    def flush(self, key: K | None = None) -> bool:
+        """Try every pending object (or only `key`) whose backoff has passed. True when nothing of them is pending
+        any more."""
+        for k in list(self._pending) if key is None else [key]:
+            self._try(k)
+        return not self._pending if key is None else key not in self._pending
 
     def pending(self, key: K) -> bool:
         return key in self._pending

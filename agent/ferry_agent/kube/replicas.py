@@ -71,8 +71,13 @@ class NodeReplicas:
         self.outbox.patch(key, status)
 
     def stage_status(self, key: Key, status: dict[str, Any]) -> None:
-        """Written with the next `patch_status` of `key` (or the next reconcile's flush), not on its own."""
+        """Written with the next `patch_status` of `key` (or `write_staged`, or the next reconcile's flush), not on
+        its own."""
         self.outbox.stage(key, status)
+
+    def write_staged(self, key: Key) -> None:
+        """Write what is staged for `key`, if anything. Never raises, like `patch_status`."""
+        self.outbox.flush(key)
 
     def pending(self, key: Key) -> bool:
         """A status patch of `key` is not written yet: its object does not say what the agent last published."""
