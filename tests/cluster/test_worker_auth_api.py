@@ -15,6 +15,7 @@ from ferry.api.models import API_VERSION, LABEL_NODE, worker_audience
 from ferry_agent.transport.worker_auth import (
     CLOCK_LEEWAY_S,
     NODE_NAME_EXTRA,
+    ApiAssignments,
     CachedReviewer,
     Review,
     ServedVersion,
@@ -103,6 +104,45 @@ def test_real_tokens_are_prechecked_and_never_accepted_past_their_exp(cluster, k
     calls = reviewer.calls
     result = cached.review(good)
     assert not result.authenticated and "expired" in result.error and reviewer.calls == calls
+
+
+def test_a_view_no_grant_asks_stops_watching_and_the_next_grant_sees_the_api_of_now(cluster, kube, namespace) -> None:
+    """An idle view stops (every replica write would be an event to it); what changed meanwhile is not missed."""
+    direct_calls = []
+
+    class CountingDirect(ApiAssignments):
+        def assigned(self, node: str, served: ServedVersion) -> bool:
+            direct_calls.append(node)
+            return super().assigned(node, served)
+
+    def replica(name: str, version: str) -> str:
+        return json.dumps(
+            {
+                "apiVersion": API_VERSION,
+                "kind": "WeightReplica",
+                "metadata": {"name": name, "namespace": namespace, "labels": {LABEL_NODE: "n1"}},
+                "spec": {"modelLoad": "ml", "modelName": "m", "version": version, "nodeName": "n1", "device": "cpu"},
+            }
+        )
+
+    served = ServedVersion(namespace, "m", "v1")
+    cluster.kubectl("apply", "-f", "-", input=replica("wr-1", "v1"))
+    assignments = WatchedAssignments(kube, direct=CountingDirect(kube), idle_s=1.0)
+    assert assignments.assigned("n1", served)
+    view = assignments._views[namespace]
+    _eventually(lambda: view.snapshot()[1] is None, "the view in sync")
+    calls = len(direct_calls)
+    assert assignments.assigned("n1", served) and len(direct_calls) == calls  # answered by the view
+    time.sleep(1.2)
+    cluster.kubectl("apply", "-f", "-", input=replica("wr-2", "v1"))  # an event: the idle view stops on it
+    _eventually(lambda: view.closed, "the idle view stopped")
+    # Missed by the stopped view, which still says n1 holds v1: a grant must not believe it.
+    cluster.kubectl("apply", "-f", "-", input=replica("wr-1", "v2"))
+    cluster.kubectl("delete", "wr", "wr-2", "-n", namespace)
+    assert any(wr["spec"]["version"] == "v1" for wr in view.snapshot()[0])
+    _eventually(lambda: not assignments.assigned("n1", served), "n1 no longer on v1")
+    assert assignments._views[namespace] is not view, "a new view for the next grant"
+    assert assignments.assigned("n1", ServedVersion(namespace, "m", "v2"))
 
 
 def test_watched_assignments_follow_the_replicas(cluster, kube, namespace) -> None:

@@ -52,6 +52,8 @@ EXPIRY_MARGIN_S = 30.0  # a cached token this close to expiring is not sent any 
 # How long an accepted review and a last-synced assignment view still answer while the API cannot be reached: the
 # readers the API last allowed keep reading through an outage; nobody new gets in, and it ends when the API returns.
 OUTAGE_GRACE_S = 600.0
+# A namespace's WeightReplica view stops watching once no grant asked it for this long (WatchedAssignments).
+VIEW_IDLE_S = 10.0
 # Skew allowed between this node's clock and the apiserver's for a token's `exp` and `nbf` before a token is refused
 # without a review (the apiserver allows itself a minute); the cache never answers past `exp` itself.
 CLOCK_LEEWAY_S = 30.0
@@ -389,7 +391,9 @@ class WatchedAssignments:
     not in sync (its first moments, after any error) every grant reads the API instead (`ApiAssignments`); when that
     read fails too, the last view answers for `outage_grace_s` after it fell out of sync. A watch that delivers
     nothing is cut after `WATCH_READ_TIMEOUT_S` and relisted, which bounds how stale a silently partitioned view can
-    be."""
+    be. A view no grant has asked for `idle_s` stops watching (the next grant starts another): every WeightReplica
+    write is an event to every agent watching its namespace, N² of them for N replicas, while a source serves
+    readers in bursts (a fan-out), and a delta rollout from object storage grants nothing."""
 
     def __init__(
         self,
@@ -397,11 +401,13 @@ class WatchedAssignments:
         direct: Assignments | None = None,
         *,
         outage_grace_s: float = OUTAGE_GRACE_S,
+        idle_s: float = VIEW_IDLE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._objects = client.CustomObjectsApi(api)
         self._direct = direct or ApiAssignments(api)
         self._outage_grace_s = outage_grace_s
+        self._idle_s = idle_s
         self._clock = clock
         self._lock = threading.Lock()
         self._views: dict[str, _NamespaceView] = {}
@@ -409,8 +415,10 @@ class WatchedAssignments:
     def assigned(self, node: str, served: ServedVersion) -> bool:
         with self._lock:
             view = self._views.get(served.namespace)
-            if view is None:
-                view = self._views[served.namespace] = _NamespaceView(self._objects, served.namespace, self._clock)
+            if view is None or view.closed:
+                view = _NamespaceView(self._objects, served.namespace, self._clock, self._idle_s)
+                self._views[served.namespace] = view
+            view.used_at = self._clock()
         replicas, lost_at = view.snapshot()
         if lost_at is not None:
             try:
@@ -421,18 +429,23 @@ class WatchedAssignments:
         return any(_assigns(wr, node, served) for wr in replicas or ())
 
 
-WATCH_SECONDS = 60  # the server ends each watch after this; the view then relists
+WATCH_SECONDS = 60  # the server ends each watch after this; the view then relists (or stops, when idle)
 WATCH_READ_TIMEOUT_S = 90.0
 
 
 class _NamespaceView:
-    def __init__(self, objects: client.CustomObjectsApi, namespace: str, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, objects: client.CustomObjectsApi, namespace: str, clock: Callable[[], float], idle_s: float
+    ) -> None:
         self._objects = objects
         self._namespace = namespace
         self._clock = clock
+        self._idle_s = idle_s
         self._lock = threading.Lock()
         self._items: dict[str, Mapping[str, Any]] | None = None  # the last view; None before the first list
         self._lost_at: float | None = clock()  # when the view fell out of sync; None while in sync
+        self.used_at = clock()  # the last grant that asked it
+        self.closed = False  # it stopped watching: out of sync for good
         threading.Thread(target=self._run, name=f"ferry-assignments-{namespace}", daemon=True).start()
 
     def snapshot(self) -> tuple[list[Mapping[str, Any]] | None, float | None]:
@@ -440,8 +453,11 @@ class _NamespaceView:
         with self._lock:
             return (None if self._items is None else list(self._items.values())), self._lost_at
 
+    def _idle(self) -> bool:
+        return self._clock() - self.used_at >= self._idle_s
+
     def _run(self) -> None:
-        while True:
+        while not self._idle():
             try:
                 self._list_and_watch()
             except Exception as exc:  # out of sync until the next list succeeds: grants read the API meanwhile
@@ -450,13 +466,19 @@ class _NamespaceView:
                         self._lost_at = self._clock()
                 log.info("watch of WeightReplicas in %s ended: %s", self._namespace, type(exc).__name__)
                 time.sleep(1.0)
+        with self._lock:
+            self.closed = True
+            if self._lost_at is None:
+                self._lost_at = self._clock()
+        log.debug("watch of WeightReplicas in %s stopped: no grant for %.0fs", self._namespace, self._idle_s)
 
     def _list_and_watch(self) -> None:
         listed = self._objects.list_namespaced_custom_object(GROUP, VERSION, self._namespace, PLURAL)
         with self._lock:
             self._items = {wr["metadata"]["name"]: wr for wr in listed["items"]}
             self._lost_at = None
-        for event in watch.Watch().stream(
+        stream = watch.Watch()
+        for event in stream.stream(
             self._objects.list_namespaced_custom_object,
             GROUP,
             VERSION,
@@ -474,6 +496,9 @@ class _NamespaceView:
                     self._items.pop(obj["metadata"]["name"], None)
                 else:
                     self._items[obj["metadata"]["name"]] = obj
+            if self._idle():
+                stream.stop()
+                return
 
 
 def _assigns(wr: Mapping[str, Any], node: str, served: ServedVersion) -> bool:
