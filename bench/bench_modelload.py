@@ -122,12 +122,14 @@ def start_agents(
         ]
         env = {**os.environ, **cluster.env(), **s3.env(), "UCX_NET_DEVICES": "lo"}
         agents.append(ManagedProcess(node, argv, root / "logs" / f"{node}.log", env=env).start())
-    time.sleep(3)  # agents import torch/NIXL before they poll
 
-    def ranks_ready() -> bool:
-        return all(a.log_path.read_text(errors="replace").count(") ready") >= warm_ranks for a in agents)
+    # Every agent up (torch and NIXL imported, its loop running) before the clock starts: 8 agents importing torch
+    # on 2 cores take longer than a fixed pause, and a late one's start-up ran beside the others' loads.
+    def ready() -> bool:
+        logs = [a.log_path.read_text(errors="replace") for a in agents]
+        return all("serving node" in log and log.count(") ready") >= warm_ranks for log in logs)
 
-    wait_until(ranks_ready, 120, f"{warm_ranks} warm rank processes on every agent")
+    wait_until(ready, 120, f"every agent running, {warm_ranks} warm rank processes each")
     return agents
 
 
