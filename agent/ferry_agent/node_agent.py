@@ -309,17 +309,28 @@ class NodeAgent:
         tracked = metrics.LoadProgress(namespace, name)
 
         quiet_until = time.monotonic() + QUIET_START_S
-        written_late = threading.Timer(QUIET_START_S, self.replicas.write_staged, args=(key,))
+        completed = threading.Event()
+
+        def quiet_start_over() -> None:
+            if not completed.is_set():  # a completion waits for the patch that ends the load
+                self.replicas.write_staged(key)
+
+        written_late = threading.Timer(QUIET_START_S, quiet_start_over)
         written_late.daemon = True
         written_late.start()
 
         def progress(done: int, total: int, source: str) -> None:
             status = dict(bytesDone=done, bytesTotal=total or None, source=source, lastProgressTime=now_rfc3339())
             status["progress"] = tracked.update(done, total)
-            if (total and done >= total) or time.monotonic() < quiet_until:
+            if total and done >= total:
                 # Every load ends with a Serving or failure patch: a completion goes with it, one status round trip
                 # (and one event to every watcher of the namespace's replicas) fewer on the load's path.
+                completed.set()
                 self.replicas.stage_status(key, status)
+            elif time.monotonic() < quiet_until:
+                self.replicas.stage_status(key, status)
+                if time.monotonic() >= quiet_until:  # the timer may have written what was staged before this
+                    quiet_start_over()
             else:
                 self._patch_status(key, status)
 

@@ -162,6 +162,18 @@ def test_a_slow_load_writes_the_progress_of_its_first_seconds_then_even_if_it_re
     assert [p.get("phase") for p in objects.patches] == [ReplicaPhase.LOADING, None, ReplicaPhase.SERVING]
 
 
+def test_a_completion_waits_for_the_serving_patch_even_when_the_load_ends_after_its_quiet_start(
+    agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, objects, _, loads = agent
+    monkeypatch.setattr(node_agent, "QUIET_START_S", 0.05)
+    loads.reports = [(100, 100, "peer/a")]
+    loads.then = lambda: time.sleep(0.3)  # e.g. the target's synchronize, after every byte landed
+    objects.items = [replica("v1")]
+    a.reconcile_once()
+    assert [p.get("phase") for p in objects.patches] == [ReplicaPhase.LOADING, ReplicaPhase.SERVING]
+
+
 def test_a_load_that_fails_says_why_and_is_not_retried_before_its_backoff(agent) -> None:
     a, objects, leases, loads = agent
     loads.failing.add("v1")

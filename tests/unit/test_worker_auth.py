@@ -15,6 +15,7 @@ from kubernetes import client
 
 from ferry.api.models import worker_audience
 from ferry_agent.strategies.peer import TransferSettings
+from ferry_agent.transport import worker_auth
 from ferry_agent.transport.proto import worker_pb2
 from ferry_agent.transport.worker_auth import (
     CLOCK_LEEWAY_S,
@@ -403,6 +404,29 @@ def test_assignments_answer_from_the_last_view_while_the_api_is_down_for_the_gra
     clock.now += 301
     with pytest.raises(ConnectionError):
         view.assigned("node-a", SERVED)
+
+
+def test_an_idle_view_stops_only_once_in_sync_so_an_outage_keeps_its_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle view out of sync (the API down) keeps trying instead of stopping: a stopped view is replaced by an
+    empty one, which could not answer within the outage grace."""
+    clock = FakeClock()
+    ns_view = _NamespaceView.__new__(_NamespaceView)  # no thread: the test runs the loop
+    ns_view._lock, ns_view._clock, ns_view._namespace = threading.Lock(), clock, "ns"
+    ns_view._items, ns_view._lost_at, ns_view.closed = {}, clock.now, False
+    ns_view._idle_s, ns_view.used_at = 10.0, clock.now - 60  # long idle
+    tries = []
+
+    def list_and_watch() -> None:
+        tries.append(clock.now)
+        if len(tries) < 3:
+            raise ConnectionError("apiserver unreachable")
+        with ns_view._lock:
+            ns_view._lost_at = None  # listed: in sync again (and the watch returns, idle)
+
+    ns_view._list_and_watch = list_and_watch
+    monkeypatch.setattr(worker_auth.time, "sleep", lambda seconds: None)
+    ns_view._run()
+    assert len(tries) == 3 and ns_view.closed
 
 
 def test_an_allowed_identity_is_required(assignments: FakeAssignments) -> None:

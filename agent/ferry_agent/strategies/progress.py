@@ -4,6 +4,7 @@ and the throttle that keeps those reports, which become status writes, to about 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -32,16 +33,21 @@ class ProgressThrottle:
         self._source_is_news = source_is_news
         self._last: float | None = None
         self._sent: tuple[int, int, str] | None = None
+        self._lock = threading.Lock()  # reports come from several threads (a peer load's checks)
 
     def __call__(self, done: int, total: int, source: str) -> None:
-        if self._callback is None or self._sent == (done, total, source):
+        if self._callback is None:
             return
-        now = self._clock()
-        if self._last is not None and self._sent is not None and done < total and now - self._last < self._interval_s:
-            _, sent_total, sent_source = self._sent
-            if total == sent_total and (source == sent_source or not self._source_is_news):
+        with self._lock:  # the decision only: a callback writes status and must not hold up the other reporters
+            if self._sent == (done, total, source):
                 return
-        self._last, self._sent = now, (done, total, source)
+            now = self._clock()
+            if self._last is not None and self._sent is not None and done < total:
+                _, sent_total, sent_source = self._sent
+                same = total == sent_total and (source == sent_source or not self._source_is_news)
+                if same and now - self._last < self._interval_s:
+                    return
+            self._last, self._sent = now, (done, total, source)
         try:
             self._callback(done, total, source)
         except Exception as exc:  # a status writer must not break a transfer

@@ -196,7 +196,7 @@ class NixlPeer:
         on_start: Callable[[int], None] | None = None,
     ) -> int:
         """READ every remote tensor into the local tensor of the same name with one prepped transfer (`read_groups`
-        with a single group). Returns the bytes moved."""
+        with a single group; what bench_p2p measures a peer load against). Returns the bytes moved."""
         return self.read_groups(
             remote_name, remote_tensors, local, [[r.name for r in remote_tensors]], timeout_s, on_start=on_start
         )

@@ -457,7 +457,9 @@ class _NamespaceView:
         return self._clock() - self.used_at >= self._idle_s
 
     def _run(self) -> None:
-        while not self._idle():
+        # An idle view stops only in sync: one out of sync (the API down) keeps trying, and its last view keeps
+        # answering within the outage grace, however far apart the grants come.
+        while not (self._idle() and self.snapshot()[1] is None):
             try:
                 self._list_and_watch()
             except Exception as exc:  # out of sync until the next list succeeds: grants read the API meanwhile
