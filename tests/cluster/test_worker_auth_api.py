@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from ferry.api.models import API_VERSION, LABEL_NODE, worker_audience
+from ferry.api.models import API_VERSION, LABEL_MODEL, LABEL_NODE, worker_audience
 from ferry_agent.transport.worker_auth import (
     CLOCK_LEEWAY_S,
     NODE_NAME_EXTRA,
@@ -120,7 +120,7 @@ def test_a_view_no_grant_asks_stops_watching_and_the_next_grant_sees_the_api_of_
             {
                 "apiVersion": API_VERSION,
                 "kind": "WeightReplica",
-                "metadata": {"name": name, "namespace": namespace, "labels": {LABEL_NODE: "n1"}},
+                "metadata": {"name": name, "namespace": namespace, "labels": {LABEL_NODE: "n1", LABEL_MODEL: "m"}},
                 "spec": {"modelLoad": "ml", "modelName": "m", "version": version, "nodeName": "n1", "device": "cpu"},
             }
         )
@@ -129,7 +129,7 @@ def test_a_view_no_grant_asks_stops_watching_and_the_next_grant_sees_the_api_of_
     cluster.kubectl("apply", "-f", "-", input=replica("wr-1", "v1"))
     assignments = WatchedAssignments(kube, direct=CountingDirect(kube), idle_s=1.0)
     assert assignments.assigned("n1", served)
-    view = assignments._views[namespace]
+    view = assignments._views[(namespace, "m")]
     _eventually(lambda: view.snapshot()[1] is None, "the view in sync")
     calls = len(direct_calls)
     assert assignments.assigned("n1", served) and len(direct_calls) == calls  # answered by the view
@@ -141,7 +141,7 @@ def test_a_view_no_grant_asks_stops_watching_and_the_next_grant_sees_the_api_of_
     cluster.kubectl("delete", "wr", "wr-2", "-n", namespace)
     assert any(wr["spec"]["version"] == "v1" for wr in view.snapshot()[0])
     _eventually(lambda: not assignments.assigned("n1", served), "n1 no longer on v1")
-    assert assignments._views[namespace] is not view, "a new view for the next grant"
+    assert assignments._views[(namespace, "m")] is not view, "a new view for the next grant"
     assert assignments.assigned("n1", ServedVersion(namespace, "m", "v2"))
 
 
@@ -160,7 +160,7 @@ def test_watched_assignments_follow_the_replicas(cluster, kube, namespace) -> No
     body = {
         "apiVersion": API_VERSION,
         "kind": "WeightReplica",
-        "metadata": {"name": "wr-1", "namespace": namespace, "labels": {LABEL_NODE: "n1"}},
+        "metadata": {"name": "wr-1", "namespace": namespace, "labels": {LABEL_NODE: "n1", LABEL_MODEL: "m"}},
         "spec": {"modelLoad": "ml", "modelName": "m", "version": "v1", "nodeName": "n1", "device": "cpu"},
     }
     cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
@@ -168,8 +168,17 @@ def test_watched_assignments_follow_the_replicas(cluster, kube, namespace) -> No
     calls = len(direct_calls)
     assert not assignments.assigned("n2", served)  # another node
     assert not assignments.assigned("n1", ServedVersion(namespace, "m", "v2"))  # another version
-    assert not assignments.assigned("n1", ServedVersion(namespace, "other-model", "v1"))
     assert len(direct_calls) == calls, "in sync: no API read per grant"
+    assert not assignments.assigned("n1", ServedVersion(namespace, "other-model", "v1"))  # a view of its own
+    # A replica of another model is not in this model's view (its writes are no events to it).
+    other = json.loads(json.dumps(body))
+    other["metadata"].update(name="wr-other", labels={LABEL_NODE: "n1", LABEL_MODEL: "other-model"})
+    other["spec"]["modelName"] = "other-model"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(other))
+    _eventually(
+        lambda: assignments.assigned("n1", ServedVersion(namespace, "other-model", "v1")), "the other model's view"
+    )
+    assert [wr["metadata"]["name"] for wr in assignments._views[(namespace, "m")].snapshot()[0]] == ["wr-1"]
 
     cluster.kubectl("delete", "wr", "wr-1", "-n", namespace)
     _eventually(lambda: not assignments.assigned("n1", served), "the deletion in the watched view")

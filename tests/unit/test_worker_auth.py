@@ -395,7 +395,7 @@ def test_assignments_answer_from_the_last_view_while_the_api_is_down_for_the_gra
         "wr": {"metadata": {"name": "wr"}, "spec": {"nodeName": "node-a", "modelName": "m", "version": "v1"}}
     }
     ns_view._lost_at, ns_view.closed = None, False
-    view._views["ns"] = ns_view
+    view._views[("ns", "m")] = ns_view
     assert view.assigned("node-a", SERVED)
     ns_view._lost_at = clock.now  # the watch ended and the API does not answer
     clock.now += 300

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import grpc
 from kubernetes import client, watch
 
-from ferry.api.models import GROUP, LABEL_NODE, VERSION, worker_audience
+from ferry.api.models import GROUP, LABEL_MODEL, LABEL_NODE, VERSION, label_value, worker_audience
 
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 SUCCESS_TTL_S = 60.0
@@ -386,13 +386,13 @@ class ApiAssignments:
 
 
 class WatchedAssignments:
-    """The WeightReplicas of each served namespace, kept current by a list + watch (milliseconds behind the API), so
-    a grant costs no API round trip (one would be ~1 ms, a few % of a 256 MiB transfer). While a namespace's watch is
+    """The WeightReplicas of each served model in its namespace, kept current by a list + watch (milliseconds behind
+    the API), so a grant costs no API round trip (one would be ~1 ms, a few % of a 256 MiB transfer). While a view is
     not in sync (its first moments, after any error) every grant reads the API instead (`ApiAssignments`); when that
     read fails too, the last view answers for `outage_grace_s` after it fell out of sync. A watch that delivers
     nothing is cut after `WATCH_READ_TIMEOUT_S` and relisted, which bounds how stale a silently partitioned view can
     be. A view no grant has asked for `idle_s` stops watching (the next grant starts another): every WeightReplica
-    write is an event to every agent watching its namespace, N² of them for N replicas, while a source serves
+    write is an event to every agent watching its model, N² of them for N replicas, while a source serves
     readers in bursts (a fan-out), and a delta rollout from object storage grants nothing."""
 
     def __init__(
@@ -410,14 +410,15 @@ class WatchedAssignments:
         self._idle_s = idle_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._views: dict[str, _NamespaceView] = {}
+        self._views: dict[tuple[str, str], _NamespaceView] = {}  # by (namespace, model)
 
     def assigned(self, node: str, served: ServedVersion) -> bool:
         with self._lock:
-            view = self._views.get(served.namespace)
+            key = (served.namespace, served.model)
+            view = self._views.get(key)
             if view is None or view.closed:
-                view = _NamespaceView(self._objects, served.namespace, self._clock, self._idle_s)
-                self._views[served.namespace] = view
+                view = _NamespaceView(self._objects, *key, self._clock, self._idle_s)
+                self._views[key] = view
             view.used_at = self._clock()
         replicas, lost_at = view.snapshot()
         if lost_at is not None:
@@ -434,11 +435,15 @@ WATCH_READ_TIMEOUT_S = 90.0
 
 
 class _NamespaceView:
+    """The WeightReplicas of one model in one namespace (by the model label the operator puts on each: a replica
+    of another model is never an assignment of this one, and its writes are no events here)."""
+
     def __init__(
-        self, objects: client.CustomObjectsApi, namespace: str, clock: Callable[[], float], idle_s: float
+        self, objects: client.CustomObjectsApi, namespace: str, model: str, clock: Callable[[], float], idle_s: float
     ) -> None:
         self._objects = objects
         self._namespace = namespace
+        self._selector = f"{LABEL_MODEL}={label_value(model)}"
         self._clock = clock
         self._idle_s = idle_s
         self._lock = threading.Lock()
@@ -475,7 +480,9 @@ class _NamespaceView:
         log.debug("watch of WeightReplicas in %s stopped: no grant for %.0fs", self._namespace, self._idle_s)
 
     def _list_and_watch(self) -> None:
-        listed = self._objects.list_namespaced_custom_object(GROUP, VERSION, self._namespace, PLURAL)
+        listed = self._objects.list_namespaced_custom_object(
+            GROUP, VERSION, self._namespace, PLURAL, label_selector=self._selector
+        )
         with self._lock:
             self._items = {wr["metadata"]["name"]: wr for wr in listed["items"]}
             self._lost_at = None
@@ -486,6 +493,7 @@ class _NamespaceView:
             VERSION,
             self._namespace,
             PLURAL,
+            label_selector=self._selector,
             resource_version=listed["metadata"]["resourceVersion"],
             timeout_seconds=WATCH_SECONDS,
             _request_timeout=WATCH_READ_TIMEOUT_S,
