@@ -52,7 +52,7 @@ EXPIRY_MARGIN_S = 30.0  # a cached token this close to expiring is not sent any 
 # How long an accepted review and a last-synced assignment view still answer while the API cannot be reached: the
 # readers the API last allowed keep reading through an outage; nobody new gets in, and it ends when the API returns.
 OUTAGE_GRACE_S = 600.0
-# A namespace's WeightReplica view stops watching once no grant asked it for this long (WatchedAssignments).
+# A model's WeightReplica view (per namespace) stops watching once no grant asked it for this long (WatchedAssignments).
 VIEW_IDLE_S = 10.0
 # Skew allowed between this node's clock and the apiserver's for a token's `exp` and `nbf` before a token is refused
 # without a review (the apiserver allows itself a minute); the cache never answers past `exp` itself.
