@@ -458,13 +458,17 @@ class _NamespaceView:
         with self._lock:
             return (None if self._items is None else list(self._items.values())), self._lost_at
 
+    def _in_sync(self) -> bool:
+        with self._lock:
+            return self._lost_at is None
+
     def _idle(self) -> bool:
         return self._clock() - self.used_at >= self._idle_s
 
     def _run(self) -> None:
         # An idle view stops only in sync: one out of sync (the API down) keeps trying, and its last view keeps
         # answering within the outage grace, however far apart the grants come.
-        while not (self._idle() and self.snapshot()[1] is None):
+        while not (self._idle() and self._in_sync()):
             try:
                 self._list_and_watch()
             except Exception as exc:  # out of sync until the next list succeeds: grants read the API meanwhile
