@@ -7,7 +7,8 @@ must come from a replica that is still Loading; it lets S3 go on only once every
 Then: each reader's status names a holder it read from while that holder was loading, no source ever granted more
 read leases at once than `maxReadersPerSource`, one S3 read in all, and every replica serves the published bytes
 (sha256, read back over NIXL). Killing the S3 loader mid-pipeline: the next replica by name becomes the first
-loader and the last one finishes from it without restarting its load."""
+loader, fetching from S3 only the tensors its Peer load had not checked, and the last one finishes from it without
+restarting its load."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ CHUNK_TENSORS = 2  # chunkMiB 2
 S3_RATE = 4e6  # bytes/s the relay lets S3 send on a connection
 GRANTED = re.compile(r"tensor read lease \S+ granted to \S+ \([^)]*\): (\d+) of (\S+) readers")
 PEAK = re.compile(r"stops serving its load: at most (\d+) readers at once")
+KEPT = re.compile(rf"(\d+) of {TENSORS} tensors \((\d+) bytes\) kept from the failed load, (\d+) bytes downloaded")
 
 
 def replicas(cluster, namespace) -> dict[str, dict]:
@@ -203,6 +205,13 @@ def test_a_dead_s3_loader_mid_pipeline_is_replaced_without_restarting_the_others
             )
         final = replicas(cluster, namespace)
         assert final[second]["status"]["source"] == "s3", final[second]["status"]
+        # It went on from what its Peer load had checked: S3 sent it only the other tensors (and every header).
+        (s3_load,) = [a for a in final[second]["status"]["attempts"] if a["source"] == "ObjectStorage"]
+        resumed = KEPT.fullmatch(s3_load["message"])
+        assert resumed, final[second]["status"]["attempts"]
+        kept, kept_bytes, downloaded = (int(g) for g in resumed.groups())
+        assert kept >= CHUNK_TENSORS and kept_bytes == kept << 20, s3_load
+        assert (TENSORS - kept) << 20 < downloaded < (TENSORS - kept + 1) << 20, s3_load
         status = final[last]["status"]
         assert status["source"] == f"peer/{second}", status
         kinds = [(a["source"], a["outcome"]) for a in status["attempts"]]

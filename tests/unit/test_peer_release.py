@@ -512,6 +512,46 @@ def test_rollback_deregisters_the_target_it_allocated() -> None:
     assert kinds(log).count("deregister") == 1
 
 
+class DiesAfterTheFirstGroup(FakePeer):
+    """A holder that goes away mid-READ: the first chunk lands (and is checked), then the link fails."""
+
+    def read_groups(
+        self,
+        remote_name: str,
+        remote_tensors: Sequence[RemoteTensor],
+        local: ResidentWeights,
+        groups: Sequence[Sequence[str]],
+        timeout_s: float,
+        **kw: Any,
+    ) -> int:
+        super().read_groups(remote_name, remote_tensors, local, groups[:1], timeout_s, **kw)
+        raise OSError("link down")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_failed_load_leaves_its_checked_tensors_for_the_next_strategy_on_a_one_rank_replica(world_size: int) -> None:
+    log: list[tuple] = []
+    s = strategy(
+        DiesAfterTheFirstGroup(log), FakeClient(log), [cand("a")], TransferSettings(timeout_s=30, chunk_bytes=1)
+    )
+    c = ctx(world_size=world_size)
+    with pytest.raises(StrategyFailed, match="link down") as info:
+        s.load(c)
+    assert info.value.mutated is True
+    s.rollback(c)
+    if world_size > 1:  # ranks agree on every outcome: nothing is carried over, the target is dropped
+        assert c.leftover is None and kinds(log).count("deregister") == 1
+        return
+    # The first chunk (manifest order: "empty", "layers.0.bias") was checked; the weight's chunk never landed.
+    leftover = c.leftover
+    assert leftover is not None and sorted(leftover.checked) == ["empty", "layers.0.bias"]
+    assert leftover.checked == {n: adler32s(SOURCE)[n] for n in leftover.checked}
+    assert torch.equal(leftover.resident.tensors["layers.0.bias"], SOURCE.tensors["layers.0.bias"])
+    assert "deregister" not in kinds(log)  # still registered: a load serving while it loads serves them on
+    leftover.release()
+    assert kinds(log).count("deregister") == 1
+
+
 def test_progress_reports_start_and_completion_per_source() -> None:
     seen: list[tuple[int, int, str]] = []
     log: list[tuple] = []

@@ -9,7 +9,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from botocore.exceptions import ClientError
 from botocore.response import StreamingBody
 
@@ -18,8 +20,8 @@ from ferry_agent.attach.memstore import HostStore
 from ferry_agent.ranks.landing import MappedLanding, unaccounted
 from ferry_agent.ranks.sharding import rank_of_tensors
 from ferry_agent.store.checkpoints import ArtifactRef, CheckpointStore, StoreState, StoreStatus
-from ferry_agent.store.resident import TensorSpec
-from ferry_agent.strategies.chain import StrategyFailed
+from ferry_agent.store.resident import ResidentWeights, TensorSpec
+from ferry_agent.strategies.chain import Leftover, StrategyFailed
 from ferry_agent.strategies.object_storage import stream as stream_module
 from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
 from tests.support.s3 import (
@@ -384,4 +386,95 @@ def test_a_multi_rank_leader_replays_on_its_held_share_and_the_store_and_lands_t
     assert (again.reused, again.bytes_downloaded, resident_shas(again)) == ("materialized/v2", 0, shas(w2))
     follower.close()
     sealed.unref()
+    store.close()
+
+
+def leftover_of(w: dict[str, Any], kept: list[str], released: list[str]) -> Leftover:
+    """A failed peer load's target of `w`'s checkpoint holding (and having checked) the tensors in `kept`."""
+    specs = [
+        TensorSpec(n, str(torch.from_numpy(np.ascontiguousarray(t)).dtype), t.shape, t.nbytes) for n, t in w.items()
+    ]
+    target = ResidentWeights.allocate(specs, "cpu")
+    checked = {}
+    for name in kept:
+        raw = np.ascontiguousarray(w[name]).reshape(-1).view(np.uint8)
+        target.tensors[name].reshape(-1).view(torch.uint8).numpy()[:] = raw
+        checked[name] = ckpt.adler32_hex(raw)
+    return Leftover(target, checked, lambda: released.append("released"))
+
+
+def tensor_spans(files: Mapping[str, bytes]) -> dict[str, tuple[str, int, int]]:
+    """Each tensor's (shard, begin, end) in its shard object."""
+    out = {}
+    for shard in ckpt.parse_index(files[ckpt.INDEX_NAME]).shards:
+        header_len, header = ckpt.parse_safetensors_header(files[shard])
+        start = ckpt.HEADER_PREFIX_BYTES + header_len
+        for name, h in header.items():
+            if name != "__metadata__":
+                out[name] = (shard, start + h["data_offsets"][0], start + h["data_offsets"][1])
+    return out
+
+
+def test_a_failed_peer_loads_target_is_finished_from_s3_fetching_only_what_it_did_not_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = weights(21)
+    files = full(w)
+    s3, versions = publish(files)
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    released: list[str] = []
+    kept = ["embed.weight", "layers.0.mlp.weight"]
+    leftover = leftover_of(w, [*kept, "layers.1.mlp.weight"], released)
+    # A checksum the holder listed that is not the version's: that tensor is fetched again, not trusted.
+    wrong = dict(leftover.checked, **{"layers.1.mlp.weight": "00000000"})
+    c = ctx("v1", leftover=Leftover(leftover.resident, wrong, leftover.release))
+    served: list[str] = []
+    fetched: list[tuple[str, int, int]] = []  # (shard, begin, end) of every ranged GET of the stream
+    fetch_range = stream_module._fetch_range
+
+    def recorded(checkpoint: Any, shard: Any, begin: int, end: int, *args: Any) -> None:
+        fetched.append((shard.name, begin, end))
+        fetch_range(checkpoint, shard, begin, end, *args)
+
+    monkeypatch.setattr(stream_module, "_fetch_range", recorded)
+    result = strategy(store, s3, versions, on_checked=lambda name, _: served.append(name)).load(c)
+
+    assert result.resident is leftover.resident and c.leftover is None and not released
+    assert resident_shas(result) == shas(w)
+    spans = tensor_spans(files)
+    for name in kept:  # no GET touched a byte of a kept tensor
+        shard, lo, hi = spans[name]
+        assert not [r for r in fetched if r[0] == shard and r[1] < hi and r[2] > lo], name
+    kept_bytes = sum(w[n].nbytes for n in kept)
+    objects = sum(len(files[s]) for s in ckpt.parse_index(files[ckpt.INDEX_NAME]).shards)
+    assert result.bytes_downloaded == sum(e - b for _, b, e in fetched) == objects - kept_bytes
+    assert result.detail == (
+        f"2 of {len(w)} tensors ({kept_bytes} bytes) kept from the failed load, {objects - kept_bytes} bytes downloaded"
+    )
+    assert sorted(served) == sorted(w)  # every tensor served on, the kept ones once checked again
+    store.flush()  # the store entry written behind holds every byte, the kept tensors' too
+    again = strategy(store, s3, versions).load(ctx("v1"))
+    assert (again.reused, again.bytes_downloaded) == ("full/v1", 0) and resident_shas(again) == shas(w)
+    store.close()
+
+
+def test_kept_bytes_that_changed_after_their_check_fail_the_load_and_another_manifest_is_not_kept(
+    tmp_path: Path,
+) -> None:
+    w = weights(22)
+    files = full(w)
+    s3, versions = publish(files)
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    released: list[str] = []
+    leftover = leftover_of(w, ["embed.weight"], released)
+    leftover.resident.tensors["embed.weight"].reshape(-1).view(torch.uint8)[7] ^= 1
+    with pytest.raises(StrategyFailed, match=r"'embed\.weight' kept from the failed load, changed since"):
+        strategy(store, s3, versions).load(ctx("v1", leftover=leftover))
+    assert store.artifacts() == [] and not debris(store.root)
+
+    other = leftover_of({**w, "extra": np.zeros(4, np.float32)}, ["embed.weight"], released)
+    c = ctx("v1", leftover=other)
+    result = strategy(store, s3, versions).load(c)
+    assert result.resident is not other.resident and c.leftover is other and result.detail == ""
+    assert resident_shas(result) == shas(w)
     store.close()

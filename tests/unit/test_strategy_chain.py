@@ -13,6 +13,7 @@ from ferry.api.models import AttemptOutcome, AttemptReason
 from ferry.errors import LoadFailed
 from ferry_agent.strategies.chain import (
     Attempt,
+    Leftover,
     LoadContext,
     LoadStrategy,
     StrategyFailed,
@@ -228,3 +229,54 @@ def test_every_attempt_reason_is_documented() -> None:
     """docs/conditions.md lists every reason an attempt can have, as a user reads it from `status.attempts[]`."""
     doc = (Path(__file__).resolve().parents[2] / "docs" / "conditions.md").read_text()
     assert [r for r in AttemptReason if f"| `{r}` |" not in doc] == []
+
+
+class LeavesOrTakes(Fake):
+    """Leaves a target for the next strategy when it fails (`leave`), or takes one over when it loads (`take`)."""
+
+    def __init__(self, name: str, log: list[str], *, leave: bool = False, take: bool = False, **kw: Any) -> None:
+        super().__init__(name, log, **kw)
+        self.leave, self.take, self.taken = leave, take, None
+
+    def load(self, ctx: LoadContext) -> Any:
+        if self.take:
+            self.taken = ctx.take_leftover()
+        return super().load(ctx)
+
+    def rollback(self, ctx: LoadContext) -> None:
+        super().rollback(ctx)
+        if self.leave:
+            ctx.leftover = Leftover(None, {"t": "00000001"}, lambda: self.log.append(f"release:{self.name}"))  # type: ignore[arg-type]
+
+
+def test_a_leftover_goes_to_the_next_strategy_only_and_is_released_unless_taken() -> None:
+    log: list[str] = []
+    taker = LeavesOrTakes("b", log, take=True)
+    assert (
+        run([LeavesOrTakes("a", log, leave=True, error=StrategyFailed("gone", mutated=True)), taker], log) == "b-result"
+    )
+    assert taker.taken is not None and taker.taken.checked == {"t": "00000001"}
+    assert not [e for e in log if e.startswith("release")]  # the taker owns it now
+
+    log.clear()
+    c = ctx()
+    run([LeavesOrTakes("a", log, leave=True, error=StrategyFailed("gone")), Fake("b", log)], log, c)
+    assert log[2:] == ["load:a", "rollback:a", "load:b", "release:a", "publish:b-result"] and c.leftover is None
+
+    log.clear()  # the next strategy fails too: released before the one after runs, not passed on
+    later = LeavesOrTakes("c", log, take=True)
+    run(
+        [
+            LeavesOrTakes("a", log, leave=True, error=StrategyFailed("x")),
+            Fake("b", log, error=StrategyFailed("y")),
+            later,
+        ],
+        log,
+    )
+    assert log.index("release:a") < log.index("load:c") and later.taken is None
+
+    log.clear()  # the chain fails: what the last strategy left is released
+    c = ctx()
+    with pytest.raises(LoadFailed):
+        run([LeavesOrTakes("a", log, leave=True, error=StrategyFailed("x"))], log, c)
+    assert log[-1] == "release:a" and c.leftover is None

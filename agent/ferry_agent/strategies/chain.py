@@ -7,6 +7,10 @@
 - Any other `Exception` → rollback and continue, without reinit.
 - First success → `publish` and return its result. None → `LoadFailed` naming every strategy's failure.
 
+A failed strategy may leave its target for the next one (`LoadContext.leftover`: the tensors it checked), so that
+a peer load whose holders all died goes on from object storage for the rest instead of starting over. The next
+strategy takes it or not; whatever is not taken is released before the one after runs.
+
 Every step is recorded as an `Attempt` on the context so the caller can copy it into status.
 """
 
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -70,6 +74,17 @@ class Attempt:
         }
 
 
+@dataclass(frozen=True)
+class Leftover:
+    """A failed strategy's target: `checked` maps each tensor that passed its check to its adler32 (the others'
+    bytes are unknown). `release()` undoes what the failed strategy still holds for it (its NIXL registration);
+    a strategy that takes it over (`LoadContext.take_leftover`) owns the weights and that registration."""
+
+    resident: ResidentWeights
+    checked: Mapping[str, str]
+    release: Callable[[], None]
+
+
 @dataclass
 class LoadContext:
     """What one load of one rank is about. Strategies hold their own dependencies."""
@@ -85,6 +100,16 @@ class LoadContext:
     # status.versionUid, so that peers copy only from replicas of the very same object (not an old one of the name)
     version_uid: str | None = None
     attempts: list[Attempt] = field(default_factory=list)
+    leftover: Leftover | None = None  # what the strategy that just failed left for the next one
+
+    def take_leftover(self) -> Leftover | None:
+        leftover, self.leftover = self.leftover, None
+        return leftover
+
+    def drop_leftover(self) -> None:
+        leftover = self.take_leftover()
+        if leftover is not None:
+            leftover.release()
 
     def record(self, source: str, outcome: AttemptOutcome, reason: AttemptReason, message: str = "") -> Attempt:
         attempt = Attempt(source=source, outcome=outcome, reason=reason, message=message)
@@ -161,40 +186,47 @@ def run_strategy_chain(
             ctx.record(strategy.name, AttemptOutcome.SKIPPED, AttemptReason.UNAVAILABLE)
             failures.append(f"{strategy.name}: unavailable")
 
-    for strategy in eligible:
-        try:
-            result = strategy.load(ctx)
-        except StrategyRecoveryError as exc:
-            ctx.record(strategy.name, AttemptOutcome.FAILED, AttemptReason.RECOVERY_FAILED, _describe(exc))
-            log.error("strategy %s cannot recover, stopping the chain: %s", strategy.name, exc)
-            _rollback(strategy, ctx)
-            raise
-        except StrategyFailed as exc:
-            reason = AttemptReason.FAILED_MUTATED if exc.mutated else AttemptReason.FAILED
-            ctx.record(strategy.name, AttemptOutcome.FAILED, reason, _describe(exc))
-            failures.append(f"{strategy.name}: {_describe(exc)}")
-            log.info("strategy %s failed (mutated=%s): %s", strategy.name, exc.mutated, exc)  # an expected miss
-            _rollback(strategy, ctx)
-            if exc.mutated:
-                _clear_tracebacks(exc)
-                try:
-                    reinit(ctx)
-                except Exception as reinit_exc:
-                    raise StrategyRecoveryError(
-                        f"reinit after {strategy.name} failed: {_describe(reinit_exc)}"
-                    ) from reinit_exc
-            continue
-        except Exception as exc:
-            # Unexpected: the strategy did not claim a mutation, so (as in ModelExpress) no reinit.
-            ctx.record(strategy.name, AttemptOutcome.FAILED, AttemptReason.UNEXPECTED_ERROR, _describe(exc))
-            failures.append(f"{strategy.name}: {_describe(exc)}")
-            log.warning("strategy %s raised unexpectedly: %s", strategy.name, exc, exc_info=True)
-            _rollback(strategy, ctx)
-            continue
-        ctx.record(strategy.name, AttemptOutcome.LOADED, AttemptReason.LOADED)
-        publish(result, ctx)
-        return result
-
+    try:
+        for strategy in eligible:
+            offered = ctx.leftover
+            try:
+                result = strategy.load(ctx)
+            except StrategyRecoveryError as exc:
+                ctx.record(strategy.name, AttemptOutcome.FAILED, AttemptReason.RECOVERY_FAILED, _describe(exc))
+                log.error("strategy %s cannot recover, stopping the chain: %s", strategy.name, exc)
+                _rollback(strategy, ctx)
+                raise
+            except StrategyFailed as exc:
+                reason = AttemptReason.FAILED_MUTATED if exc.mutated else AttemptReason.FAILED
+                ctx.record(strategy.name, AttemptOutcome.FAILED, reason, _describe(exc))
+                failures.append(f"{strategy.name}: {_describe(exc)}")
+                log.info("strategy %s failed (mutated=%s): %s", strategy.name, exc.mutated, exc)  # an expected miss
+                _rollback(strategy, ctx)
+                if exc.mutated:
+                    _clear_tracebacks(exc)
+                    try:
+                        reinit(ctx)
+                    except Exception as reinit_exc:
+                        raise StrategyRecoveryError(
+                            f"reinit after {strategy.name} failed: {_describe(reinit_exc)}"
+                        ) from reinit_exc
+                continue
+            except Exception as exc:
+                # Unexpected: the strategy did not claim a mutation, so (as in ModelExpress) no reinit.
+                ctx.record(strategy.name, AttemptOutcome.FAILED, AttemptReason.UNEXPECTED_ERROR, _describe(exc))
+                failures.append(f"{strategy.name}: {_describe(exc)}")
+                log.warning("strategy %s raised unexpectedly: %s", strategy.name, exc, exc_info=True)
+                _rollback(strategy, ctx)
+                continue
+            finally:
+                if offered is not None and ctx.leftover is offered:  # not taken: no later strategy gets it
+                    ctx.drop_leftover()
+            # A result may say more than "loaded" (`S3LoadResult.detail`: what a load kept of a failed one's).
+            ctx.record(strategy.name, AttemptOutcome.LOADED, AttemptReason.LOADED, getattr(result, "detail", ""))
+            publish(result, ctx)
+            return result
+    finally:
+        ctx.drop_leftover()  # the last strategy's, or one left when the chain stopped
     detail = "; ".join(failures) if failures else "no strategies configured"
     raise LoadFailed(
         f"No load strategy succeeded for model {ctx.model!r} version {ctx.version!r} rank {ctx.rank}: {detail}",

@@ -7,8 +7,9 @@ one transfer per chunk, all posted at once, each chunk's tensors checked (adler3
 as it lands and only then counted as held (and served on, when the agent serves this load while it runs:
 `on_verified`). A holder at its reader limit refuses (RESOURCE_EXHAUSTED) and another is chosen; a holder that fails
 is dropped for this load and its chunks come from the others; with no live holder of a chunk left, the first
-loader among the live replicas goes to object storage (this strategy fails, so the chain goes on to it) and the
-others wait for it. Against a Serving source with free slots this is one lease and the whole version, as before.
+loader among the live replicas goes to object storage (this strategy fails, so the chain goes on to it, leaving it
+the target with the tensors checked so far: `chain.Leftover`, so only the rest is fetched) and the others wait for
+it. Against a Serving source with free slots this is one lease and the whole version, as before.
 
 Per lease (so that a failed READ never leaves a half-open connection on the source):
   PrepareTensorRead lease → manifest checks → remote agent name claimed → add_remote (on failure:
@@ -38,7 +39,7 @@ from ferry import checkpoint_format as ckpt
 from ferry.api.models import AttemptOutcome, AttemptReason, SelectorKind, SourceKind
 from ferry_agent.store.resident import ResidentWeights, TensorSpec
 from ferry_agent.strategies.candidate import SourceCandidate
-from ferry_agent.strategies.chain import LoadContext, SourceTransferError, StrategyFailed
+from ferry_agent.strategies.chain import Leftover, LoadContext, SourceTransferError, StrategyFailed
 from ferry_agent.strategies.fanout import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_READERS,
@@ -373,6 +374,7 @@ class PeerStrategy:
         self._on_verified = on_verified
         self._first_loader = first_loader
         self._target: ResidentWeights | None = None
+        self._load: _Load | None = None  # the current load, until it returns or is rolled back
         self._landed = False
         self._lease_chunks = lease_chunks(self.settings.chunk_bytes)
 
@@ -421,7 +423,7 @@ class PeerStrategy:
         if not usable:
             raise StrategyFailed(f"no peer source for rank {ctx.rank} ({len(listed)} listed)", mutated=False)
         now = self._clock()
-        load = _Load(ctx, now, progress_at=now, listed_at=now)
+        load = self._load = _Load(ctx, now, progress_at=now, listed_at=now)
         self._add(load, usable)
         with ThreadPoolExecutor(2, thread_name_prefix="ferry-verify") as verifier:
             while not load.chunks or load.needed:
@@ -568,13 +570,21 @@ class PeerStrategy:
             )
         best = max(contributed, key=lambda h: h.moved) if contributed else next(iter(load.holders.values()))
         self._report(load, best.cand.label)
-        self._target = None  # ownership moves to the caller with the result
+        self._target, self._load = None, None  # ownership moves to the caller with the result
         return PeerLoadResult(best.cand, target, load.total, seconds, len(contributed))
 
     def rollback(self, ctx: LoadContext) -> None:
-        """Drop the target we allocated (its registration first). Peers were already removed per attempt."""
+        """Drop the target we allocated (its registration first). Peers were already removed per attempt. A
+        one-rank target that holds checked tensors is left for the next strategy instead (`ctx.leftover`), still
+        registered (a load that serves while it loads goes on serving them)."""
         target, self._target = self._target, None
-        if target is not None:
+        load, self._load = self._load, None
+        if target is None:
+            return
+        checked = {n: c for n, c in load.checksums.items() if n not in target.shared} if load else {}
+        if checked and ctx.world_size == 1:
+            ctx.leftover = Leftover(target, checked, functools.partial(self._peer.deregister, target))
+        else:
             self._peer.deregister(target)
 
     # -- one lease ------------------------------------------------------------------------------------

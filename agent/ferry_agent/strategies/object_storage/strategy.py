@@ -64,8 +64,8 @@ from ferry.api.models import SourceKind
 from ferry_agent.ranks.landing import Landing, MappedLanding
 from ferry_agent.ranks.sharding import rank_of_tensors
 from ferry_agent.store.checkpoints import CheckpointCacheCapacityError, CheckpointStore, chain_refs
-from ferry_agent.store.resident import ResidentWeights, TensorSpec
-from ferry_agent.strategies.chain import LoadContext, StrategyFailed
+from ferry_agent.store.resident import ResidentWeights, TensorSpec, manifest_digest
+from ferry_agent.strategies.chain import Leftover, LoadContext, StrategyFailed
 from ferry_agent.strategies.object_storage.build import build, unchanged_since
 from ferry_agent.strategies.object_storage.checkpoint import Link, LoadError, Plan
 from ferry_agent.strategies.object_storage.download import download
@@ -95,6 +95,7 @@ class S3LoadResult:
     # A multi-rank leader's streamed load: the other ranks' tensors, and the store write held back until every
     # rank has loaded (`commit_landed`).
     landed: Landed | None = None
+    detail: str = ""  # the attempt's message: what the load kept of a failed strategy's target
 
     @property
     def source_label(self) -> str:
@@ -197,11 +198,11 @@ class ObjectStorageStrategy:
                     ctx.version_uid = links[-1].uid
                     log.info("%s is in this node's store (%s): prepared for every rank", ctx.version, plan.reused)
                     return None
-                resident, downloaded, landed, behind = self._execute(
+                resident, downloaded, landed, behind, detail = self._execute(
                     ctx, plan, pool, timings, activate=activate, land=land
                 )
         ctx.version_uid = links[-1].uid
-        return self._result(ctx, plan, resident, downloaded, t0, timings, landed, behind=behind)
+        return self._result(ctx, plan, resident, downloaded, t0, timings, landed, behind=behind, detail=detail)
 
     @contextlib.contextmanager
     def _holding(self, ctx: LoadContext, activate: bool) -> Iterator[list[Any]]:
@@ -315,6 +316,7 @@ class ObjectStorageStrategy:
         landed: Landed | None = None,
         *,
         behind: bool = False,
+        detail: str = "",
     ) -> S3LoadResult:
         seconds = time.monotonic() - t0
         checksums = plan.target_checksums
@@ -341,6 +343,7 @@ class ObjectStorageStrategy:
             seconds=seconds,
             timings={k: round(v, 6) for k, v in timings.items()},
             landed=landed,
+            detail=detail,
         )
 
     def rollback(self, ctx: LoadContext) -> None:
@@ -364,8 +367,9 @@ class ObjectStorageStrategy:
         *,
         activate: bool,
         land: bool = False,
-    ) -> tuple[ResidentWeights, int, Landed | None, bool]:
-        """The new pool, the bytes downloaded, the other ranks' landing, and whether the store is written behind."""
+    ) -> tuple[ResidentWeights, int, Landed | None, bool, str]:
+        """The new pool, the bytes downloaded, the other ranks' landing, whether the store is written behind, and
+        what the load kept of a failed one's (`S3LoadResult.detail`)."""
         fetch = [c for c in plan.deltas if c.path is None]
         if plan.base.path is None and plan.held is None:
             fetch.insert(0, plan.base)
@@ -373,9 +377,16 @@ class ObjectStorageStrategy:
         needed = downloaded + (plan.base.stored_bytes if plan.deltas else 0)  # + the materialized target
         alone = activate and ctx.world_size == 1  # no other rank reads what this load stores
         if alone and fetch == [plan.base] and not plan.deltas:  # a full version; stored deltas need a replay
-            resident, streamed = self._stream(ctx, plan, pool, timings, needed)
+            resident, streamed = self._stream(ctx, plan, pool, timings, needed, leftover=self._leftover(ctx, plan))
             store_full_behind(self._store, plan, streamed)
-            return resident, downloaded, None, True
+            if streamed.kept:
+                detail = (
+                    f"{streamed.kept} of {len(resident.tensors)} tensors ({streamed.kept_bytes} bytes) kept from the "
+                    f"failed load, {streamed.fetched} bytes downloaded"
+                )
+                log.info("%s: %s", ctx.version, detail)
+                return resident, streamed.fetched, None, True, detail
+            return resident, downloaded, None, True, ""
         on_cpu = torch.device(ctx.device).type == "cpu"
         streamed_full = not plan.deltas and fetch == [plan.base]
         if land and not activate and ctx.world_size > 1 and (streamed_full or (plan.deltas and on_cpu)):
@@ -384,14 +395,14 @@ class ObjectStorageStrategy:
                 self._fetch_base(ctx, plan, pool, timings)
                 needed -= plan.base.stored_bytes
             resident, landed = self._land_ranks(ctx, plan, pool, timings, needed)
-            return resident, downloaded, landed, True
+            return resident, downloaded, landed, True, ""
         stored_or_held = plan.base.path is not None or plan.held is not None
         if alone and plan.deltas and stored_or_held and on_cpu:
             # A one-rank replay on a stored or held base into a CPU pool: the deltas stream, the store is written
             # behind.
             resident, replayed = self._replay(ctx, plan, pool, timings, needed)
             store_replay_behind(self._store, plan, replayed, every_version=False)
-            return resident, downloaded, None, True
+            return resident, downloaded, None, True, ""
         with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
             try:
                 self._store.reserve(needed)
@@ -401,7 +412,7 @@ class ObjectStorageStrategy:
                 download(self._store, fetch, pool, timings, report=self._progress, range_bytes=self._range_bytes)
             resident = build(self._store, self._allocate, ctx, plan, pool, timings, on_checked=self._on_checked)
             update.commit(activate=activate)
-        return resident, downloaded, None, False
+        return resident, downloaded, None, False, ""
 
     def _replay(
         self,
@@ -484,10 +495,12 @@ class ObjectStorageStrategy:
         needed: int,
         *,
         into: Mapping[str, np.ndarray] | None = None,
+        leftover: Leftover | None = None,
     ) -> tuple[ResidentWeights, Streamed]:
-        """A full load the store lacks, streamed from S3 into the new pool (tensors it lacks into `into`); the
-        caller writes the store behind from what it returns."""
-        resident = self._allocate_for(ctx, plan, needed, timings)
+        """A full load the store lacks, streamed from S3 into the new pool (tensors it lacks into `into`), or into
+        a failed load's `leftover`, fetching only what it did not check; the caller writes the store behind from
+        what it returns."""
+        resident = self._allocate_for(ctx, plan, needed, timings, leftover)
         streamed = stream(
             plan,
             resident,
@@ -497,16 +510,36 @@ class ObjectStorageStrategy:
             range_bytes=self._range_bytes,
             into=into,
             on_checked=self._on_checked,
+            kept=leftover.checked if leftover is not None else None,
         )
         return resident, streamed
 
-    def _allocate_for(self, ctx: LoadContext, plan: Plan, needed: int, timings: dict[str, float]) -> ResidentWeights:
-        """The new pool of a load whose store entries are written behind: the store's room for them is checked
-        first (refused up front, as when the store is written first), evicting nothing the load reads."""
+    @staticmethod
+    def _leftover(ctx: LoadContext, plan: Plan) -> Leftover | None:
+        """Takes over a failed strategy's target of this very manifest in host memory (a peer load whose holders
+        all went away), so that the stream fetches only the tensors it did not check; anything else stays with the
+        chain, which frees it."""
+        leftover = ctx.leftover
+        if leftover is None:
+            return None
+        target = leftover.resident
+        if target.device.type != "cpu" or target.shared or target.digest != manifest_digest(plan.specs):
+            log.info("%s: the failed load's target is not this checkpoint's pool in host memory: not kept", ctx.version)
+            return None
+        return ctx.take_leftover()
+
+    def _allocate_for(
+        self, ctx: LoadContext, plan: Plan, needed: int, timings: dict[str, float], leftover: Leftover | None = None
+    ) -> ResidentWeights:
+        """The new pool of a load whose store entries are written behind (the `leftover`'s weights, when given):
+        the store's room for them is checked first (refused up front, as when the store is written first),
+        evicting nothing the load reads."""
         try:
             self._store.reserve(needed, protect=chain_refs(plan.model, plan.chain) | {plan.base.ref})
         except CheckpointCacheCapacityError as exc:
             raise LoadError(str(exc)) from exc
+        if leftover is not None:
+            return leftover.resident
         t = time.monotonic()
         try:
             resident = self._allocate(plan.specs, ctx.device, unchanged_since(plan))

@@ -105,11 +105,14 @@ def _check(
     checksum: str,
     device: torch.Tensor | None,
     on_checked: Callable[[str, str], None] | None = None,
+    *,
+    kept: bool = False,
 ) -> None:
     got = ckpt.adler32_hex(host)
     if got != checksum:
         # Raised into the range's task: the load stops (the other ranges are cancelled) at the first bad tensor.
-        raise LoadError(f"shard {uri}: tensor {name!r} fails its adler32 check (got {got}, expected {checksum})")
+        where = "kept from the failed load, changed since it was checked" if kept else "fails its adler32 check"
+        raise LoadError(f"shard {uri}: tensor {name!r} {where} (got {got}, expected {checksum})")
     if device is not None:
         device.copy_(torch.from_numpy(host))
     if on_checked is not None:  # final now: a load that serves while it loads hands it to peers
@@ -119,10 +122,26 @@ def _check(
 @dataclass
 class Streamed:
     """A full checkpoint streamed into memory: every tensor's checked bytes (`hosts`, views of the resident
-    pool where it is on the CPU), what `store_behind` writes to the store."""
+    pool where it is on the CPU), what `store_behind` writes to the store; the bytes fetched, and the tensors
+    (and their bytes) the pool already held."""
 
     checkpoint: Checkpoint
     hosts: dict[str, np.ndarray]
+    fetched: int = 0
+    kept: int = 0
+    kept_bytes: int = 0
+
+
+def _ranges(spans: list[tuple[int, int]], range_bytes: int) -> list[tuple[int, int]]:
+    """Ranged GETs of at most `range_bytes` over `spans` of one object, adjacent spans merged (what is fetched:
+    everything but the tensors a load kept)."""
+    runs: list[list[int]] = []
+    for begin, end in sorted(s for s in spans if s[1] > s[0]):
+        if runs and runs[-1][1] == begin:
+            runs[-1][1] = end
+        else:
+            runs.append([begin, end])
+    return [(b, min(b + range_bytes, end)) for begin, end in runs for b in range(begin, end, range_bytes)]
 
 
 def stream(
@@ -135,24 +154,28 @@ def stream(
     range_bytes: int,
     into: Mapping[str, np.ndarray] | None = None,
     on_checked: Callable[[str, str], None] | None = None,
+    kept: Mapping[str, str] | None = None,
 ) -> Streamed:
     """Fetch `plan.base` (a full checkpoint, not in the store) with parallel ranged GETs into `resident`; a
     tensor `resident` lacks lands in `into[name]` (another rank's share: `ranks.landing`) where given.
-    `on_checked(name, adler32)`: each tensor of `resident` once its bytes passed their check."""
+    `on_checked(name, adler32)`: each tensor of `resident` once its bytes passed their check. `kept`: tensors
+    `resident` already holds with these adler32s (what a failed peer load checked); each whose adler32 is the
+    shard header's is not fetched, only checked again where it is."""
     base = plan.base
     t = time.monotonic()
     folder = base.link.uri.rpartition("/")[0] + "/"  # what a stall report names
-    progress = _Progress(report, sum(s.layout.size for s in base.shards.values()), folder)
     hosts: dict[str, np.ndarray] = {}
     headers: dict[str, bytearray] = {}
-    tasks: list[Callable[[], None]] = []
+    checks: list[Callable[[], None]] = []  # of the kept tensors
+    shard_spans: list[tuple[Shard, list[tuple[int, int, memoryview, Callable[[], None] | None]]]] = []
+    streamed = Streamed(base, hosts)
     for shard in base.shards.values():
         layout = shard.layout
-        ranges = [(b, min(b + range_bytes, layout.size)) for b in range(0, layout.size, range_bytes)]
         headers[shard.name] = bytearray(layout.data_start)
-        spans: list[tuple[int, int, memoryview, Countdown | None]] = [
+        spans: list[tuple[int, int, memoryview, Callable[[], None] | None]] = [
             (0, layout.data_start, memoryview(headers[shard.name]), None)
         ]
+        uri = base.link.shard_uri(shard.name)
         for name, info in layout.infos.items():
             tensor = resident.tensors.get(name)
             flat = None if tensor is None or name in resident.shared else tensor.reshape(-1).view(torch.uint8)
@@ -164,24 +187,38 @@ def stream(
             else:
                 host = np.empty(info.nbytes, dtype=np.uint8)
             hosts[name] = host
-            begin = layout.data_start + info.begin
-            count = sum(1 for b, e in ranges if b < begin + info.nbytes and e > begin)
-            uri = base.link.shard_uri(shard.name)
             mine = on_checked if tensor is not None and name not in resident.shared else None
             check = partial(_check, uri, name, host, layout.checksums[name], None if on_cpu else flat, mine)
-            if count == 0:  # an empty tensor: nothing to fetch
-                check()
+            if on_cpu and kept and kept.get(name) == layout.checksums[name]:
+                checks.append(partial(check, kept=True))
+                streamed.kept += 1
+                streamed.kept_bytes += info.nbytes
                 continue
-            spans.append((begin, begin + info.nbytes, memoryview(host).cast("B"), Countdown(count, check)))
-        for b, e in ranges:
-            pieces = [_Piece(lo, hi, view, done) for lo, hi, view, done in spans if lo < e and hi > b]
-            tasks.append(partial(_fetch_range, base, shard, b, e, pieces, progress))
-    run_tasks(pool, tasks)
+            begin = layout.data_start + info.begin
+            spans.append((begin, begin + info.nbytes, memoryview(host).cast("B"), check))
+        shard_spans.append((shard, spans))
+    fetches: list[tuple[Shard, int, int, list[_Piece]]] = []
+    for shard, spans in shard_spans:
+        ranges = _ranges([(b, e) for b, e, _, _ in spans], range_bytes)
+        pieces: dict[tuple[int, int], list[_Piece]] = {r: [] for r in ranges}
+        for lo, hi, view, check in spans:
+            overlapping = [(b, e) for b, e in ranges if b < hi and e > lo]
+            if check is not None and not overlapping:  # an empty tensor: nothing to fetch
+                checks.append(check)
+                continue
+            done = None if check is None else Countdown(len(overlapping), check)
+            for r in overlapping:
+                pieces[r].append(_Piece(lo, hi, view, done))
+        fetches.extend((shard, b, e, sorted(pieces[(b, e)], key=lambda p: p.begin)) for b, e in ranges)
+    streamed.fetched = sum(e - b for _, b, e, _ in fetches)
+    progress = _Progress(report, streamed.fetched, folder)
+    tasks = [partial(_fetch_range, base, shard, b, e, p, progress) for shard, b, e, p in fetches]
+    run_tasks(pool, tasks + checks)
     for name, header in headers.items():
         if bytes(header) != base.shards[name].header:
             raise LoadError(f"shard {base.where(name)} changed while it was downloaded")
     timings["download"] = time.monotonic() - t  # with every tensor's check
-    return Streamed(base, hosts)
+    return streamed
 
 
 @dataclass(frozen=True)
