@@ -243,7 +243,8 @@ class TransferSpec(_Model):
     """The order in which peers are tried: rendezvousHash (spread by a stable hash), random, or loadAware (fewest
     active read leases first)."""
     stallSeconds: int = Field(default=60, ge=1, le=86400)
-    """No progress for this long is a stall: the ModelLoad's PeerStalled condition turns True."""
+    """No progress for this long is a stall: the ModelLoad's PeerStalled condition turns True, and a peer whose READ
+    completed no chunk for this long is left for the other holders (or object storage) without restarting the load."""
     rpcRetries: int = Field(default=3, ge=0, le=10)
     """Retries of a read-lease RPC (PrepareTensorRead/ReleaseTensorRead) that failed with a transient error
     (UNAVAILABLE), before the source counts as failed."""
@@ -846,6 +847,9 @@ class AttemptReason(StrEnum):
     SOURCE_RPC_FAILED = "SourceRpcFailed"  # any other gRPC error of the peer
     WORKER_TOKEN_UNAVAILABLE = "WorkerTokenUnavailable"  # this agent could not mint a worker token for the peer's node
     TRANSFER_TIMEOUT = "TransferTimeout"  # the NIXL READ from the peer ran past spec.transfer.timeoutSeconds
+    TRANSFER_STALLED = (
+        "TransferStalled"  # the NIXL READ from the peer completed no chunk for spec.transfer.stallSeconds
+    )
     TRANSFER_FAILED = "TransferFailed"  # the NIXL READ from the peer failed
     TIMEOUT = "Timeout"  # the transfer budget (spec.transfer.timeoutSeconds) ran out before the READ from the peer
 

@@ -204,12 +204,16 @@ def load(
     *,
     timeout_s: float = 20,
     rpc_timeout_s: float = 5,
+    stall_s: float = 60,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> tuple[PeerLoadResult, LoadContext]:
+    settings = TransferSettings(
+        timeout_s=timeout_s, rpc_timeout_s=rpc_timeout_s, progress_interval_s=0, stall_s=stall_s
+    )
     strategy = PeerStrategy(
         peer=peer,
         candidates=lambda _: candidates,
-        settings=TransferSettings(timeout_s=timeout_s, rpc_timeout_s=rpc_timeout_s, progress_interval_s=0),
+        settings=settings,
         selector=InOrder(),
         progress=progress,
     )
@@ -341,6 +345,37 @@ def test_wedged_source_times_out_then_the_next_loads(sources: dict[str, Source],
     again, _ = load(peer, [wedged.candidate("replica-wedged")], timeout_s=10)
     verify_and_drop(peer, again, wedged)
     assert wedged.active_leases() == 0
+
+
+def test_a_source_wedged_mid_load_is_left_at_the_stall_limit_not_the_timeout(
+    sources: dict[str, Source], peer: NixlPeer
+) -> None:
+    wedged, a = sources["src-wedged"], sources["src-a"]
+
+    def stop_at_start(done: int, total: int, source: str) -> None:
+        if source == "peer/replica-wedged" and done == 0 and total > 0:
+            wedged.signal(signal.SIGSTOP)  # lease granted, READ posted: nothing moves from here on
+
+    started = time.monotonic()
+    try:
+        result, ctx = load(
+            peer,
+            [wedged.candidate("replica-wedged"), a.candidate("replica-a")],
+            timeout_s=600,
+            rpc_timeout_s=2,
+            stall_s=2,
+            progress=stop_at_start,
+        )
+    finally:
+        wedged.signal(signal.SIGCONT)
+    # Left after 2 s without a chunk (plus the release RPC it cannot answer), not after the 600 s budget.
+    assert time.monotonic() - started < 60
+    assert (ctx.attempts[0].source, ctx.attempts[0].reason) == ("peer/replica-wedged", "TransferStalled")
+    assert "no transfer completed for 2s" in ctx.attempts[0].message
+    assert result.source.replica == "replica-a"
+    verify_and_drop(peer, result, a)
+    assert a.active_leases() == 0
+    wait_for(lambda: wedged.active_leases() == 0, 10, "the wedged source's lease to be released or expire")
 
 
 def test_draining_source_refuses_new_reads(sources: dict[str, Source], peer: NixlPeer) -> None:

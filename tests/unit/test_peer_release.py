@@ -36,7 +36,7 @@ from ferry_agent.strategies.peer import (
     transfer_timeout_seconds,
 )
 from ferry_agent.transport.holdings import HoldingsView
-from ferry_agent.transport.nixl import ManifestMismatchError, NixlPeer, RemoteTensor, describe
+from ferry_agent.transport.nixl import ManifestMismatchError, NixlPeer, RemoteTensor, TransferStalled, describe
 from ferry_agent.transport.worker_service import SourceIdentity, SourceManifest, adler32s, build_manifest
 
 pytestmark = pytest.mark.unit
@@ -150,8 +150,10 @@ class FakePeer:
         *,
         on_start: Callable[[int], None] | None = None,
         on_done: Callable[[int], None] = lambda _i: None,
+        stall_s: float | None = None,
     ) -> int:
         self.log.append(("transfer", remote_name, timeout_s))
+        self.stall_s = stall_s
         assert remote_name in self.loaded, "read from a peer that was not loaded"
         sizes = {t.name: t.nbytes for t in remote_tensors}
         total = sum(sizes[name] for group in groups for name in group)
@@ -606,11 +608,31 @@ def test_valid_timeouts(raw: object, seconds: float) -> None:
 
 
 def test_settings_from_the_modelload_spec() -> None:
-    s = TransferSettings.from_spec({"timeoutSeconds": 45, "maxSourceAttempts": 2, "selector": "loadAware"})
-    assert (s.timeout_s, s.max_source_attempts, s.selector) == (45.0, 2, "loadAware")
-    assert TransferSettings.from_spec({}).timeout_s == 300.0
+    s = TransferSettings.from_spec(
+        {"timeoutSeconds": 45, "maxSourceAttempts": 2, "selector": "loadAware", "stallSeconds": 7}
+    )
+    assert (s.timeout_s, s.max_source_attempts, s.selector, s.stall_s) == (45.0, 2, "loadAware", 7)
+    assert (TransferSettings.from_spec({}).timeout_s, TransferSettings.from_spec({}).stall_s) == (300.0, 60.0)
     with pytest.raises(ValueError):
         TransferSettings(max_source_attempts=0)
+    with pytest.raises(ValueError, match="stallSeconds"):
+        TransferSettings(stall_s=0)
+
+
+def test_a_stalled_holder_is_left_for_the_next_without_waiting_for_the_timeout() -> None:
+    log: list[tuple] = []
+    c = ctx()
+    peer = FakePeer(
+        log, read_error=lambda name: TransferStalled("no transfer completed") if name == "agent-a" else None
+    )
+    settings = TransferSettings(timeout_s=300, rpc_timeout_s=2, stall_s=3)
+    result = strategy(peer, FakeClient(log), [cand("a"), cand("b")], settings).load(c)
+    assert result.source.replica == "b" and result.resident.content_sha256() == SOURCE.content_sha256()
+    assert peer.stall_s == 3  # every READ is bounded by the stall limit, not only by the 300 s budget
+    assert [(a.source, a.outcome, a.reason) for a in c.attempts] == [
+        ("peer/a", "Failed", "TransferStalled"),
+        ("peer/b", "Loaded", "Loaded"),
+    ]
 
 
 # ------------------------------------------------------------------- NixlPeer against a fake agent
@@ -727,6 +749,19 @@ def test_wedged_read_times_out_and_still_releases_the_xfer() -> None:
     with pytest.raises(TimeoutError, match="still in progress"):
         peer.read("src", remote(), local, 0.05)
     assert [e[1] for e in agent.log if e[0] == "release"] == ["xfer", "local", "remote"]
+
+
+def test_a_read_that_completes_nothing_for_the_stall_limit_stalls_long_before_its_timeout() -> None:
+    agent = FakeAgent(states=("DONE", "PROC"))  # the first group lands, the second never does
+    peer = NixlPeer("t", agent=agent)
+    local = target()
+    peer.register(local)
+    done: list[int] = []
+    with pytest.raises(TransferStalled, match=r"no transfer completed for 0\.05s"):
+        peer.read_groups(
+            "src", remote(), local, [["layers.0.weight"], ["layers.0.bias"]], 300, on_done=done.append, stall_s=0.05
+        )
+    assert done == [0] and [e[1] for e in agent.log if e[0] == "release"] == ["xfer", "xfer", "local", "remote"]
 
 
 def test_error_state_raises() -> None:

@@ -54,7 +54,7 @@ from ferry_agent.strategies.fanout import (
 from ferry_agent.strategies.progress import Progress, ProgressThrottle
 from ferry_agent.strategies.selector import Selector, make_selector
 from ferry_agent.transport.holdings import HoldingsView
-from ferry_agent.transport.nixl import ManifestMismatchError, RemoteTensor
+from ferry_agent.transport.nixl import ManifestMismatchError, RemoteTensor, TransferStalled
 from ferry_agent.transport.worker_auth import TokenUnavailable
 from ferry_agent.transport.worker_service import (
     DEFAULT_RPC_TIMEOUT_S,
@@ -77,6 +77,7 @@ BUSY_BACKOFF_S = 0.05  # a holder at its reader limit is asked again after this,
 HOLDINGS_WAIT_S = 0.25  # one long poll of a loading holder for more tensors
 RELIST_S = 0.5  # while waiting, the sources are listed again (new holders, a new first loader) this often
 GONE_RELIST_S = 0.1  # ... and this soon after a loading holder went away (it is most likely Serving now)
+DEFAULT_STALL_S = 60.0  # spec.transfer.stallSeconds' default
 TAKEOVER_S = 1.0  # no live holder of what is needed for this long (two listings) before the next loader reads S3
 
 
@@ -106,6 +107,9 @@ class TransferSettings:
     rpc_backoff_s: float = DEFAULT_RPC_BACKOFF_S
     max_readers: int = DEFAULT_MAX_READERS  # read leases one source grants at once (a source's own setting)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # the reader's chunk: what one READ of a lease moves and checks
+    # A holder whose READ completes no chunk for this long is dropped for the load (its chunks come from others,
+    # or object storage): spec.transfer.stallSeconds, after which the ModelLoad reports the stall too.
+    stall_s: float = DEFAULT_STALL_S
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout_s", transfer_timeout_seconds(self.timeout_s))
@@ -115,6 +119,8 @@ class TransferSettings:
             raise ValueError(f"maxReadersPerSource must be a positive integer, got {self.max_readers!r}")
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1:
             raise ValueError(f"chunkMiB must be positive, got {self.chunk_bytes!r}")
+        if isinstance(self.stall_s, bool) or not isinstance(self.stall_s, int | float) or not self.stall_s > 0:
+            raise ValueError(f"stallSeconds must be positive, got {self.stall_s!r}")
         make_selector(self.selector)  # unknown selector names fail here, at configuration time
         _ = self.retry  # invalid retry settings fail here too
 
@@ -133,6 +139,7 @@ class TransferSettings:
             rpc_backoff_s=transfer.get("rpcBackoffSeconds", DEFAULT_RPC_BACKOFF_S),
             max_readers=transfer.get("maxReadersPerSource", DEFAULT_MAX_READERS),
             chunk_bytes=int(transfer.get("chunkMiB", DEFAULT_CHUNK_BYTES >> 20)) << 20,
+            stall_s=transfer.get("stallSeconds", DEFAULT_STALL_S),
             **overrides,
         )
 
@@ -175,6 +182,7 @@ class TransferPeer(Protocol):
         *,
         on_start: Callable[[int], None] | None = None,
         on_done: Callable[[int], None] = ...,
+        stall_s: float | None = None,
     ) -> int: ...
 
     def synchronize(self, device: torch.device) -> None: ...
@@ -258,6 +266,8 @@ def _reason(exc: BaseException) -> AttemptReason:
     if isinstance(exc, TokenUnavailable):
         return AttemptReason.WORKER_TOKEN_UNAVAILABLE
     if isinstance(exc, SourceTransferError):
+        if isinstance(exc.__cause__, TransferStalled):
+            return AttemptReason.TRANSFER_STALLED
         return (
             AttemptReason.TRANSFER_TIMEOUT if isinstance(exc.__cause__, TimeoutError) else AttemptReason.TRANSFER_FAILED
         )
@@ -649,7 +659,14 @@ class PeerStrategy:
                 groups = [[load.names[t] for t in c.tensors if load.names[t] not in target.shared] for c in batch]
                 try:
                     moved = self._peer.read_groups(
-                        remote_name, manifest.tensors, target, groups, remaining, on_start=on_start, on_done=on_done
+                        remote_name,
+                        manifest.tensors,
+                        target,
+                        groups,
+                        remaining,
+                        on_start=on_start,
+                        on_done=on_done,
+                        stall_s=self.settings.stall_s,
                     )
                 except Exception as exc:
                     raise SourceTransferError(f"NIXL read from {cand.label} failed: {exc}") from exc

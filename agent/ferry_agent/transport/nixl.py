@@ -39,6 +39,10 @@ class ManifestMismatchError(ValueError):
     """Source and target tensors do not pair up by name, size, dtype and shape."""
 
 
+class TransferStalled(TimeoutError):
+    """A READ in flight completed no transfer for the stall limit: the source is wedged or too slow to wait on."""
+
+
 @dataclass(frozen=True)
 class RemoteTensor:
     """A tensor as a source describes it on the wire."""
@@ -212,13 +216,15 @@ class NixlPeer:
         on_start: Callable[[int], None] | None = None,
         on_done: Callable[[int], None] = lambda _i: None,
         window: int = 2,
+        stall_s: float | None = None,
     ) -> int:
         """READ the tensors of each group into the local tensors of the same names: one transfer per group, all
         prepared at once and posted `window` at a time in order, so that groups land one after the other (and can
         be checked: `on_done(i)`, called from this thread as group i completes; a transfer that completes as it is
         posted, a shared-memory copy, is done before the next is posted) while the next ones are in flight;
         all posted together, they would share the link and all land at the end. `on_start(total_bytes)` runs before
-        the first is posted. A transfer still in progress at the deadline raises `TimeoutError`; every handle is
+        the first is posted. A transfer still in progress at the deadline raises `TimeoutError`, and none completing
+        for `stall_s` (from the start, then from the last completion) raises `TransferStalled`; every handle is
         released (an xfer in flight is aborted) on every path. Returns the bytes moved."""
         if local.registration is not self:
             raise RuntimeError("target weights must be registered with this agent before a read")
@@ -250,7 +256,7 @@ class NixlPeer:
             for i, group in enumerate(wanted):
                 if not group:
                     on_done(i)  # empty tensors only: nothing to move
-            self._wait_all(xfers, remote_name, total, timeout_s, on_done, window)
+            self._wait_all(xfers, remote_name, total, timeout_s, on_done, window, stall_s)
         finally:
             for handle in handles:
                 try:
@@ -267,8 +273,10 @@ class NixlPeer:
         timeout_s: float,
         on_done: Callable[[int], None],
         window: int,
+        stall_s: float | None = None,
     ) -> None:
         deadline = time.monotonic() + timeout_s
+        moved_at = time.monotonic()  # the start, then the last completion
         pause = 0.0
         queued = sorted(xfers)
         pending: dict[int, str] = {}
@@ -278,7 +286,7 @@ class NixlPeer:
                 state = self._agent.transfer(xfers[i])
                 if state == "DONE":  # done as posted (a shared-memory copy): checked while the next one moves
                     on_done(i)
-                    pause = 0.0
+                    pause, moved_at = 0.0, time.monotonic()
                 else:
                     pending[i] = state
             for i, state in list(pending.items()):
@@ -288,13 +296,16 @@ class NixlPeer:
                 if state == "DONE":
                     del pending[i]
                     on_done(i)
-                    pause = 0.0
+                    pause, moved_at = 0.0, time.monotonic()
                 elif state != "PROC":
                     raise RuntimeError(f"NIXL READ of group {i} from {remote_name} ended in state {state}")
             if not pending and not queued:
                 return
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise TimeoutError(f"NIXL READ of {total} B from {remote_name} still in progress after {timeout_s:g}s")
+            if stall_s is not None and now - moved_at >= stall_s:
+                raise TransferStalled(f"NIXL READ from {remote_name}: no transfer completed for {stall_s:g}s")
             if pause:
                 time.sleep(pause)
             pause = min(0.002, pause * 2 or 0.00005)
