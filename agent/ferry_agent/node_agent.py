@@ -13,7 +13,6 @@ writes only the WeightReplica `/status` and its Leases.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -38,12 +37,12 @@ from ferry_agent.kube.replicas import NodeReplicas
 from ferry_agent.kube.sources import ApiSources
 from ferry_agent.ranks.agreement import SingleRank
 from ferry_agent.ranks.supervisor import RankLaunch, RankPool, RankProcesses, WorkerSettings
-from ferry_agent.replica_load import deltas_first, load_rank, rank_context, read_guard, serve_rank
+from ferry_agent.replica_load import deltas_first, load_rank, loading_source, rank_context, read_guard, serve_rank
 from ferry_agent.store.checkpoints import CheckpointStore, model_key
 from ferry_agent.store.resident import ResidentWeights
 from ferry_agent.strategies.peer import TransferSettings
 from ferry_agent.strategies.progress import Progress
-from ferry_agent.transport.loading_source import LoadingSource
+from ferry_agent.transport.loading_source import NOT_LOADING
 from ferry_agent.transport.nixl import NixlPeer
 from ferry_agent.transport.worker_auth import ReaderTokens, WorkerAuth
 from ferry_agent.transport.worker_service import WorkerServer
@@ -435,25 +434,16 @@ class NodeAgent:
             return self._host.versions((namespace, name))
 
         spec = self._deltas_first((namespace, name), spec, sources, held())
-        settings = TransferSettings.from_spec(spec.get("transfer") or {})
-
-        def version_uid() -> str | None:  # of the object this load reads (set by the Peer strategy's check)
-            if ctx.version_uid is None:
-                body = sources.version(spec["version"])
-                return None if body is None else str(body["metadata"]["uid"])
-            return ctx.version_uid
-
-        serving = LoadingSource(
+        serving = loading_source(
             self._peer,
-            rank=0,
+            ctx,
+            auth=self._worker_auth,
+            namespace=namespace,
+            version=spec["version"],
+            spec=spec,
+            sources=sources,
             host=self._bind_address,
-            guard=read_guard(self._worker_auth, namespace, dataclasses.replace(ctx, version=spec["version"])),
-            max_readers=settings.max_readers,
-            transfer_timeout_s=settings.timeout_s,
-            version_uid=version_uid,
-            publish=lambda fields: self._patch_status(
-                (namespace, name), fields or {"loadingRanks": None, "loadingVersionUid": None}
-            ),
+            publish=lambda fields: self._patch_status((namespace, name), fields or NOT_LOADING),
         )
         try:
             result = load_rank(
@@ -559,7 +549,14 @@ class NodeAgent:
             version=spec["version"],
             timeout_s=self._rank_timeout_s,
         )
-        ranks = RankProcesses(launch, self._rank_pool, progress=progress, note=note, wake=self._wake.set)
+        ranks = RankProcesses(
+            launch,
+            self._rank_pool,
+            progress=progress,
+            note=note,
+            wake=self._wake.set,
+            loading=lambda fields: self._patch_status((namespace, name), fields or NOT_LOADING),
+        )
         try:
             ranks.start()
             # Loading may wait for the first loader and then copy or replay: the transfer budget twice, plus slack.

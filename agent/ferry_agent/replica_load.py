@@ -6,6 +6,7 @@ of a multi-rank one, so both run exactly the same code: `load_rank` over a `Rank
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
@@ -23,7 +24,7 @@ from ferry_agent.strategies.local_file import LocalFileStrategy, SeedKey
 from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
 from ferry_agent.strategies.peer import PeerStrategy, TransferSettings
 from ferry_agent.strategies.progress import Progress
-from ferry_agent.transport.loading_source import LoadingSource
+from ferry_agent.transport.loading_source import LoadingSource, Publish
 from ferry_agent.transport.nixl import NixlPeer
 from ferry_agent.transport.worker_auth import ReadGuard, ServedVersion, WorkerAuth
 from ferry_agent.transport.worker_service import SourceCredentials, WorkerServer, serve_resident
@@ -37,6 +38,40 @@ def read_guard(auth: WorkerAuth | None, namespace: str, ctx: LoadContext) -> Rea
     if auth is None:
         return None
     return auth.guard(ServedVersion(namespace, ctx.model, ctx.version))
+
+
+def loading_source(
+    peer: NixlPeer,
+    ctx: LoadContext,
+    *,
+    auth: WorkerAuth | None,
+    namespace: str,
+    version: str,
+    spec: Mapping[str, Any],
+    sources: ApiSources,
+    host: str,
+    publish: Publish,
+) -> LoadingSource:
+    """What serves this rank's load while it runs (pipelined fan-out) to readers assigned `version`, publishing
+    its `status.loadingRanks` entry with `publish`."""
+    settings = TransferSettings.from_spec(spec.get("transfer") or {})
+
+    def version_uid() -> str | None:  # of the object this load reads (set by the Peer strategy's check)
+        if ctx.version_uid is None:
+            body = sources.version(version)
+            return None if body is None else str(body["metadata"]["uid"])
+        return ctx.version_uid
+
+    return LoadingSource(
+        peer,
+        rank=ctx.rank,
+        host=host,
+        guard=read_guard(auth, namespace, dataclasses.replace(ctx, version=version)),
+        max_readers=settings.max_readers,
+        transfer_timeout_s=settings.timeout_s,
+        version_uid=version_uid,
+        publish=publish,
+    )
 
 
 def serve_rank(
@@ -150,7 +185,7 @@ def load_rank(
     return the chain's result. Every strategy allocates its target with `allocate`; a follower's share of its
     leader's landing is taken over by `map_sealed`; `held()` lists the replica's versions sealed in the agent's
     host memory, which an S3 replay may start from. With `serving`, the load serves peers what it holds while it
-    loads (a one-rank replica in the agent: pipelined fan-out)."""
+    loads (pipelined fan-out)."""
     settings = TransferSettings.from_spec(spec.get("transfer") or {})
     replica = ctx.target_id
     version = configured or ""

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ferry_agent.transport.worker_service import SourceIdentity, get_holdings
-from tests.support.agents import content_sha256, node, read_back, reader_tokens, start_agent
+from tests.support.agents import content_sha256, node, pull, read_back, reader_tokens, start_agent
 from tests.support.objects import (
     apply,
     ml_body,
@@ -230,6 +230,63 @@ def test_a_dead_s3_loader_mid_pipeline_is_replaced_without_restarting_the_others
         wait_for(lambda: ml_status(cluster, namespace).get("ready") == "3/3", 120, "3/3 Ready", describe)
         restarted = replicas(cluster, namespace)[first]
         assert read_back(restarted["status"]["ranks"][0], first) == expected
+    finally:
+        for a in agents.values():
+            a.stop()
+
+
+def test_two_rank_replicas_read_each_rank_from_a_replica_still_loading(
+    cluster, s3, slow_s3, namespace, operator, tmp_path
+):
+    """Each rank process serves what it has checked while it loads: the S3 loader's local leader its own share of
+    what it streams, every other replica's ranks what they read from peers."""
+    agents, _ = setup(cluster, s3, slow_s3, namespace, tmp_path, 3)
+    weights = tensors(7, n=TENSORS, shape=(256, 1024))
+
+    def describe() -> str:
+        statuses = {k: v.get("status") for k, v in replicas(cluster, namespace).items()}
+        return json.dumps(statuses, indent=1) + "".join(a.log_tail(15) for a in agents.values())
+
+    try:
+        transfer = {"timeoutSeconds": 120, "chunkMiB": 2}
+        apply(cluster, namespace, ml_body(namespace, "v1", 3, ranksPerReplica=2, transfer=transfer))
+        with first_holding(cluster, slow_s3, namespace, 3, describe) as (first, _):
+            others = [n for n in replicas(cluster, namespace) if n != first]
+
+            def holds_a_chunk(name: str) -> bool:
+                try:
+                    return held(cluster, namespace, replicas(cluster, namespace)[name]) >= CHUNK_TENSORS
+                except grpc.RpcError:  # a load that restarted closed the service its status still names
+                    return False
+
+            reader = wait_for(
+                lambda: next((n for n in others if holds_a_chunk(n)), None),
+                90,
+                "another replica's rank 0 holding a chunk read from the loading S3 loader",
+                describe,
+            )
+            status = replicas(cluster, namespace)[first]["status"]
+            assert status["phase"] == "Loading" and [e["rank"] for e in status["loadingRanks"]] == [0], status
+            loading = replicas(cluster, namespace)[reader]["status"]["loadingRanks"]
+            assert [e["state"] for e in loading] == ["Loading"] * len(loading) and loading[0]["rank"] == 0, loading
+        wait_for(lambda: ml_status(cluster, namespace).get("ready") == "3/3", 180, "3/3 Ready", describe)
+
+        final = replicas(cluster, namespace)
+        assert final[first]["status"]["source"] == "s3", final[first]["status"]
+        status = final[reader]["status"]
+        assert "peer/" in status["source"] and not status.get("loadingRanks"), status
+        loaded = [a for a in status["attempts"] if a["source"].startswith("peer/") and a["outcome"] == "Loaded"]
+        assert any("while it was loading" in a["message"] for a in loaded), status["attempts"]
+        for name, wr in final.items():  # each rank serves its share; together exactly v1, byte for byte
+            union: dict[str, torch.Tensor] = {}
+            for entry in wr["status"]["ranks"]:
+                union.update(pull(entry, name))
+            assert sorted(union) == sorted(weights), name
+            for key, array in weights.items():
+                assert torch.equal(
+                    union[key].contiguous().view(torch.uint8).reshape(-1),
+                    torch.from_numpy(array).view(torch.uint8).reshape(-1),
+                ), (name, key)
     finally:
         for a in agents.values():
             a.stop()

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 from ferry.errors import LoadFailed
 from ferry_agent.ranks.worker import Job
+from ferry_agent.transport.loading_source import Publish
 from ferry_agent.transport.worker_auth import PodIdentity
 
 log = logging.getLogger(__name__)
@@ -306,6 +307,16 @@ def _report(callback: Callable[..., None], *args: Any) -> None:
         log.warning("reporting rank progress failed: %s", exc)
 
 
+def _loading_ranks(loading: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The replica's `loadingRanks` from what each rank published (None: no rank serves its load, or the ranks
+    name different WeightVersion objects, which no reader could check)."""
+    uids = {fields.get("loadingVersionUid") for fields in loading.values()}
+    if not loading or len(uids) != 1:
+        return None
+    entries = [entry for rank in sorted(loading) for entry in loading[rank].get("loadingRanks") or ()]
+    return {"loadingRanks": entries, "loadingVersionUid": uids.pop()}
+
+
 def _combine(failures: Mapping[int, str]) -> str:
     """One message when the ranks agree on it (they normally do), else each rank's."""
     distinct = set(failures.values())
@@ -325,12 +336,16 @@ class RankProcesses:
         progress: Callable[[int, int, str], None] = lambda *_: None,
         note: Callable[[str], None] = lambda _m: None,
         wake: Callable[[], None] = lambda: None,
+        loading: Publish = lambda _fields: None,
     ) -> None:
+        """`loading(fields)`: the ranks that serve their load while it runs, as `status.loadingRanks` and
+        `loadingVersionUid` (None: none does)."""
         self.launch = launch
         self._pool = pool
         self._progress = progress
         self._note = note
         self._wake = wake
+        self._loading = loading
         self._workers: list[RankWorker] = []
         self._events: queue.Queue[tuple[int, Event] | None] = queue.Queue()
         self._leases: dict[int, int] = {}
@@ -376,6 +391,7 @@ class RankProcesses:
         serving: dict[int, Event] = {}
         failed: dict[int, Event] = {}
         progress: dict[int, tuple[int, int, str]] = {}
+        loading: dict[int, dict[str, Any]] = {}  # rank -> what it published while it loads
         deadline = time.monotonic() + timeout_s
         grace_end: float | None = None
         while len(serving) < n:
@@ -400,6 +416,12 @@ class RankProcesses:
                 )
             elif kind == "note":
                 _report(self._note, str(event.get("message", "")))
+            elif kind == "loading":
+                if event.get("fields"):
+                    loading[rank] = event["fields"]
+                else:
+                    loading.pop(rank, None)
+                _report(self._loading, _loading_ranks(loading))
             elif kind == "serving":
                 serving[rank] = event
             elif kind == "leases":
@@ -416,6 +438,8 @@ class RankProcesses:
                     break  # the other ranks are blocked in a collective with it: stop them now
         if failed:
             self.stop(drain_s=0)
+            if loading:  # the ranks that served their load are gone
+                _report(self._loading, None)
             attempts = next((f.get("attempts") for _, f in sorted(failed.items()) if f.get("attempts")), [])
             raise LoadFailed(_combine({r: str(f["message"]) for r, f in failed.items()}), attempts)
         self._tcp = None

@@ -10,7 +10,10 @@ worker service of that load. A CPU share lives in sealed memfd chunks of the ran
 follower of an S3 cold start, the chunks its local leader landed it in: `ranks.landing`); the `serving` event names
 their descriptors, which the node agent opens through /proc to offer the share for attach.
 
-It reports to the node agent in JSON lines on stdout (`Reporter`: `ready`, `progress`, `note`, `serving`,
+While a rank loads, it serves the tensors it has checked (pipelined fan-out: `LoadingSource`, whose entry the agent
+writes into `status.loadingRanks` from the `loading` event).
+
+It reports to the node agent in JSON lines on stdout (`Reporter`: `ready`, `progress`, `note`, `loading`, `serving`,
 `leases`, `failed`, `stopped`) and takes commands on stdin: `load JSON`, then `drain SECONDS` and `stop`, which end
 the load (readers finish, the share is released) and leave the process ready for the next one. A load that fails
 ends the process: its gloo group may be broken, and the agent starts a fresh one. End of stdin (the agent died or
@@ -48,7 +51,7 @@ from ferry_agent.kube.apiretry import bound_requests
 from ferry_agent.kube.sources import ApiSources
 from ferry_agent.logs import LogFormat
 from ferry_agent.ranks.agreement import TorchRankGroup
-from ferry_agent.replica_load import load_rank, rank_context, read_guard, serve_rank
+from ferry_agent.replica_load import load_rank, loading_source, rank_context, read_guard, serve_rank
 from ferry_agent.store.checkpoints import CheckpointStore
 from ferry_agent.strategies.chain import StrategyRecoveryError
 from ferry_agent.strategies.local_file import seed_argument
@@ -192,6 +195,17 @@ class RankProcess:
         key = (job.namespace, job.replica)
         label = f"{job.namespace}/{spec['modelName']}/{job.version}#{job.rank}"
         sealed = None
+        serving = loading_source(
+            self.peer,
+            ctx,
+            auth=self.auth,
+            namespace=job.namespace,
+            version=job.version,
+            spec=spec,
+            sources=sources,
+            host=args.bind_address,
+            publish=lambda fields: report("loading", fields=fields),
+        )
         try:
             result = load_rank(
                 group,
@@ -208,7 +222,9 @@ class RankProcess:
                 credentials=self.tokens,
                 allocate=self.host.allocator(key, label),
                 map_sealed=functools.partial(self.host.map_sealed, key),
+                serving=serving,
             )
+            serving.close()  # before the seal: no reader may hold the writable pages
             memory = None
             if result.resident.host is not None:
                 # The READ's registration goes first: sealing needs no pinned, writable pages.
@@ -225,6 +241,7 @@ class RankProcess:
             report("failed", message=str(exc), fatal=fatal, attempts=[a.to_status() for a in ctx.attempts])
             return None
         finally:
+            serving.close()
             group.close()
         server, entry = serve_rank(
             result.resident,

@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 DRAIN_S = 5.0  # readers of a loading replica hold a lease for one batch of chunks at most
 
 # What the agent writes into the replica's status: `{"loadingRanks": [...], "loadingVersionUid": ...}`, or None
-# to clear them.
+# to clear them (NOT_LOADING).
 Publish = Callable[[dict[str, Any] | None], None]
+NOT_LOADING: dict[str, Any] = {"loadingRanks": None, "loadingVersionUid": None}
 
 
 class LoadingSource:
