@@ -166,7 +166,7 @@ def stream(
     folder = base.link.uri.rpartition("/")[0] + "/"  # what a stall report names
     hosts: dict[str, np.ndarray] = {}
     headers: dict[str, bytearray] = {}
-    checks: list[Callable[[], None]] = []  # of the kept tensors
+    checks: list[Callable[[], None]] = []  # with no range to wait for: the kept tensors and the empty ones
     shard_spans: list[tuple[Shard, list[tuple[int, int, memoryview, Callable[[], None] | None]]]] = []
     streamed = Streamed(base, hosts)
     for shard in base.shards.values():
