@@ -41,8 +41,7 @@ try:
 except ImportError:  # run as a script: bench/ is on sys.path, the repository root may not be
     from _common import summary
 
-from ferry.api.models import API_VERSION, worker_audience
-from ferry_agent.kube.registry import LABEL_NODE
+from ferry.api.models import API_VERSION, LABEL_MODEL, LABEL_NODE, label_value, worker_audience
 from ferry_agent.store.resident import ResidentWeights, TensorSpec
 from ferry_agent.strategies.candidate import SourceCandidate
 from ferry_agent.strategies.chain import LoadContext
@@ -80,7 +79,12 @@ def authenticated(cluster: Any, workdir: Path) -> Auth:
     body = {
         "apiVersion": API_VERSION,
         "kind": "WeightReplica",
-        "metadata": {"name": "bench-target", "namespace": "default", "labels": {LABEL_NODE: node}},
+        "metadata": {
+            "name": "bench-target",
+            "namespace": "default",
+            # the assignment views select a served model's replicas by this label, as the operator sets it
+            "labels": {LABEL_NODE: node, LABEL_MODEL: label_value("bench")},
+        },
         "spec": {"modelLoad": "bench", "modelName": "bench", "version": "v", "nodeName": node, "device": "cpu"},
     }
     cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
