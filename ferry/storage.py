@@ -90,7 +90,7 @@ def _read(
     return _call(what, response["Body"].read)
 
 
-def _get_prefix(client: Any, bucket: str, key: str, nbytes: int) -> dict[str, Any] | None:
+def get_prefix(client: Any, bucket: str, key: str, nbytes: int) -> dict[str, Any] | None:
     try:
         return client.get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{nbytes - 1}")
     except ClientError as exc:
@@ -99,7 +99,7 @@ def _get_prefix(client: Any, bucket: str, key: str, nbytes: int) -> dict[str, An
         raise
 
 
-def _object_size(response: dict[str, Any]) -> int:
+def object_size(response: dict[str, Any]) -> int:
     """From a ranged GET: the size is in its Content-Range (`bytes 0-N/size`), so no HEAD is needed, a request
     fewer per shard. Without a Content-Range the server sent the whole object (it ignored the Range)."""
     content_range = response.get("ContentRange") or ""
@@ -108,10 +108,10 @@ def _object_size(response: dict[str, Any]) -> int:
 
 def _read_prefix(client: Any, bucket: str, key: str, what: str, nbytes: int) -> tuple[bytes, int]:
     """The first `nbytes` of an object and its size, in one ranged GET."""
-    response = _call(what, _get_prefix, client=client, bucket=bucket, key=key, nbytes=nbytes)
+    response = _call(what, get_prefix, client=client, bucket=bucket, key=key, nbytes=nbytes)
     if response is None:
         return b"", 0
-    return _call(what, response["Body"].read), _object_size(response)
+    return _call(what, response["Body"].read), object_size(response)
 
 
 # ---------------------------------------------------------------- the same reads on an asyncio client
@@ -152,7 +152,7 @@ async def _aread_prefix(client: Any, bucket: str, key: str, what: str, nbytes: i
     response = await _acall(what, _aget_prefix, client=client, bucket=bucket, key=key, nbytes=nbytes)
     if response is None:
         return b"", 0
-    return await _acall(what, response["Body"].read), _object_size(response)
+    return await _acall(what, response["Body"].read), object_size(response)
 
 
 # ---------------------------------------------------------------- the verification, apart from its reads

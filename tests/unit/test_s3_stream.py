@@ -48,31 +48,33 @@ BUCKET = "ferry-s3-strategy"
 
 
 class MemoryS3:
-    """The two calls the strategy makes, over a dict of objects; `corrupt(key, offset)` flips one byte of every
-    later ranged GET response that covers it (the stored object stays intact)."""
+    """The one call the strategy makes, GET (ranged or not), over a dict of objects: no HEAD, a shard's size comes
+    from its probe's Content-Range. `corrupt(key, offset)` flips one byte of every later ranged GET response that
+    covers it (the stored object stays intact)."""
 
     def __init__(self, objects: Mapping[str, bytes]) -> None:
         self.objects = dict(objects)
         self.flips: dict[str, int] = {}
         self.gets = 0
 
-    def head_object(self, Bucket: str, Key: str) -> dict[str, Any]:
-        if Key not in self.objects:
-            raise ClientError({"Error": {"Code": "404", "Message": "Not Found"}}, "HeadObject")
-        return {"ContentLength": len(self.objects[Key])}
-
     def get_object(self, Bucket: str, Key: str, Range: str | None = None) -> dict[str, Any]:
         self.gets += 1
+        if Key not in self.objects:
+            raise ClientError({"Error": {"Code": "NoSuchKey", "Message": "Not Found"}}, "GetObject")
         data = self.objects[Key]
         begin, end = 0, len(data)
+        reply: dict[str, Any] = {}
         if Range is not None:
             first, last = Range.removeprefix("bytes=").split("-")
             begin, end = int(first), min(int(last) + 1, len(data))
+            if begin >= len(data):
+                raise ClientError({"Error": {"Code": "InvalidRange", "Message": "Range Not Satisfiable"}}, "GetObject")
+            reply["ContentRange"] = f"bytes {begin}-{end - 1}/{len(data)}"  # the size, as S3 gives it
         body = bytearray(data[begin:end])
         flip = self.flips.get(Key)
         if flip is not None and begin <= flip < end:
             body[flip - begin] ^= 0x01
-        return {"ContentLength": len(body), "Body": StreamingBody(io.BytesIO(bytes(body)), len(body))}
+        return {**reply, "ContentLength": len(body), "Body": StreamingBody(io.BytesIO(bytes(body)), len(body))}
 
 
 def publish(files: Mapping[str, bytes], version: str = "v1") -> tuple[MemoryS3, dict[str, dict[str, Any]]]:

@@ -16,7 +16,7 @@ from ferry import checkpoint_format as ckpt
 from ferry.api.models import MAX_CHAIN_LENGTH, WeightFormat
 from ferry.chain import VersionView, resolve_chain
 from ferry.s3 import parse_s3_uri
-from ferry.storage import HEADER_PROBE_BYTES, MAX_INDEX_BYTES
+from ferry.storage import HEADER_PROBE_BYTES, MAX_INDEX_BYTES, get_prefix, object_size
 from ferry_agent.ranks.sharding import rank_specs
 from ferry_agent.store.checkpoints import (
     ArtifactKind,
@@ -281,7 +281,7 @@ class Planner:
         return Checkpoint(link, ref, raw, index, shards, checksums, path, self._store.identity(ref))
 
     def _remote(self, ref: ArtifactRef, link: Link, pool: ThreadPoolExecutor) -> Checkpoint:
-        """Fetch and validate a checkpoint's index and every shard header from S3 (HEAD + ranged GET each)."""
+        """Fetch and validate a checkpoint's index and every shard header from S3 (a ranged GET each)."""
         client = self._client(link)
         if self._progress is not None:
             self._progress(0, 0, link.uri)  # what the load waits on, before the first request (stall diagnosis)
@@ -315,10 +315,11 @@ class Planner:
             return response["Body"].read()
 
         try:
-            size = client.head_object(Bucket=link.bucket, Key=key)["ContentLength"]
+            # One ranged GET: its Content-Range gives the size, so no HEAD (a round trip fewer before the download).
+            probe = get_prefix(client, link.bucket, key, HEADER_PROBE_BYTES)
+            head, size = (probe["Body"].read(), object_size(probe)) if probe is not None else (b"", 0)
             if size < ckpt.HEADER_PREFIX_BYTES:
                 raise LoadError(f"shard {uri} is only {size} bytes; it is truncated")
-            head = get(0, min(size, HEADER_PROBE_BYTES) - 1)
             header_end = ckpt.HEADER_PREFIX_BYTES + ckpt.header_length(head)
             if header_end > size:
                 raise LoadError(f"shard {uri} is {size} bytes but its header alone needs {header_end}; truncated")
