@@ -103,7 +103,12 @@ def object_size(response: dict[str, Any]) -> int:
     """From a ranged GET: the size is in its Content-Range (`bytes 0-N/size`), so no HEAD is needed, a request
     fewer per shard. Without a Content-Range the server sent the whole object (it ignored the Range)."""
     content_range = response.get("ContentRange") or ""
-    return int(content_range.rpartition("/")[2]) if "/" in content_range else response["ContentLength"]
+    if "/" not in content_range:
+        return response["ContentLength"]
+    total = content_range.rpartition("/")[2]
+    if not total.isdigit():  # `bytes 0-N/*`: the server does not say
+        raise ValueError(f"Content-Range {content_range!r} does not give the object's size")
+    return int(total)
 
 
 def _read_prefix(client: Any, bucket: str, key: str, what: str, nbytes: int) -> tuple[bytes, int]:

@@ -426,10 +426,8 @@ def test_a_failed_peer_loads_target_is_finished_from_s3_fetching_only_what_it_di
     store = CheckpointStore(tmp_path / "store", 1 << 30)
     released: list[str] = []
     kept = ["embed.weight", "layers.0.mlp.weight"]
-    leftover = leftover_of(w, [*kept, "layers.1.mlp.weight"], released)
-    # A checksum the holder listed that is not the version's: that tensor is fetched again, not trusted.
-    wrong = dict(leftover.checked, **{"layers.1.mlp.weight": "00000000"})
-    c = ctx("v1", leftover=Leftover(leftover.resident, wrong, leftover.release))
+    leftover = leftover_of(w, kept, released)
+    c = ctx("v1", leftover=leftover)
     served: list[str] = []
     fetched: list[tuple[str, int, int]] = []  # (shard, begin, end) of every ranged GET of the stream
     fetch_range = stream_module._fetch_range
@@ -473,10 +471,48 @@ def test_kept_bytes_that_changed_after_their_check_fail_the_load_and_another_man
     with pytest.raises(StrategyFailed, match=r"'embed\.weight' kept from the failed load, changed since"):
         strategy(store, s3, versions).load(ctx("v1", leftover=leftover))
     assert store.artifacts() == [] and not debris(store.root)
+    assert released == ["released"]  # taken over, so the failed stream frees it (the chain no longer can)
 
     other = leftover_of({**w, "extra": np.zeros(4, np.float32)}, ["embed.weight"], released)
     c = ctx("v1", leftover=other)
     result = strategy(store, s3, versions).load(c)
-    assert result.resident is not other.resident and c.leftover is other and result.detail == ""
+    assert result.resident is not other.resident and result.detail == ""
+    assert c.leftover is None and released == ["released"] * 2  # freed before the load allocated its own pool
     assert resident_shas(result) == shas(w)
+    store.close()
+
+
+def test_a_leftover_checked_against_other_checksums_than_the_versions_is_not_kept_at_all(tmp_path: Path) -> None:
+    # Its holder listed a checksum the version's shard header does not: none of that holder's bytes is trusted
+    # (the target may still be served with them), so the load starts from a pool of its own.
+    w = weights(23)
+    s3, versions = publish(full(w))
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    released: list[str] = []
+    good = leftover_of(w, ["embed.weight", "layers.0.mlp.weight"], released)
+    wrong = dict(good.checked, **{"layers.0.mlp.weight": "00000000"})
+    c = ctx("v1", leftover=Leftover(good.resident, wrong, good.release))
+    result = strategy(store, s3, versions).load(c)
+    assert result.resident is not good.resident and result.detail == "" and c.leftover is None
+    assert released == ["released"] and resident_shas(result) == shas(w)
+    store.close()
+
+
+class SizeWithheld(MemoryS3):
+    """A server whose ranged replies do not give the object's size (`bytes 0-N/*`)."""
+
+    def get_object(self, Bucket: str, Key: str, Range: str | None = None) -> dict[str, Any]:
+        reply = super().get_object(Bucket, Key, Range)
+        if "ContentRange" in reply:
+            reply["ContentRange"] = reply["ContentRange"].rpartition("/")[0] + "/*"
+        return reply
+
+
+def test_a_shard_whose_size_the_server_withholds_fails_its_validation(tmp_path: Path) -> None:
+    w = weights(24)
+    s3, versions = publish(full(w))
+    store = CheckpointStore(tmp_path / "store", 1 << 30)
+    with pytest.raises(StrategyFailed, match=r"does not give the object's size") as exc:
+        strategy(store, SizeWithheld(s3.objects), versions).load(ctx("v1"))
+    assert not exc.value.mutated and store.artifacts() == []
     store.close()

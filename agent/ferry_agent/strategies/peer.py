@@ -586,13 +586,15 @@ class PeerStrategy:
     def rollback(self, ctx: LoadContext) -> None:
         """Drop the target we allocated (its registration first). Peers were already removed per attempt. A
         one-rank target that holds checked tensors is left for the next strategy instead (`ctx.leftover`), still
-        registered (a load that serves while it loads goes on serving them)."""
+        registered (a load that serves while it loads goes on serving them), when it is one the S3 stream can
+        take over."""
         target, self._target = self._target, None
         load, self._load = self._load, None
         if target is None:
             return
         checked = {n: c for n, c in load.checksums.items() if n not in target.shared} if load else {}
-        if checked and ctx.world_size == 1:
+        # Only what the S3 stream can take over: one rank's unshared pool in host memory (else freed now).
+        if checked and ctx.world_size == 1 and target.device.type == "cpu" and not target.shared:
             ctx.leftover = Leftover(target, checked, functools.partial(self._peer.deregister, target))
         else:
             self._peer.deregister(target)

@@ -8,6 +8,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -317,7 +318,11 @@ class Planner:
         try:
             # One ranged GET: its Content-Range gives the size, so no HEAD (a round trip fewer before the download).
             probe = get_prefix(client, link.bucket, key, HEADER_PROBE_BYTES)
-            head, size = (probe["Body"].read(), object_size(probe)) if probe is not None else (b"", 0)
+            head, size = b"", 0
+            if probe is not None:  # else an empty object (no byte 0)
+                size = object_size(probe)
+                with closing(probe["Body"]):  # a server that ignores the Range sends the whole shard: read the probe
+                    head = probe["Body"].read(HEADER_PROBE_BYTES)
             if size < ckpt.HEADER_PREFIX_BYTES:
                 raise LoadError(f"shard {uri} is only {size} bytes; it is truncated")
             header_end = ckpt.HEADER_PREFIX_BYTES + ckpt.header_length(head)
@@ -330,4 +335,6 @@ class Planner:
             raise s3_error(exc, uri) from exc
         except ckpt.InvalidShard as exc:
             raise LoadError(f"shard {uri} {exc}") from exc
+        except ValueError as exc:  # its size unknown (`object_size`)
+            raise LoadError(f"shard {uri}: {exc}") from exc
         return Shard(shard, layout, head[: layout.data_start])

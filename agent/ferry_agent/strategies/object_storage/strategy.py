@@ -376,8 +376,16 @@ class ObjectStorageStrategy:
         downloaded = sum(c.stored_bytes for c in fetch)
         needed = downloaded + (plan.base.stored_bytes if plan.deltas else 0)  # + the materialized target
         alone = activate and ctx.world_size == 1  # no other rank reads what this load stores
-        if alone and fetch == [plan.base] and not plan.deltas:  # a full version; stored deltas need a replay
-            resident, streamed = self._stream(ctx, plan, pool, timings, needed, leftover=self._leftover(ctx, plan))
+        full_stream = alone and fetch == [plan.base] and not plan.deltas  # stored deltas need a replay
+        leftover = self._leftover(ctx, plan) if full_stream else None
+        ctx.drop_leftover()  # one no path here takes is freed before this load allocates its own pool
+        if full_stream:
+            try:
+                resident, streamed = self._stream(ctx, plan, pool, timings, needed, leftover=leftover)
+            except BaseException:
+                if leftover is not None:  # taken over, so the chain no longer frees it
+                    leftover.release()
+                raise
             store_full_behind(self._store, plan, streamed)
             if streamed.kept:
                 detail = (
@@ -517,14 +525,25 @@ class ObjectStorageStrategy:
     @staticmethod
     def _leftover(ctx: LoadContext, plan: Plan) -> Leftover | None:
         """Takes over a failed strategy's target of this very manifest in host memory (a peer load whose holders
-        all went away), so that the stream fetches only the tensors it did not check; anything else stays with the
-        chain, which frees it."""
+        all went away), so that the stream fetches only the tensors it did not check. Not one whose failed load
+        checked a tensor against another checksum than the version's shard header lists: that holder's bytes are
+        not the version's (and the target may still be served with them), so none of them is kept."""
         leftover = ctx.leftover
         if leftover is None:
             return None
         target = leftover.resident
         if target.device.type != "cpu" or target.shared or target.digest != manifest_digest(plan.specs):
             log.info("%s: the failed load's target is not this checkpoint's pool in host memory: not kept", ctx.version)
+            return None
+        listed = plan.base.checksums
+        wrong = sorted(n for n, c in leftover.checked.items() if listed.get(n) != c)
+        if wrong:
+            log.warning(
+                "%s: the failed load checked %d tensor(s) against other checksums than the version's (%s): none kept",
+                ctx.version,
+                len(wrong),
+                ", ".join(wrong[:3]),
+            )
             return None
         return ctx.take_leftover()
 
