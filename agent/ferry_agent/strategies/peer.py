@@ -592,10 +592,9 @@ class PeerStrategy:
         load, self._load = self._load, None
         if target is None:
             return
-        checked = {n: c for n, c in load.checksums.items() if n not in target.shared} if load else {}
         # Only what the S3 stream can take over: one rank's unshared pool in host memory (else freed now).
-        if checked and ctx.world_size == 1 and target.device.type == "cpu" and not target.shared:
-            ctx.leftover = Leftover(target, checked, functools.partial(self._peer.deregister, target))
+        if load and load.checksums and ctx.world_size == 1 and target.device.type == "cpu" and not target.shared:
+            ctx.leftover = Leftover(target, dict(load.checksums), functools.partial(self._peer.deregister, target))
         else:
             self._peer.deregister(target)
 
