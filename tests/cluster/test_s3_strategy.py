@@ -45,6 +45,7 @@ from tests.support.s3 import (
     weights,
     wv,
 )
+from tests.support.slow_s3 import SlowRelay
 
 # ---------------------------------------------------------------- replay
 
@@ -518,4 +519,50 @@ def test_a_corrupted_byte_of_a_full_shard_in_s3_fails_its_tensor(registry: Regis
     assert store.artifacts() == [] and store.state(KEY).version is None and not debris(store.root)
 
     registry.publish("v1", files)  # repaired: the retry loads it
+    assert resident_shas(registry.strategy(store).load(ctx("v1"))) == shas(w1)
+
+
+@pytest.mark.cluster
+def test_ranges_are_received_straight_into_the_pool_on_pooled_connections(
+    registry: Registry, store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every range of a full load is read by http.client straight into the pool (not through urllib3's copying
+    `readinto`), and the layers above still count it: each connection goes back to the pool and is reused."""
+    w1 = weights(34)
+    registry.publish("v1", full(w1))
+    direct, connections = [], set()
+    socket_reader = stream_module._socket_reader
+
+    def spied(body: Any) -> Any:
+        reader = socket_reader(body)
+        direct.append(reader is not None)
+        connections.add(id(body._raw_stream._connection))
+        return reader
+
+    monkeypatch.setattr(stream_module, "_socket_reader", spied)
+    result = registry.strategy(store).load(ctx("v1"))
+    assert resident_shas(result) == shas(w1)
+    # many more ranges than the strategy's 4 workers, on no more connections than workers
+    assert len(direct) >= 8 and all(direct)
+    assert len(connections) <= 4
+
+
+@pytest.mark.cluster
+def test_a_range_cut_mid_body_fails_the_load_naming_its_shard(
+    registry: Registry, s3_server: Any, store: CheckpointStore
+) -> None:
+    w1 = weights(35)
+    registry.publish("v1", full(w1))
+    relay = SlowRelay(s3_server.endpoint, rate=1e12, cut=(b"Range: bytes=49152-", 20_000))
+    try:
+        with pytest.raises(StrategyFailed) as exc:
+            registry.strategy(store, endpoint=relay.endpoint).load(ctx("v1"))
+    finally:
+        relay.close()
+    assert not exc.value.mutated
+    shard = rf"{re.escape(registry.uri('v1', ''))}model-\d+-of-\d+\.safetensors"
+    cut = "the ranged GET of bytes 49152-98303 did not return exactly 49152 bytes"
+    assert re.search(rf"shard {shard}: {cut}", str(exc.value)), str(exc.value)
+    assert store.artifacts() == [] and store.state(KEY).version is None and not debris(store.root)
+    # the same load through the server itself
     assert resident_shas(registry.strategy(store).load(ctx("v1"))) == shas(w1)

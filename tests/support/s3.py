@@ -120,14 +120,15 @@ class Registry:
     def delete(self, version: str, file: str) -> None:
         self.client.delete_object(Bucket=BUCKET, Key=self.key(version, file))
 
-    def strategy(self, store: CheckpointStore, **kwargs: Any) -> ObjectStorageStrategy:
+    def strategy(self, store: CheckpointStore, *, endpoint: str | None = None, **kwargs: Any) -> ObjectStorageStrategy:
+        """A strategy reading this registry's versions, from the server or from `endpoint` (a relay in front of it)."""
         creds = {"AWS_ACCESS_KEY_ID": self.server.access_key, "AWS_SECRET_ACCESS_KEY": self.server.secret_key}
         return ObjectStorageStrategy(
             namespace=NAMESPACE,
             fetch_version=self.versions.get,
             credentials=lambda storage: creds,
             store=store,
-            default_endpoint=self.server.endpoint,
+            default_endpoint=endpoint or self.server.endpoint,
             download_workers=4,
             range_bytes=RANGE_BYTES,
             **kwargs,

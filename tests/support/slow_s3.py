@@ -12,12 +12,15 @@ from dataclasses import dataclass
 
 class SlowRelay:
     """127.0.0.1:<port> → `upstream` (host:port). Responses flow at `rate` bytes/s per connection; `hold()` stops
-    them until `release()`."""
+    them until `release()`. `cut=(marker, n)`: the first request whose bytes contain `marker` gets only the first
+    `n` bytes of its response, then its connection is closed (a server or network dropping mid-body)."""
 
-    def __init__(self, upstream: str, rate: float) -> None:
+    def __init__(self, upstream: str, rate: float, cut: tuple[bytes, int] | None = None) -> None:
         host, _, port = upstream.rpartition(":")
         self._upstream = (host.removeprefix("http://").removeprefix("https://"), int(port))
         self._rate = rate
+        self._cut = cut
+        self._cut_lock = threading.Lock()
         self._flowing = threading.Event()
         self._flowing.set()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -51,16 +54,30 @@ class SlowRelay:
             except OSError:
                 client.close()
                 continue
-            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+            armed: list[int] = []  # this connection's response bytes still let through before the cut
+            threading.Thread(target=self._pipe, args=(client, server, False, armed), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True, armed), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, paced: bool) -> None:
+    def _arm(self, request: bytes, armed: list[int]) -> None:
+        with self._cut_lock:
+            if self._cut is not None and self._cut[0] in request:
+                armed.append(self._cut[1])
+                self._cut = None  # the first such request only
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, paced: bool, armed: list[int]) -> None:
         due = 0.0  # when the bytes sent so far are paid for: no credit builds up while the connection is idle
         try:
             while True:
                 data = src.recv(64 << 10)
                 if not data:
                     break
+                if not paced:
+                    self._arm(data, armed)
+                elif armed:
+                    if len(data) >= armed[0]:
+                        dst.sendall(data[: armed[0]])
+                        break
+                    armed[0] -= len(data)
                 if paced:
                     self._flowing.wait()
                     due = max(due, time.monotonic()) + len(data) / self._rate
