@@ -21,6 +21,7 @@ from ferry_agent.ranks.sharding import rank_of_tensors
 from ferry_agent.store.checkpoints import ArtifactKind, ArtifactRef, CheckpointStore
 from ferry_agent.store.resident import ResidentWeights, TensorSpec
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
+from ferry_agent.strategies.object_storage import stream as stream_module
 from tests.support.ranks import spawn
 from tests.support.s3 import KEY, MODEL, Registry, Weights, ctx, delta, full, publish_chain3, shas
 
@@ -172,8 +173,17 @@ def _rank_load_counting(
             counted["s3"] += n or 0
             return n
 
+        real_read_into = stream_module._read_into
+
+        def counting_read_into(body: Any, view: memoryview) -> int:
+            direct = stream_module._socket_reader(body) is not None  # past StreamingBody's methods: counted here
+            n = real_read_into(body, view)
+            counted["s3"] += n if direct else 0
+            return n
+
         StreamingBody.read = counting_read  # type: ignore[method-assign]
         StreamingBody.readinto = counting_readinto  # type: ignore[method-assign]
+        stream_module._read_into = counting_read_into
         real_build = build.build
 
         def counting_build(*args: Any, **kwargs: Any) -> Any:
