@@ -29,9 +29,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 try:
-    from bench._common import write_results
+    from bench._common import add_shmem_argument, shmem_huge_pages, write_results
 except ImportError:  # run as a script
-    from _common import write_results
+    from _common import add_shmem_argument, shmem_huge_pages, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "agent")]
@@ -90,7 +90,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
+    add_shmem_argument(parser)
     args = parser.parse_args()
+    with shmem_huge_pages(args.shmem_huge_pages) as mode:
+        run(args, mode)
+
+
+def run(args: argparse.Namespace, mode: str | None) -> None:
     nbytes = args.size_mib << 20
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="ferry-b-", dir="/tmp"))
@@ -192,7 +198,8 @@ def main() -> None:
     both = f"{resident_both / 2**20:.0f} MiB resident for v1 + v2 ({2 * nbytes / 2**20:.0f} MiB as two copies)"
     table = "\n".join(
         [
-            f"attach, {mib} MiB in {len(v1)} tensors (median of {args.rounds} paired rounds)",
+            f"attach, {mib} MiB in {len(v1)} tensors (median of {args.rounds} paired rounds), shmem huge pages "
+            f"`{mode}`",
             "",
             "| ours | s | reference | s | reference / ours |",
             "|---|---|---|---|---|",
@@ -212,6 +219,7 @@ def main() -> None:
         "size_mib": mib,
         "tensors": len(v1),
         "rounds": args.rounds,
+        "shmem_huge_pages": mode,
         "resident_bytes_v1_v2": resident_both,
         "rows": [{"ours": a, "ours_s": ta, "reference": b, "reference_s": tb, "ratio": r} for a, ta, b, tb, r in rows],
         "shown": [

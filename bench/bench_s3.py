@@ -3,9 +3,11 @@
     ~/.cache/ferry/venv/bin/python bench/bench_s3.py [--size 256M --shards 4 --workers 8]
 
 - full load: `ObjectStorageStrategy.load` of a FullCheckpoint into an empty store (validate, ranged GETs read
-  straight into a CPU ResidentWeights pool, adler32 of every tensor as its last range lands; the store entry is
-  written behind, off the load's critical path) vs the same ranged GETs with plain boto3 into memory (same client
-  settings, workers and range size). Also timed until the store entry is durable (`CheckpointStore.flush`).
+  straight into the agent's host memory (a `HostStore`'s shared-memory chunks, as the agent loads a CPU
+  version; `--shmem-huge-pages advise` gives them 2 MiB pages), adler32 of every tensor as its last range lands;
+  the store entry is written behind, off the load's critical path) vs the same ranged GETs with plain boto3 into
+  memory (same client settings, workers and range size). Also timed until the store entry is durable
+  (`CheckpointStore.flush`).
 - full load vs purpose-built clients (the `bench` extra; `_s3_clients.py`), in the same rounds as the boto3
   baseline and the full load (each round runs each once): obstore ranged GETs into memory (same workers and
   ranges), and the Run:ai model streamer's `SafetensorsStreamer` reading the same shards from s3:// into CPU
@@ -55,7 +57,7 @@ import boto3
 import numpy as np
 import torch
 import torch.distributed as dist
-from _common import summary
+from _common import add_shmem_argument, shmem_huge_pages, summary
 from _s3_clients import (
     missing,
     obstore_ranged_gets,
@@ -224,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only", choices=["all", "delta"], default="all", help="delta: only the delta rows (and their numpy baseline)"
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_shmem_argument(parser)
     args = parser.parse_args(argv)
     size, range_bytes = parse_size(args.size), args.range_mib * MIB
 
@@ -232,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.start()
         server.create_bucket(BUCKET)
-        report = run(server, work, args, size, range_bytes)
+        with shmem_huge_pages(args.shmem_huge_pages) as mode:
+            report = {"shmem_huge_pages": mode, **run(server, work, args, size, range_bytes)}
     finally:
         if server.process:
             server.process.kill()  # throwaway data; a graceful SeaweedFS stop takes ~25 s
@@ -270,9 +274,12 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
 
     stores: dict[Path, CheckpointStore] = {}
 
+    host = HostStore()  # what the agent loads a CPU version into: shared-memory chunks (`memstore`)
+
     def loader(store: CheckpointStore) -> ObjectStorageStrategy:
         return ObjectStorageStrategy(
             namespace="bench",
+            allocate=host.allocator("bench", "bench"),
             fetch_version=versions.get,
             credentials=lambda _: creds,
             store=store,
@@ -401,7 +408,7 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
 
     ranks = Ranks(loader, work / "ranked", 2)  # kept for every round, as the agent keeps its rank processes
     delta = delta_rows(
-        strategy, empty_store, stores, work, ctx, w1, w2, total, args.reps, raw_delta_gets, ranked_delta_load
+        host, strategy, empty_store, stores, work, ctx, w1, w2, total, args.reps, raw_delta_gets, ranked_delta_load
     )
     results: dict[str, Any] = dict(delta["results"])
     verified = delta["verified"] and all(union == shas(w2) for union in delta_ranked_shas)
@@ -492,6 +499,7 @@ def run(server: S3Server, work: Path, args: argparse.Namespace, size: int, range
 
 
 def delta_rows(
+    host: HostStore,
     strategy: Callable[[Path], ObjectStorageStrategy],
     empty_store: Callable[[], ObjectStorageStrategy],
     stores: dict[Path, CheckpointStore],
@@ -535,11 +543,9 @@ def delta_rows(
         builds.append(result.timings.get("build", result.seconds))
         return result.seconds
 
-    # v1 sealed in a host store, as the agent holds a version it serves; the store holds it too.
-    host = HostStore()
+    # v1 sealed in the host store, as the agent holds a version it serves; the store holds it too.
     held_root = work / "held"
     held_strategy = strategy(held_root)
-    held_strategy._allocate = host.allocator("bench", "bench")  # what the agent gives the strategy
     v1 = held_strategy.load(ctx["v1"])
     sealed = host.seal(v1.resident, "bench:v1", "v1", "uid-v1")
     del v1
@@ -653,8 +659,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"reps {report['reps']} (+1 warm-up) · {report['bytes'] // MIB} MiB in {report['shards']} shards, "
             f"{report['tensors']} tensors of {report['tensor_mib']} MiB · {report['workers']} workers · "
             f"{report['range_mib']} MiB ranges · delta changes {report['delta_fraction']:.0%} of every tensor "
-            f"({report['delta_stored_bytes'] // 1024} "
-            "KiB stored) · median (best) GB/s over the checkpoint's tensor bytes",
+            f"({report['delta_stored_bytes'] // 1024} KiB stored) · loads land in the agent's shared-memory chunks, "
+            f"shmem huge pages `{report['shmem_huge_pages']}` · median (best) GB/s over the checkpoint's tensor bytes",
             "",
             "| load | strategy | baseline | ratio |",
             "|---|---|---|---|",

@@ -26,6 +26,10 @@ LOAD_SECONDS = Histogram(
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
 )
 READ_LEASES = Gauge("ferry_agent_active_read_leases", "Tensor read leases held by peers on this agent's replicas")
+SHMEM_HUGE_PAGES = Gauge(
+    "ferry_agent_shmem_huge_pages",
+    "1 when the host gives the agent's shared-memory chunks 2 MiB pages (shmem_enabled allows MADV_HUGEPAGE), else 0",
+)
 _REPLICA = ["namespace", "replica"]
 INFLIGHT_BYTES = Gauge(
     "ferry_agent_inflight_bytes", "Bytes the load in flight of a WeightReplica has placed so far", _REPLICA

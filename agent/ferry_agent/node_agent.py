@@ -27,7 +27,14 @@ from ferry.api.conditions import now_rfc3339
 from ferry.api.models import AttemptOutcome, ReplicaPhase, ReplicaReason, SourceKind
 from ferry.errors import LoadFailed
 from ferry_agent import metrics
-from ferry_agent.attach.memstore import HostStore, MemoryBudgetExceeded, SealedVersion, adopt_rank
+from ferry_agent.attach.memstore import (
+    SHMEM_HUGE_PAGES,
+    HostStore,
+    MemoryBudgetExceeded,
+    SealedVersion,
+    adopt_rank,
+    shmem_huge_pages,
+)
 from ferry_agent.attach.service import AttachService
 from ferry_agent.attach.status import AttachmentPublisher
 from ferry_agent.config import AgentConfig
@@ -80,6 +87,21 @@ class InProcessReplica:
         self._peer.deregister(self.resident)
         if self.sealed is not None:  # the replica's hold; attach leases may keep the memory a while longer
             self.sealed.unref()
+
+
+def report_huge_pages() -> None:
+    """Say once whether host memory gets huge pages: the node setting that decides how fast a fresh version lands."""
+    mode, huge = shmem_huge_pages()
+    metrics.SHMEM_HUGE_PAGES.set(int(huge))
+    if huge:
+        log.info("host memory chunks get 2 MiB pages (%s is %s)", SHMEM_HUGE_PAGES, mode)
+    else:
+        log.warning(
+            "host memory chunks get 4 KiB pages (%s is %s): a fresh version's pages fault in several times slower "
+            "and every engine maps 512x more of them; set it to advise (charts/ferry/README.md, Production nodes)",
+            SHMEM_HUGE_PAGES,
+            mode or "absent",
+        )
 
 
 @dataclass
@@ -179,6 +201,7 @@ class NodeAgent:
 
     def run(self) -> None:
         log.info("agent %s serving node %s", self.agent_name, self.node)
+        report_huge_pages()
         self._rank_pool.maintain(0)  # the warm rank processes start with the agent (and die with this thread)
         args = (self._wake, self._stopping)
         threading.Thread(target=self.replicas.watch, args=args, name="ferry-watch", daemon=True).start()

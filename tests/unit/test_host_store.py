@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from ferry.client.protocol import REQUIRED_SEALS
-from ferry_agent.attach.memstore import HostStore, MemoryBudgetExceeded, parse_bytes, sealed_of
+from ferry_agent.attach.memstore import (
+    SHMEM_HUGE_PAGES,
+    HostStore,
+    MemoryBudgetExceeded,
+    parse_bytes,
+    sealed_of,
+    shmem_huge_pages,
+)
 from ferry_agent.store.resident import TensorSpec
 
 pytestmark = pytest.mark.unit
@@ -181,3 +188,74 @@ def test_a_shared_refit_fits_a_budget_a_second_copy_would_not():
         store.allocate(KEY, specs(), "ns/m/v2")
     v2 = store.allocate(KEY, specs(), "ns/m/v2", lambda v: ["a.weight"])
     assert v2.shared == {"a.weight"} and store.resident_bytes() == total + 14
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "huge"),
+    [
+        ("always within_size advise [never] deny force\n", "never", False),
+        ("always within_size [advise] never deny force\n", "advise", True),
+        ("always [within_size] advise never deny force\n", "within_size", True),
+        ("always within_size advise never [deny] force\n", "deny", False),
+        ("[always] within_size advise never deny force\n", "always", True),
+    ],
+)
+def test_the_hosts_shmem_huge_page_mode_is_read_from_its_setting(tmp_path, text, mode, huge):
+    (setting := tmp_path / "shmem_enabled").write_text(text)
+    assert shmem_huge_pages(setting) == (mode, huge)
+    assert shmem_huge_pages(tmp_path / "absent") == (None, False)  # a kernel without THP
+
+
+def test_the_agent_says_whether_its_chunks_get_huge_pages(monkeypatch, caplog):
+    from ferry_agent import metrics, node_agent
+
+    monkeypatch.setattr(node_agent, "shmem_huge_pages", lambda: ("never", False))
+    with caplog.at_level("INFO", logger="ferry.agent"):
+        node_agent.report_huge_pages()
+    assert metrics.SHMEM_HUGE_PAGES._value.get() == 0
+    assert any(r.levelname == "WARNING" and "is never" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setattr(node_agent, "shmem_huge_pages", lambda: ("advise", True))
+    with caplog.at_level("INFO", logger="ferry.agent"):
+        node_agent.report_huge_pages()
+    assert metrics.SHMEM_HUGE_PAGES._value.get() == 1
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+
+
+def pmd_mapped_kib(addr: int) -> int:
+    """ShmemPmdMapped of the mapping holding `addr`: its bytes mapped as 2 MiB pages."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "ShmemPmdMapped:":
+                return int(line.split()[1])
+    raise AssertionError(f"{addr:#x} is not mapped")
+
+
+@pytest.fixture
+def shmem_setting():
+    """Sets the host's shmem huge-page mode for a test (root only) and puts the old one back."""
+    mode, _ = shmem_huge_pages()
+    if mode is None or not os.access(SHMEM_HUGE_PAGES, os.W_OK):
+        pytest.skip(f"needs root and a writable {SHMEM_HUGE_PAGES}")
+    yield lambda value: SHMEM_HUGE_PAGES.write_text(value)
+    SHMEM_HUGE_PAGES.write_text(mode)
+
+
+def test_chunks_get_huge_pages_where_the_host_allows_them_for_shmem(shmem_setting):
+    store = HostStore()
+    spec = [TensorSpec("w", "torch.uint8", (8 << 20,), 8 << 20)]
+    for mode, huge in (("never", False), ("advise", True)):
+        shmem_setting(mode)
+        resident = store.allocate(KEY, spec, f"ns/m/{mode}")
+        tensor = resident.tensors["w"]
+        tensor.fill_(7)  # faults every page in, under the mode in force now
+        kib = pmd_mapped_kib(tensor.data_ptr())
+        assert (kib >= 4096) if huge else (kib == 0), f"{mode}: {kib} KiB in 2 MiB pages"
+        assert int(tensor.sum()) == 7 * (8 << 20)
+        del resident, tensor
+        gc.collect()

@@ -29,6 +29,7 @@ import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +56,24 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+# The host's policy for huge pages in shared memory, which memfd chunks are. With `advise` (or `within_size`,
+# `always`, `force`) the chunks' `MADV_HUGEPAGE` gives them 2 MiB pages: a fresh 256 MiB target faults in ~8x
+# faster and every consumer maps 512x fewer pages. `never` (many distributions' default) and `deny` keep 4 KiB pages.
+SHMEM_HUGE_PAGES = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+_SHMEM_HUGE_MODES = frozenset({"always", "within_size", "advise", "force"})
+
+
+def shmem_huge_pages(setting: Path = SHMEM_HUGE_PAGES) -> tuple[str | None, bool]:
+    """The host's shmem huge-page mode (the bracketed word of `shmem_enabled`; None where the kernel has no such
+    setting) and whether the agent's chunks get huge pages under it."""
+    try:
+        words = setting.read_text().split()
+    except OSError:
+        return None, False
+    mode = next((w.strip("[]") for w in words if w.startswith("[")), None)
+    return mode, mode in _SHMEM_HUGE_MODES
 
 
 def _aligned(n: int) -> int:
