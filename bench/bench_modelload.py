@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import write_results
+from _common import add_shmem_argument, shmem_huge_pages, write_results
 from safetensors.torch import load_file, save_file
 
 from ferry.api.models import API_VERSION, GROUP, VERSION, ReplicaPhase, WeightVersionPhase
@@ -468,11 +468,12 @@ def main() -> None:
     parser.add_argument(
         "--socket-dir", default="", help="the agents serve attach sockets there (seal every version); default: off"
     )
+    add_shmem_argument(parser)
     args = parser.parse_args()
     rows, rollouts = [], []
     counts = [int(x) for x in args.replicas.split(",")]
     cold = [(1, n) for n in counts] + [(2, int(x)) for x in args.ranks2_replicas.split(",") if x]
-    with local_stack(keep=args.keep) as (cluster, s3):
+    with shmem_huge_pages(args.shmem_huge_pages) as mode, local_stack(keep=args.keep) as (cluster, s3):
         root = cluster.workdir.parent
         print(f"run directory {root}", flush=True)
         operator = start_operator(cluster, root / "operator", env=s3.env())
@@ -486,7 +487,8 @@ def main() -> None:
             rollouts += rollout_rounds(cluster, s3, root, n, args.socket_dir)
         operator.stop()
     lines = cold_table(rows, args.size_mib) if rows else [f"model {args.size_mib} MiB"]
-    data = {"size_mib": args.size_mib, "cold": rows, "rollout": rollouts}
+    lines[0] += f", shmem huge pages `{mode}`"
+    data = {"size_mib": args.size_mib, "shmem_huge_pages": mode, "cold": rows, "rollout": rollouts}
     write_results("modelload", data, "\n".join(lines + rollout_table(rollouts)))
 
 
