@@ -2,8 +2,9 @@
 
 The agents reach SeaweedFS through a relay that paces it (4 MB/s) and can hold it. The first loader (by name)
 streams the version from S3 one tensor at a time (`--s3-download-workers 1`) and serves what it has checked while
-it loads. The test holds S3 once that replica serves a chunk, so from then on every byte any other replica gets
-must come from a replica that is still Loading; it lets S3 go on only once every other replica holds a chunk.
+it loads. S3 holds once it has sent that loader every header and a third of the tensors, however slowly the test
+polls, and stays held once that replica serves a chunk: from then on every byte any other replica gets must come
+from a replica that is still Loading. The test lets S3 go on only once every other replica holds a chunk.
 Then: each reader's status names a holder it read from while that holder was loading, no source ever granted more
 read leases at once than `maxReadersPerSource`, one S3 read in all, and every replica serves the published bytes
 (sha256, read back over NIXL). Killing the S3 loader mid-pipeline: the next replica by name becomes the first
@@ -43,6 +44,7 @@ pytestmark = pytest.mark.e2e
 
 TENSORS = 32  # of 1 MiB, one S3 GET each (its own shard): seconds through the relay
 CHUNK_TENSORS = 2  # chunkMiB 2
+HELD_AFTER = 12 << 20  # data bytes S3 sends before it holds: several chunks of each rank, far from the whole load
 S3_RATE = 4e6  # bytes/s the relay lets S3 send on a connection
 GRANTED = re.compile(r"tensor read lease \S+ granted to \S+ \([^)]*\): (\d+) of (\S+) readers")
 PEAK = re.compile(r"stops serving its load: at most (\d+) readers at once")
@@ -98,6 +100,7 @@ def setup(cluster, s3, slow_s3, namespace, tmp_path, count: int):
     publish_full(s3, namespace, "v1", weights)
     apply(cluster, namespace, wv_body(namespace, "v1"))
     wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified", timeout=60)
+    slow_s3.relay.hold_after(HELD_AFTER)
     names = [f"{namespace}-n{i}" for i in range(count)]
     agents = {}
     for n in names:
@@ -109,8 +112,8 @@ def setup(cluster, s3, slow_s3, namespace, tmp_path, count: int):
 
 @contextmanager
 def first_holding(cluster, slow_s3, namespace, count: int, describe) -> Iterator[tuple[str, dict[str, dict]]]:
-    """S3 held as soon as the first loader serves a chunk it checked (long polls of its worker service); yields
-    (its replica name, every replica), and lets S3 go on after."""
+    """S3 held (if `hold_after` has not held it already) as soon as the first loader serves a chunk it checked
+    (long polls of its worker service); yields (its replica name, every replica), and lets S3 go on after."""
     wait_for(lambda: len(replicas(cluster, namespace)) == count, 30, f"{count} replicas", describe)
     first = min(replicas(cluster, namespace))
     wait_for(

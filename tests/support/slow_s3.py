@@ -1,5 +1,6 @@
 """A TCP relay in front of the test S3 that paces what S3 sends (bytes per second) and can hold it entirely: an
-object store slow enough, and stoppable at a chosen moment, for tests of what happens while a load is under way."""
+object store slow enough, and stoppable at a chosen moment or after a chosen number of data bytes, for tests of what
+happens while a load is under way."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from dataclasses import dataclass
 
 class SlowRelay:
     """127.0.0.1:<port> → `upstream` (host:port). Responses flow at `rate` bytes/s per connection; `hold()` stops
-    them until `release()`. `cut=(marker, n)`: the first request whose bytes contain `marker` gets only the first
-    `n` bytes of its response, then its connection is closed (a server or network dropping mid-body)."""
+    them until `release()`, and `hold_after(n)` does once `n` bytes more of data have flowed. `cut=(marker, n)`: the
+    first request whose bytes contain `marker` gets only the first `n` bytes of its response, then its connection
+    is closed (a server or network dropping mid-body)."""
 
     def __init__(self, upstream: str, rate: float, cut: tuple[bytes, int] | None = None) -> None:
         host, _, port = upstream.rpartition(":")
@@ -23,6 +25,7 @@ class SlowRelay:
         self._cut_lock = threading.Lock()
         self._flowing = threading.Event()
         self._flowing.set()
+        self._budget: int | None = None  # data bytes still let through before `hold_after` holds
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._closed = False
@@ -35,7 +38,16 @@ class SlowRelay:
     def hold(self) -> None:
         self._flowing.clear()
 
+    def hold_after(self, n: int) -> None:
+        """Hold once `n` more bytes of data have flowed: responses to ranged GETs from byte 0 (a shard's header
+        probe) do not count, so a loader gets every header and exactly so much of the tensors, however slow the
+        test that watches it."""
+        with self._cut_lock:
+            self._budget = n
+
     def release(self) -> None:
+        with self._cut_lock:
+            self._budget = None
         self._flowing.set()
 
     def close(self) -> None:
@@ -55,8 +67,9 @@ class SlowRelay:
                 client.close()
                 continue
             armed: list[int] = []  # this connection's response bytes still let through before the cut
-            threading.Thread(target=self._pipe, args=(client, server, False, armed), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, True, armed), daemon=True).start()
+            probe = [False]  # whether the request this connection answers now reads from byte 0
+            threading.Thread(target=self._pipe, args=(client, server, False, armed, probe), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True, armed, probe), daemon=True).start()
 
     def _arm(self, request: bytes, armed: list[int]) -> None:
         with self._cut_lock:
@@ -64,7 +77,16 @@ class SlowRelay:
                 armed.append(self._cut[1])
                 self._cut = None  # the first such request only
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, paced: bool, armed: list[int]) -> None:
+    def _spend(self, n: int) -> None:
+        with self._cut_lock:
+            if self._budget is None:
+                return
+            self._budget -= n
+            if self._budget < 0:  # this block goes past it: it waits with the rest
+                self._budget = None
+                self._flowing.clear()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, paced: bool, armed: list[int], probe: list[bool]) -> None:
         due = 0.0  # when the bytes sent so far are paid for: no credit builds up while the connection is idle
         try:
             while True:
@@ -73,12 +95,16 @@ class SlowRelay:
                     break
                 if not paced:
                     self._arm(data, armed)
+                    if data[:4] in (b"GET ", b"HEAD"):
+                        probe[0] = b"range: bytes=0-" in data.lower()
                 elif armed:
                     if len(data) >= armed[0]:
                         dst.sendall(data[: armed[0]])
                         break
                     armed[0] -= len(data)
                 if paced:
+                    if not probe[0]:
+                        self._spend(len(data))
                     self._flowing.wait()
                     due = max(due, time.monotonic()) + len(data) / self._rate
                     time.sleep(max(0.0, due - time.monotonic()))
