@@ -79,9 +79,16 @@ class _Body:
         self._response = response
         self._endpoint = endpoint
 
-    async def read(self) -> bytes:
+    async def read(self, amt: int | None = None) -> bytes:
+        """The whole body, or at most its first `amt` bytes (then close the rest unread)."""
         try:
-            return await self._response.read()
+            if amt is None:
+                return await self._response.read()
+            parts, left = [], amt
+            while left > 0 and (part := await self._response.content.read(left)):
+                parts.append(part)
+                left -= len(part)
+            return b"".join(parts)
         except (aiohttp.ClientError, TimeoutError) as exc:  # dropped mid-body: as transient as a failed GET
             raise EndpointConnectionError(endpoint_url=self._endpoint, error=exc) from exc
         finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Callable, Generator, Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,8 +73,27 @@ def _call(what: str, fn: Any, **kwargs: Any) -> Any:
         raise _classify(exc, what) from exc
 
 
-def _too_big(what: str, length: int) -> _Stop:
-    return _stop(StorageReason.IndexInvalid, f"{what} is {length} bytes, too big to be an index.")
+def _too_big(what: str, size: str) -> _Stop:
+    return _stop(StorageReason.IndexInvalid, f"{what} is {size}, too big to be an index.")
+
+
+def _limit(response: dict[str, Any], what: str, max_bytes: int | None) -> int | None:
+    """How much of a body to read: all of it (None) when it declares its length, refused unread when that is over
+    `max_bytes`; one byte past `max_bytes` when it declares none, to know."""
+    if max_bytes is None:
+        return None
+    if length := response.get("ContentLength"):
+        if length > max_bytes:
+            response["Body"].close()
+            raise _too_big(what, f"{length} bytes")
+        return None
+    return max_bytes + 1
+
+
+def _within(data: bytes, what: str, max_bytes: int | None) -> bytes:
+    if max_bytes is not None and len(data) > max_bytes:
+        raise _too_big(what, f"over {max_bytes} bytes (its server gave no length)")
+    return data
 
 
 def _read(
@@ -83,11 +103,12 @@ def _read(
     if byte_range:
         kwargs["Range"] = byte_range
     response = _call(what, client.get_object, **kwargs)
-    if max_bytes is not None and response["ContentLength"] > max_bytes:
-        response["Body"].close()
-        raise _too_big(what, response["ContentLength"])
+    limit = _limit(response, what, max_bytes)
     # The body streams; a connection dropped mid-read is as transient as a failed request.
-    return _call(what, response["Body"].read)
+    if limit is None:
+        return _call(what, response["Body"].read)
+    with closing(response["Body"]):
+        return _within(_call(what, response["Body"].read, amt=limit), what, max_bytes)
 
 
 def get_prefix(client: Any, bucket: str, key: str, nbytes: int) -> dict[str, Any] | None:
@@ -111,12 +132,21 @@ def object_size(response: dict[str, Any]) -> int:
     return int(total)
 
 
+def _whole_answer(response: dict[str, Any], nbytes: int) -> bool:
+    """Whether a probe's answer is no longer than the `nbytes` asked for. Else the server ignored the Range (a whole
+    shard may be gigabytes) or does not say how long its answer is: only its prefix is read, the rest closed unread."""
+    return 0 < (response.get("ContentLength") or 0) <= nbytes
+
+
 def _read_prefix(client: Any, bucket: str, key: str, what: str, nbytes: int) -> tuple[bytes, int]:
     """The first `nbytes` of an object and its size, in one ranged GET."""
     response = _call(what, get_prefix, client=client, bucket=bucket, key=key, nbytes=nbytes)
     if response is None:
         return b"", 0
-    return _call(what, response["Body"].read), object_size(response)
+    if _whole_answer(response, nbytes):
+        return _call(what, response["Body"].read), object_size(response)
+    with closing(response["Body"]):
+        return _call(what, response["Body"].read, amt=nbytes), object_size(response)
 
 
 # ---------------------------------------------------------------- the same reads on an asyncio client
@@ -138,10 +168,11 @@ async def _aread(
     if byte_range:
         kwargs["Range"] = byte_range
     response = await _acall(what, client.get_object, **kwargs)
-    if max_bytes is not None and response["ContentLength"] > max_bytes:
-        response["Body"].close()
-        raise _too_big(what, response["ContentLength"])
-    return await _acall(what, response["Body"].read)
+    limit = _limit(response, what, max_bytes)
+    if limit is None:
+        return await _acall(what, response["Body"].read)
+    with closing(response["Body"]):
+        return _within(await _acall(what, response["Body"].read, amt=limit), what, max_bytes)
 
 
 async def _aget_prefix(client: Any, bucket: str, key: str, nbytes: int) -> dict[str, Any] | None:
@@ -157,7 +188,10 @@ async def _aread_prefix(client: Any, bucket: str, key: str, what: str, nbytes: i
     response = await _acall(what, _aget_prefix, client=client, bucket=bucket, key=key, nbytes=nbytes)
     if response is None:
         return b"", 0
-    return await _acall(what, response["Body"].read), object_size(response)
+    if _whole_answer(response, nbytes):
+        return await _acall(what, response["Body"].read), object_size(response)
+    with closing(response["Body"]):
+        return await _acall(what, response["Body"].read, amt=nbytes), object_size(response)
 
 
 # ---------------------------------------------------------------- the verification, apart from its reads

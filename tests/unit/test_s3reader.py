@@ -5,12 +5,14 @@ server; the e2e tests verify through it against SeaweedFS)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import http.server
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import boto3
 import pytest
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
@@ -22,6 +24,7 @@ from ferry.s3reader import EMPTY_SHA256, S3Reader, Signer
 pytestmark = pytest.mark.unit
 
 NOW = dt.datetime(2026, 12, 4, 13, 14, 15, tzinfo=dt.UTC)
+WHOLE = 8_000_000  # bytes of the object whose server ignores Range
 
 
 @pytest.mark.parametrize("token", [None, "session-token"])
@@ -41,7 +44,8 @@ def test_the_signature_is_botocores(monkeypatch, token):
 
 
 class Stub(http.server.BaseHTTPRequestHandler):
-    """GET /bucket/<key>: 'ok' (honouring a `bytes=a-b` Range), 'missing' 404, 'denied' 403, 'flaky' one 503."""
+    """GET /bucket/<key>: 'ok' (honouring a `bytes=a-b` Range), 'whole' (8 MB, ignoring it), 'unsized' (the same,
+    with no Content-Length: it ends when the connection does), 'missing' 404, 'denied' 403, 'flaky' one 503."""
 
     seen: list[tuple[str, str | None, str | None]] = []
     flaky = 1
@@ -56,9 +60,16 @@ class Stub(http.server.BaseHTTPRequestHandler):
         if key == "flaky" and Stub.flaky:
             Stub.flaky -= 1
             return self._error(503, "SlowDown", "Reduce your request rate.")
-        data = b"0123456789"
+        data = b"0123456789" * (WHOLE // 10 if key in ("whole", "unsized") else 1)
         wanted = self.headers.get("Range")
-        if wanted:
+        if key == "unsized":
+            self.send_response(200)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            with contextlib.suppress(ConnectionError):
+                self.wfile.write(data)
+            return
+        if wanted and key != "whole":
             first, last = (int(x) for x in wanted.removeprefix("bytes=").split("-"))
             part = data[first : last + 1]
             self.send_response(206)
@@ -68,7 +79,8 @@ class Stub(http.server.BaseHTTPRequestHandler):
             self.send_response(200)
         self.send_header("Content-Length", str(len(part)))
         self.end_headers()
-        self.wfile.write(part)
+        with contextlib.suppress(ConnectionError):  # a reader that wanted less closes the rest unread
+            self.wfile.write(part)
 
     def _error(self, status: int, code: str, message: str) -> None:
         body = f"<?xml version='1.0'?><Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
@@ -124,6 +136,35 @@ def test_answers_are_boto3s(endpoint):
     path, _, authorization = Stub.seen[0]
     assert path == "/b/ok" and authorization.startswith("AWS4-HMAC-SHA256 Credential=AKID/")
     assert Stub.seen[1][1] == "bytes=0-3"
+
+
+def test_a_server_that_ignores_the_range_is_read_no_further_than_the_probe(endpoint):
+    """Against a server that answers a probe with the whole object, both readers take only the probe's bytes (and
+    the object's size from its Content-Length)."""
+    r = reader(endpoint)
+    prefix = asyncio.run(closing(r, storage._aread_prefix(r, "b", "whole", "shard", 4)))
+    assert prefix == (b"0123", WHOLE)
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="AKID", aws_secret_access_key="SECRET", region_name="us-east-1"
+    )
+    assert storage._read_prefix(client, "b", "whole", "shard", 4) == (b"0123", WHOLE)
+    assert [range_ for _, range_, _ in Stub.seen] == ["bytes=0-3"] * 2
+
+
+def test_an_index_of_no_given_length_is_read_no_further_than_its_limit(endpoint):
+    """A server that sends an index with no Content-Length (to its connection's end) is read one byte past the
+    limit, then refused, by both readers."""
+    r = reader(endpoint)
+    with pytest.raises(storage._Stop) as stop:
+        asyncio.run(closing(r, storage._aread(r, "b", "unsized", "index s3://b/unsized", max_bytes=1000)))
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="AKID", aws_secret_access_key="SECRET", region_name="us-east-1"
+    )
+    with pytest.raises(storage._Stop) as blocking:
+        storage._read(client, "b", "unsized", "index s3://b/unsized", max_bytes=1000)
+    for refused in (stop, blocking):
+        report = refused.value.report
+        assert report.reason == "IndexInvalid" and "is over 1000 bytes (its server gave no length)" in report.message
 
 
 @pytest.mark.parametrize(

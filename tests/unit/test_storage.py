@@ -24,7 +24,7 @@ from botocore.exceptions import (
 from safetensors.numpy import save
 
 from ferry import checkpoint_format as ckpt
-from ferry.storage import StorageReason, StorageReport, verify_checkpoint, verify_checkpoint_async
+from ferry.storage import HEADER_PROBE_BYTES, StorageReason, StorageReport, verify_checkpoint, verify_checkpoint_async
 from ferry_operator import verification
 
 pytestmark = pytest.mark.unit
@@ -42,12 +42,13 @@ def client_error(code: str, status: int, message: str = "") -> ClientError:
 
 class FakeBody:
     def __init__(self, data: bytes, fail: Exception | None = None) -> None:
-        self.data, self.fail, self.closed = data, fail, False
+        self.data, self.fail, self.closed, self.given = data, fail, False, 0
 
-    def read(self) -> bytes:
+    def read(self, amt: int | None = None) -> bytes:
         if self.fail:
             raise self.fail
-        return self.data
+        self.given = len(self.data) if amt is None else min(amt, len(self.data))
+        return self.data[: self.given]
 
     def close(self) -> None:
         self.closed = True
@@ -61,6 +62,8 @@ class FakeS3:
         self.fail: dict[tuple[str, str], Exception] = {}  # (operation, key) → raised
         self.body_fail: dict[str, Exception] = {}
         self.requests: list[tuple[str, str, str | None]] = []
+        self.bodies: list[FakeBody] = []
+        self.ignore_range = False  # answer every GET with the whole object, as a server that ignores Range does
 
     def _find(self, op: str, Bucket: str, Key: str) -> bytes:
         if (op, Key) in self.fail:
@@ -80,8 +83,9 @@ class FakeS3:
     def get_object(self, *, Bucket: str, Key: str, Range: str | None = None) -> dict[str, Any]:
         self.requests.append(("get", Key, Range))
         whole = self._find("get", Bucket, Key)
-        if not Range:
-            return {"ContentLength": len(whole), "Body": FakeBody(whole, self.body_fail.get(Key))}
+        if not Range or self.ignore_range:
+            self.bodies.append(FakeBody(whole, self.body_fail.get(Key)))
+            return {"ContentLength": len(whole), "Body": self.bodies[-1]}
         first, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", Range).groups())  # type: ignore[union-attr]
         if first >= len(whole):
             raise client_error("InvalidRange", 416, "The requested range is not satisfiable")
@@ -97,8 +101,8 @@ class AsyncBody:
     def __init__(self, body: FakeBody) -> None:
         self.body = body
 
-    async def read(self) -> bytes:
-        return self.body.read()
+    async def read(self, amt: int | None = None) -> bytes:
+        return self.body.read(amt)
 
     def close(self) -> None:
         self.body.close()
@@ -216,6 +220,21 @@ def test_large_header_is_read_with_a_second_ranged_get() -> None:
     assert report.ok, report.message
     probe, rest = [r[2] for r in fake.requests if r[0] == "get"][1:]
     assert probe == "bytes=0-65535" and rest.startswith("bytes=65536-")
+
+
+def test_a_server_that_ignores_the_range_is_read_no_further_than_the_probe() -> None:
+    """Shard probes answered with whole shards (gigabytes, in a real checkpoint) take only the probe's bytes of each
+    and close the rest unread: whoever runs the endpoint a WeightVersion names cannot make the operator buffer it."""
+    rng = np.random.default_rng(2)
+    tensors = {f"w{i}": rng.standard_normal((128, 256)).astype(np.float32) for i in range(2)}  # 128 KiB each
+    files = ckpt.build_full_checkpoint(tensors, shard_bytes=1)
+    fake = FakeS3(files)
+    fake.ignore_range = True
+    report = verify(fake)
+    assert report.ok and report.total_bytes == sum(len(files[s]) for s in shards(files)), report.message
+    probed = fake.bodies[1:]  # after the index
+    assert len(probed) == 2 and all(len(b.data) > HEADER_PROBE_BYTES for b in probed)
+    assert [(b.given, b.closed) for b in probed] == [(HEADER_PROBE_BYTES, True)] * 2
 
 
 def test_peer_only_is_not_applicable() -> None:
