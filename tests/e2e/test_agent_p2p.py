@@ -86,7 +86,7 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
         logged = [json.loads(line) for line in agent_b.log_path.read_text().splitlines()]  # NIXL's lines too
         assert any(r["logger"] == "ferry.agent" and "serving v1" in r["message"] for r in logged), logged
         problems = [r for r in logged if r["severity"] != "info"]
-        assert [r["severity"] == "warning" and _NODE_ADVICE in r["message"] for r in problems] == advised, problems
+        assert [r["severity"] == "warn" and _NODE_ADVICE in r["message"] for r in problems] == advised, problems
 
         # B's read lease on A was released; A publishes the count only when it changes.
         assert (get(cluster, namespace, "wr", "wr-a")["status"].get("activeLeases") or 0) == 0
