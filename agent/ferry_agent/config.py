@@ -129,7 +129,7 @@ def argument_parser() -> argparse.ArgumentParser:
         "--s3-download-workers",
         type=int,
         default=int(os.environ.get("FERRY_S3_DOWNLOAD_WORKERS", "8")),
-        help="ranged GETs an object-storage load of a one-rank replica runs at once (env FERRY_S3_DOWNLOAD_WORKERS)",
+        help="ranged GETs an object-storage load (on every rank) runs at once (env FERRY_S3_DOWNLOAD_WORKERS)",
     )
     parser.add_argument(
         "--metrics-port",

@@ -183,6 +183,7 @@ class NodeAgent:
                 checkpoint_dir=store.root if store else None,
                 checkpoint_quota_gib=store.quota_bytes / 2**30 if store else 500.0,
                 s3_endpoint=self._s3_endpoint,
+                s3_download_workers=self._s3_workers,
                 seeds=self._seeds,
                 node=self.node,
                 reader=worker_tokens.identity if worker_tokens else None,

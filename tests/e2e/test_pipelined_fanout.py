@@ -2,7 +2,7 @@
 
 The agents reach SeaweedFS through a relay that paces it (4 MB/s) and can hold it. The first loader (by name)
 streams the version from S3 one tensor at a time (`--s3-download-workers 1`) and serves what it has checked while
-it loads. S3 holds once it has sent that loader every header and a third of the tensors, however slowly the test
+it loads. S3 holds once it has sent that loader every header probe and 12 of its 32 MiB, however slowly the test
 polls, and stays held once that replica serves a chunk: from then on every byte any other replica gets must come
 from a replica that is still Loading. The test lets S3 go on only once every other replica holds a chunk.
 Then: each reader's status names a holder it read from while that holder was loading, no source ever granted more

@@ -10,6 +10,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+PROBE_ANSWER = 80 << 10  # a shard's header probe (64 KiB) and its HTTP headers
+
 
 class SlowRelay:
     """127.0.0.1:<port> → `upstream` (host:port). Responses flow at `rate` bytes/s per connection; `hold()` stops
@@ -39,9 +41,8 @@ class SlowRelay:
         self._flowing.clear()
 
     def hold_after(self, n: int) -> None:
-        """Hold once `n` more bytes of data have flowed: responses to ranged GETs from byte 0 (a shard's header
-        probe) do not count, so a loader gets every header and exactly so much of the tensors, however slow the
-        test that watches it."""
+        """Hold once `n` more bytes of data have flowed: the first `PROBE_ANSWER` bytes of each answer do not count,
+        so a loader gets every shard's header probe and so much of the tensors, however slow the test watching it."""
         with self._cut_lock:
             self._budget = n
 
@@ -67,9 +68,9 @@ class SlowRelay:
                 client.close()
                 continue
             armed: list[int] = []  # this connection's response bytes still let through before the cut
-            probe = [False]  # whether the request this connection answers now reads from byte 0
-            threading.Thread(target=self._pipe, args=(client, server, False, armed, probe), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, True, armed, probe), daemon=True).start()
+            answered = [0]  # bytes of its answer to the request this connection serves now
+            threading.Thread(target=self._pipe, args=(client, server, False, armed, answered), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True, armed, answered), daemon=True).start()
 
     def _arm(self, request: bytes, armed: list[int]) -> None:
         with self._cut_lock:
@@ -86,7 +87,7 @@ class SlowRelay:
                 self._budget = None
                 self._flowing.clear()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, paced: bool, armed: list[int], probe: list[bool]) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, paced: bool, armed: list[int], answered: list[int]) -> None:
         due = 0.0  # when the bytes sent so far are paid for: no credit builds up while the connection is idle
         try:
             while True:
@@ -96,15 +97,15 @@ class SlowRelay:
                 if not paced:
                     self._arm(data, armed)
                     if data[:4] in (b"GET ", b"HEAD"):
-                        probe[0] = b"range: bytes=0-" in data.lower()
+                        answered[0] = 0
                 elif armed:
                     if len(data) >= armed[0]:
                         dst.sendall(data[: armed[0]])
                         break
                     armed[0] -= len(data)
                 if paced:
-                    if not probe[0]:
-                        self._spend(len(data))
+                    before, answered[0] = answered[0], answered[0] + len(data)
+                    self._spend(max(0, answered[0] - max(before, PROBE_ANSWER)))
                     self._flowing.wait()
                     due = max(due, time.monotonic()) + len(data) / self._rate
                     time.sleep(max(0.0, due - time.monotonic()))

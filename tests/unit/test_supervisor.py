@@ -101,3 +101,12 @@ def test_serving_ranks_report_their_leases_and_a_rank_that_ends() -> None:
     feed(r, (1, {"event": "exit", "code": 1}))
     assert woken.acquire(timeout=5)
     assert r.failure() == "rank 1 of wr exited with code 1 while serving"
+
+
+def test_rank_processes_parse_the_agents_s3_settings() -> None:
+    """The leader of a multi-rank S3 load runs as many ranged GETs at once as the agent was told to, not a default."""
+    from ferry_agent.ranks import worker
+
+    settings = WorkerSettings(agent_name="n1-abc", s3_endpoint="http://127.0.0.1:1", s3_download_workers=1)
+    args = worker._parser().parse_args(settings.argv("n1-abc-w1")[3:])
+    assert (args.agent_name, args.s3_endpoint, args.s3_download_workers) == ("n1-abc-w1", "http://127.0.0.1:1", 1)

@@ -54,6 +54,7 @@ class WorkerSettings:
     checkpoint_dir: Path | None = None
     checkpoint_quota_gib: float = 500.0
     s3_endpoint: str | None = None
+    s3_download_workers: int = 8
     seeds: Mapping[SeedKey, Path] | None = None
     node: str = ""  # the agent's node: the ranks' worker services accept tokens for its audience
     reader: PodIdentity | None = None  # whom the ranks mint their worker tokens as; None: their env's
@@ -80,6 +81,7 @@ class WorkerSettings:
             args += ["--checkpoint-dir", str(self.checkpoint_dir)]
         if self.s3_endpoint:
             args += ["--s3-endpoint", self.s3_endpoint]
+        args += ["--s3-download-workers", str(self.s3_download_workers)]
         for key, path in (self.seeds or {}).items():
             args += ["--seed", f"{key}={path}"]
         if self.node:

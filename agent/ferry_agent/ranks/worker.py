@@ -106,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", type=Path, help="the node's checkpoint store (shared by its ranks)")
     p.add_argument("--checkpoint-quota-gib", type=float, default=500.0, help="most the checkpoint store may hold")
     p.add_argument("--s3-endpoint", help="S3 endpoint for versions that name none")
+    p.add_argument("--s3-download-workers", type=int, default=8, help="ranged GETs an object-storage load runs at once")
     p.add_argument(
         "--seed",
         type=seed_argument,
@@ -216,6 +217,7 @@ class RankProcess:
                 peer=self.peer,
                 store=self.store,
                 s3_endpoint=args.s3_endpoint,
+                download_workers=args.s3_download_workers,
                 seeds=dict(args.seed),
                 progress=progress,
                 note=lambda text: report("note", message=text),
