@@ -2,7 +2,7 @@
 
 The agents reach SeaweedFS through a relay that paces it (4 MB/s) and can hold it. The first loader (by name)
 streams the version from S3 one tensor at a time (`--s3-download-workers 1`) and serves what it has checked while
-it loads. S3 holds once it has sent that loader every header probe and 12 of its 32 MiB, however slowly the test
+it loads. S3 holds once it has sent that loader every header probe and 16 of its 32 MiB, however slowly the test
 polls, and stays held once that replica serves a chunk: from then on every byte any other replica gets must come
 from a replica that is still Loading. The test lets S3 go on only once every other replica holds a chunk.
 Then: each reader's status names a holder it read from while that holder was loading, no source ever granted more
@@ -25,6 +25,7 @@ import grpc
 import pytest
 import torch
 
+from ferry_agent.strategies.fanout import chunks_held, plan_chunks
 from ferry_agent.transport.worker_service import SourceIdentity, get_holdings
 from tests.support.agents import content_sha256, node, pull, read_back, reader_tokens, start_agent
 from tests.support.objects import (
@@ -43,8 +44,9 @@ from tests.support.slow_s3 import SlowRelay, SlowS3
 pytestmark = pytest.mark.e2e
 
 TENSORS = 32  # of 1 MiB, one S3 GET each (its own shard): seconds through the relay
+TENSOR_BYTES = 1 << 20
 CHUNK_TENSORS = 2  # chunkMiB 2
-HELD_AFTER = 12 << 20  # data bytes S3 sends before it holds: several chunks of each rank, far from the whole load
+HELD_AFTER = 16 << 20  # data bytes S3 sends before it holds: whole chunks of each rank, far from the whole load
 S3_RATE = 4e6  # bytes/s the relay lets S3 send on a connection
 GRANTED = re.compile(r"tensor read lease \S+ granted to \S+ \([^)]*\): (\d+) of (\S+) readers")
 PEAK = re.compile(r"stops serving its load: at most (\d+) readers at once")
@@ -56,12 +58,12 @@ def replicas(cluster, namespace) -> dict[str, dict]:
     return {r["metadata"]["name"]: r for r in items}
 
 
-def held(cluster, namespace: str, wr: dict, known: int = 0, wait_s: float = 0.0) -> int:
-    """Tensors a loading replica holds, checked, asked of its worker service as a reader of the version does (once
-    it holds more than `known`, waiting up to `wait_s`)."""
+def held(cluster, namespace: str, wr: dict, known: int = 0, wait_s: float = 0.0) -> frozenset[int]:
+    """The tensors (manifest indexes) a loading replica's rank 0 holds, checked, asked of its worker service as a
+    reader of the version does (once it holds more than `known`, waiting up to `wait_s`)."""
     entry = ((wr.get("status") or {}).get("loadingRanks") or [None])[0]
     if entry is None:
-        return 0
+        return frozenset()
     node_name = wr["spec"]["nodeName"]  # a reader there is assigned the version, so admitted
     tokens = reader_tokens(cluster, node_name)
     view = get_holdings(
@@ -72,18 +74,18 @@ def held(cluster, namespace: str, wr: dict, known: int = 0, wait_s: float = 0.0)
         wait_s=wait_s,
         credentials=lambda: tokens(node_name),
     )
-    return len(view.held)
+    return view.held
 
 
-def held_now(cluster, namespace: str, name: str, known: int = 0, wait_s: float = 0.0) -> int:
-    """`held` of replica `name` as its status names its service now (0 when that service is gone: a load that
+def held_now(cluster, namespace: str, name: str, known: int = 0, wait_s: float = 0.0) -> frozenset[int]:
+    """`held` of replica `name` as its status names its service now (none when that service is gone: a load that
     restarted, on another strategy's target, closed the one its status still named)."""
     try:
         return held(cluster, namespace, replicas(cluster, namespace)[name], known=known, wait_s=wait_s)
     except grpc.RpcError as exc:
         if exc.code() != grpc.StatusCode.UNAVAILABLE:
             raise
-        return 0
+        return frozenset()
 
 
 @pytest.fixture
@@ -112,8 +114,9 @@ def setup(cluster, s3, slow_s3, namespace, tmp_path, count: int):
 
 @contextmanager
 def first_holding(cluster, slow_s3, namespace, count: int, describe) -> Iterator[tuple[str, dict[str, dict]]]:
-    """S3 held (if `hold_after` has not held it already) as soon as the first loader serves a chunk it checked
-    (long polls of its worker service); yields (its replica name, every replica), and lets S3 go on after."""
+    """S3 held (if `hold_after` has not held it already) as soon as the first loader's rank 0 serves a whole chunk
+    as readers plan them (long polls of its worker service); yields (its replica name, every replica), and lets S3
+    go on after. The stream's order is not the chunks': a rank's tensors are every other one by name."""
     wait_for(lambda: len(replicas(cluster, namespace)) == count, 30, f"{count} replicas", describe)
     first = min(replicas(cluster, namespace))
     wait_for(
@@ -122,14 +125,16 @@ def first_holding(cluster, slow_s3, namespace, count: int, describe) -> Iterator
         f"{first} serving its load",
         describe,
     )
-    count_held = 0
+    count = replicas(cluster, namespace)[first]["status"]["loadingRanks"][0]["tensorCount"]
+    chunks = plan_chunks([TENSOR_BYTES] * count, CHUNK_TENSORS * TENSOR_BYTES)
+    holding: frozenset[int] = frozenset()
     deadline = time.monotonic() + 60
-    while count_held < CHUNK_TENSORS:
-        assert time.monotonic() < deadline, f"{first} served no chunk it checked within 60s\n{describe()}"
-        count_held = held_now(cluster, namespace, first, known=count_held, wait_s=2.0)
+    while not chunks_held(chunks, holding):
+        assert time.monotonic() < deadline, f"{first} served no whole chunk within 60s\n{describe()}"
+        holding = held_now(cluster, namespace, first, known=len(holding), wait_s=2.0)
     slow_s3.relay.hold()
     try:
-        assert count_held < TENSORS, "the S3 load was over before S3 could be held"
+        assert len(holding) < count, "the S3 load was over before S3 could be held"
         yield first, replicas(cluster, namespace)
     finally:
         slow_s3.relay.release()
@@ -157,7 +162,7 @@ def test_replicas_read_from_loading_holders_within_the_reader_limit(
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             others = [n for n in replicas(cluster, namespace) if n != first]
             wait_for(
-                lambda: all(held_now(cluster, namespace, n) >= CHUNK_TENSORS for n in others),
+                lambda: all(len(held_now(cluster, namespace, n)) >= CHUNK_TENSORS for n in others),
                 60,
                 "every other replica holding a chunk read from loading holders",
                 describe,
@@ -202,7 +207,7 @@ def test_a_dead_s3_loader_mid_pipeline_is_replaced_without_restarting_the_others
         with first_holding(cluster, slow_s3, namespace, 3, describe) as (first, listed):
             second, last = sorted(n for n in listed if n != first)
             wait_for(
-                lambda: all(held_now(cluster, namespace, n) >= CHUNK_TENSORS for n in (second, last)),
+                lambda: all(len(held_now(cluster, namespace, n)) >= CHUNK_TENSORS for n in (second, last)),
                 60,
                 "both others holding a chunk of the S3 loader's",
                 describe,
@@ -269,7 +274,7 @@ def test_two_rank_replicas_read_each_rank_from_a_replica_still_loading(
             others = [n for n in replicas(cluster, namespace) if n != first]
 
             reader = wait_for(
-                lambda: next((n for n in others if held_now(cluster, namespace, n) >= CHUNK_TENSORS), None),
+                lambda: next((n for n in others if len(held_now(cluster, namespace, n)) >= CHUNK_TENSORS), None),
                 90,
                 "another replica's rank 0 holding a chunk read from the loading S3 loader",
                 describe,
