@@ -7,7 +7,6 @@ The binaries are built by `hack/build-bins.sh` into `$FERRY_CACHE/bin` (default 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime as dt
 import ipaddress
 import json
@@ -88,10 +87,13 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: no orphaned servers if the test runner is killed hard.
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+# PR_SET_PDEATHSIG, then exec the command: no orphaned servers if the test runner is killed hard. Set by a launcher
+# rather than a `preexec_fn`, which makes Popen fork() instead of vfork(): a fork() runs gRPC's at-fork handlers,
+# whose restarted poller aborts the child once Popen closes the fds it does not pass (grpc/grpc#43055).
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
 
 
 @dataclass
@@ -109,14 +111,13 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         self.proc = subprocess.Popen(
-            list(self.argv),
+            [sys.executable, "-c", _DIE_WITH_PARENT, *self.argv],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=self.env,
             cwd=self.cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
         log.close()
         return self
