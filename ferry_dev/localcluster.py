@@ -90,10 +90,12 @@ def free_ports(n: int) -> list[int]:
 # PR_SET_PDEATHSIG, then exec the command: no orphaned servers if the test runner is killed hard. Set by a launcher
 # rather than a `preexec_fn`, which makes Popen fork() instead of vfork(): a fork() runs gRPC's at-fork handlers,
 # whose restarted poller aborts the child once Popen closes the fds it does not pass (grpc/grpc#43055).
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys; ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
-    "os.execvp(sys.argv[1], sys.argv[1:])"
-)
+_DIE_WITH_PARENT = """
+import contextlib, ctypes, os, signal, sys
+with contextlib.suppress(Exception):
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
 
 
 @dataclass

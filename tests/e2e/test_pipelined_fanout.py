@@ -125,8 +125,8 @@ def first_holding(cluster, slow_s3, namespace, count: int, describe) -> Iterator
         f"{first} serving its load",
         describe,
     )
-    count = replicas(cluster, namespace)[first]["status"]["loadingRanks"][0]["tensorCount"]
-    chunks = plan_chunks([TENSOR_BYTES] * count, CHUNK_TENSORS * TENSOR_BYTES)
+    tensor_count = replicas(cluster, namespace)[first]["status"]["loadingRanks"][0]["tensorCount"]
+    chunks = plan_chunks([TENSOR_BYTES] * tensor_count, CHUNK_TENSORS * TENSOR_BYTES)
     holding: frozenset[int] = frozenset()
     deadline = time.monotonic() + 60
     while not chunks_held(chunks, holding):
@@ -134,7 +134,7 @@ def first_holding(cluster, slow_s3, namespace, count: int, describe) -> Iterator
         holding = held_now(cluster, namespace, first, known=len(holding), wait_s=2.0)
     slow_s3.relay.hold()
     try:
-        assert len(holding) < count, "the S3 load was over before S3 could be held"
+        assert len(holding) < tensor_count, "the S3 load was over before S3 could be held"
         yield first, replicas(cluster, namespace)
     finally:
         slow_s3.relay.release()

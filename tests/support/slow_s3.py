@@ -24,7 +24,7 @@ class SlowRelay:
         self._upstream = (host.removeprefix("http://").removeprefix("https://"), int(port))
         self._rate = rate
         self._cut = cut
-        self._cut_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._flowing = threading.Event()
         self._flowing.set()
         self._budget: int | None = None  # data bytes still let through before `hold_after` holds
@@ -43,11 +43,11 @@ class SlowRelay:
     def hold_after(self, n: int) -> None:
         """Hold once `n` more bytes of data have flowed: the first `PROBE_ANSWER` bytes of each answer do not count,
         so a loader gets every shard's header probe and so much of the tensors, however slow the test watching it."""
-        with self._cut_lock:
+        with self._lock:
             self._budget = n
 
     def release(self) -> None:
-        with self._cut_lock:
+        with self._lock:
             self._budget = None
         self._flowing.set()
 
@@ -73,13 +73,13 @@ class SlowRelay:
             threading.Thread(target=self._pipe, args=(server, client, True, armed, answered), daemon=True).start()
 
     def _arm(self, request: bytes, armed: list[int]) -> None:
-        with self._cut_lock:
+        with self._lock:
             if self._cut is not None and self._cut[0] in request:
                 armed.append(self._cut[1])
                 self._cut = None  # the first such request only
 
     def _spend(self, n: int) -> None:
-        with self._cut_lock:
+        with self._lock:
             if self._budget is None:
                 return
             self._budget -= n
