@@ -9,7 +9,7 @@ PYTEST_WORKERS ?= 2
 export FERRY_CACHE
 export UCX_NET_DEVICES := lo
 
-.PHONY: help deps venv bins images crds proto lint fmt test test-unit e2e-pods demo bench clean
+.PHONY: help sysdeps deps venv bins images crds proto lint fmt test test-unit e2e-pods demo bench clean
 
 help:
 	@echo "make demo   - start a local cluster + S3 + operator and walk through the weight lifecycle"
@@ -19,9 +19,13 @@ help:
 	@echo "make crds   - regenerate crds/*.yaml from the pydantic models"
 	@echo "make lint   - ruff check + format check"
 
-deps: venv bins
+# Debian packages (containerd, runc, CNI plugins, debootstrap, ...): installed when run as root, else the one command.
+sysdeps:
+	@bash hack/install-system-deps.sh
 
-venv: $(VENV)/.ferry-installed
+deps: sysdeps venv bins
+
+venv: sysdeps $(VENV)/.ferry-installed
 
 $(VENV)/.ferry-installed: pyproject.toml
 	bash hack/setup-venv.sh "$(VENV)"
