@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ferry import __version__
+from ferry.errors import Conflict, FerryError, InvalidInput, NotFound, Transient
 from ferry.publish import (
     DEFAULT_MULTIPART_THRESHOLD,
     DEFAULT_SHARD_BYTES,
@@ -99,6 +100,22 @@ def _report(result: PublishResult, opts: PublishOptions) -> None:
         print(f"weightversion.ferry.dev/{opts.version} {result.weight_version} in namespace {opts.namespace}")
 
 
+# Exit statuses (docs/publish.md): a script retries 6, picks a new name on 3, and fixes its input on 4 and 5.
+EXIT_FAILED, EXIT_USAGE, EXIT_CONFLICT, EXIT_INVALID, EXIT_NOT_FOUND, EXIT_TRANSIENT = 1, 2, 3, 4, 5, 6
+
+
+def exit_status(exc: FerryError) -> int:
+    for kind, status in (
+        (Conflict, EXIT_CONFLICT),
+        (InvalidInput, EXIT_INVALID),
+        (NotFound, EXIT_NOT_FOUND),
+        (Transient, EXIT_TRANSIENT),
+    ):
+        if isinstance(exc, kind):
+            return status
+    return EXIT_FAILED
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ferry", description="Ferry: model weights into GPU memory")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -110,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except PublishError as exc:
         print(f"ferry {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return exit_status(exc)
     except KeyboardInterrupt:
         print(f"ferry {args.command}: interrupted", file=sys.stderr)
         return 130

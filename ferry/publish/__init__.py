@@ -27,9 +27,16 @@ from ferry import s3
 from ferry.api.models import DNS_SUBDOMAIN, WeightFormat
 from ferry.kube import kube_client
 from ferry.publish.base import replay_base
-from ferry.publish.errors import ImmutableConflict, PublishError
+from ferry.publish.errors import (
+    ImmutableConflict,
+    InvalidPublish,
+    PublishError,
+    PublishNotFound,
+    publish_error,
+)
 from ferry.publish.kube import (
     apply_weight_version,
+    check_credentials_secret,
     check_existing,
     kube_errors,
     read_weight_version,
@@ -58,7 +65,7 @@ def index_uri(uri_prefix: str, version: str) -> str:
     try:
         bucket, key = s3.parse_s3_prefix(uri_prefix)
     except s3.InvalidUri as exc:
-        raise PublishError(f"--uri-prefix {exc}") from exc
+        raise InvalidPublish(f"--uri-prefix {exc}") from exc
     return f"s3://{bucket}/{key}{version}/{ckpt.INDEX_NAME}"
 
 
@@ -97,17 +104,17 @@ class PublishResult:
 def _validate(opts: PublishOptions) -> None:
     for what, name in (("--version", opts.version), ("--base", opts.base)):
         if name is not None and (len(name) > 253 or not re.fullmatch(DNS_SUBDOMAIN, name)):
-            raise PublishError(f"{what} {name!r} is not a valid object name (lowercase DNS subdomain)")
+            raise InvalidPublish(f"{what} {name!r} is not a valid object name (lowercase DNS subdomain)")
     if opts.base == opts.version:
-        raise PublishError(f"a version cannot be its own base ({opts.version!r})")
+        raise InvalidPublish(f"a version cannot be its own base ({opts.version!r})")
     if opts.base_dir is not None and opts.base is None:
-        raise PublishError("--base-dir needs --base (the version those weights are)")
+        raise InvalidPublish("--base-dir needs --base (the version those weights are)")
     if opts.apply and not opts.model:
-        raise PublishError("--model is required to apply the WeightVersion (or pass --no-apply)")
+        raise InvalidPublish("--model is required to apply the WeightVersion (or pass --no-apply)")
     if opts.wait and not opts.apply:
-        raise PublishError("--wait needs the WeightVersion to be applied (drop --no-apply)")
+        raise InvalidPublish("--wait needs the WeightVersion to be applied (drop --no-apply)")
     if opts.shard_bytes <= 0 or opts.multipart_threshold <= 0 or opts.workers <= 0:
-        raise PublishError("--shard-size, --multipart-threshold and --workers must be positive")
+        raise InvalidPublish("--shard-size, --multipart-threshold and --workers must be positive")
 
 
 def _base_locator(opts: PublishOptions, api: Any | None) -> Callable[[str], str]:
@@ -120,13 +127,17 @@ def _base_locator(opts: PublishOptions, api: Any | None) -> Callable[[str], str]
         with kube_errors(f"reading WeightVersion {opts.namespace}/{version}"):
             wv = read_weight_version(api, opts.namespace, version)
         if wv is None:
-            raise PublishError(f"base WeightVersion {opts.namespace}/{version} not found; pass --base-dir")
+            raise PublishNotFound(f"base WeightVersion {opts.namespace}/{version} not found; pass --base-dir")
         spec = wv.get("spec") or {}
         if version == opts.base and spec.get("modelName") != opts.model:
-            raise PublishError(f"base {version!r} is a version of model {spec.get('modelName')!r}, not {opts.model!r}")
+            raise InvalidPublish(
+                f"base {version!r} is a version of model {spec.get('modelName')!r}, not {opts.model!r}"
+            )
         uri = (spec.get("storage") or {}).get("uri")
         if not uri:
-            raise PublishError(f"base WeightVersion {version!r} has no storage ({spec.get('format')}); pass --base-dir")
+            raise InvalidPublish(
+                f"base WeightVersion {version!r} has no storage ({spec.get('format')}); pass --base-dir"
+            )
         return uri
 
     return locate
@@ -156,6 +167,9 @@ def publish(opts: PublishOptions, *, progress: TextIO | None = None) -> PublishR
             existing = read_weight_version(api, opts.namespace, opts.version)
         # Fail before uploading anything if the version name is already taken by a different spec.
         check_existing(existing, body, opts.namespace)
+        if opts.credentials_secret:
+            with kube_errors(f"checking Secret {opts.namespace}/{opts.credentials_secret}"):
+                check_credentials_secret(api, opts.namespace, opts.credentials_secret)
     client = s3.new_client(opts.endpoint, opts.region, None, s3.publishing())  # the environment's credentials, now
     try:
         weights = load_weights(opts.source)
@@ -173,7 +187,7 @@ def publish(opts: PublishOptions, *, progress: TextIO | None = None) -> PublishR
         finally:
             bar.close()
     except (BotoCoreError, ClientError) as exc:
-        raise PublishError(f"S3 request failed: {exc}") from exc
+        raise publish_error(s3.translate(exc, uri), f"S3 request failed: {exc}") from exc
     result = PublishResult(
         uri=uri,
         format=WeightFormat.XOR_DELTA if opts.base else WeightFormat.FULL_CHECKPOINT,
@@ -183,7 +197,8 @@ def publish(opts: PublishOptions, *, progress: TextIO | None = None) -> PublishR
     )
     if api is not None and body is not None:
         with kube_errors(f"applying WeightVersion {opts.namespace}/{opts.version}"):
-            result.weight_version = "created" if apply_weight_version(api, opts.namespace, body) else "unchanged"
+            created = apply_weight_version(api, opts.namespace, body)
+            result.weight_version = "created" if created else "unchanged"
             if opts.wait:
-                wait_ready(api, opts.namespace, opts.version, opts.wait_timeout)
+                wait_ready(api, opts.namespace, opts.version, opts.wait_timeout, created=created)
     return result

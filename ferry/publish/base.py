@@ -13,7 +13,7 @@ from ferry import checkpoint_format as ckpt
 from ferry import s3
 from ferry.api.models import WeightFormat
 from ferry.chain import VersionView, resolve_chain
-from ferry.publish.errors import PublishError
+from ferry.publish.errors import InvalidPublish, PublishNotFound, publish_error
 from ferry.publish.weights import Weights, read_safetensors
 
 
@@ -21,13 +21,14 @@ def _get(client: Any, uri: str) -> bytes:
     try:
         bucket, key = s3.parse_s3_uri(uri)
     except s3.InvalidUri as exc:
-        raise PublishError(str(exc)) from exc
+        raise InvalidPublish(str(exc)) from exc
     try:
         return client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except ClientError as exc:
-        if isinstance(s3.translate(exc, uri), s3.ObjectMissing):
-            raise PublishError(f"{uri} does not exist") from exc
-        raise
+        error = s3.translate(exc, uri)
+        if isinstance(error, s3.ObjectMissing):
+            raise PublishNotFound(f"{uri} does not exist") from exc
+        raise publish_error(error) from exc
 
 
 def _sibling(index: str, shard: str) -> str:
@@ -38,7 +39,7 @@ def _index(client: Any, uri: str) -> ckpt.CheckpointIndex:
     try:
         return ckpt.parse_index(_get(client, uri))
     except ckpt.InvalidIndex as exc:
-        raise PublishError(f"{uri} is not a canonical index: {exc}") from exc
+        raise InvalidPublish(f"{uri} is not a canonical index: {exc}") from exc
 
 
 def _shards(client: Any, uri: str, index: ckpt.CheckpointIndex) -> Iterator[tuple[str, Weights, dict[str, str]]]:
@@ -47,7 +48,7 @@ def _shards(client: Any, uri: str, index: ckpt.CheckpointIndex) -> Iterator[tupl
         part = Weights({}, {})
         checksums = read_safetensors(_get(client, _sibling(uri, shard)), _sibling(uri, shard), part)
         if set(part.arrays) != index.tensors_in(shard):
-            raise PublishError(f"{_sibling(uri, shard)} does not hold the tensors its index maps to it")
+            raise InvalidPublish(f"{_sibling(uri, shard)} does not hold the tensors its index maps to it")
         yield shard, part, checksums
 
 
@@ -60,7 +61,7 @@ def _chain(client: Any, version: str, locate: Callable[[str], str]) -> list[tupl
         uri = locate(name)
         index = _index(client, uri)
         if index.is_delta and index.metadata["version"] != name:
-            raise PublishError(f"{uri} is the delta of {index.metadata['version']!r}, not of {name!r}")
+            raise InvalidPublish(f"{uri} is the delta of {index.metadata['version']!r}, not of {name!r}")
         indexes[name] = (uri, index)
         return VersionView(
             name=name,
@@ -75,7 +76,7 @@ def _chain(client: Any, version: str, locate: Callable[[str], str]) -> list[tupl
 
     result = resolve_chain(version, lookup)
     if not result.ok:
-        raise PublishError(f"the chain of {version!r} cannot be replayed: {result.message}")
+        raise InvalidPublish(f"the chain of {version!r} cannot be replayed: {result.message}")
     return [indexes[name] for name in result.chain]
 
 
@@ -86,15 +87,15 @@ def replay_base(client: Any, version: str, locate: Callable[[str], str]) -> Weig
     for _, part, checksums in _shards(client, root_uri, root):
         for name, array in part.arrays.items():
             if ckpt.adler32_hex(array.reshape(-1).view(np.uint8)) != checksums.get(name):
-                raise PublishError(f"tensor {name!r} in {root_uri} fails its adler32 check")
+                raise InvalidPublish(f"tensor {name!r} in {root_uri} fails its adler32 check")
             weights.add(name, part.dtypes[name], array, root_uri)
     for uri, index in deltas:
         for _, part, checksums in _shards(client, uri, index):
             for name, frame in part.arrays.items():
                 if name not in weights.arrays:
-                    raise PublishError(f"{uri} changes tensor {name!r}, which its base does not have")
+                    raise InvalidPublish(f"{uri} changes tensor {name!r}, which its base does not have")
                 try:
                     weights.arrays[name] = ckpt.apply_xor_delta(weights.arrays[name], frame, checksums.get(name, ""))
                 except ValueError as exc:
-                    raise PublishError(f"{uri}: tensor {name!r}: {exc}") from exc
+                    raise InvalidPublish(f"{uri}: tensor {name!r}: {exc}") from exc
     return weights

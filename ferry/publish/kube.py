@@ -4,24 +4,31 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from pydantic import ValidationError
 
+from ferry import s3
 from ferry.api.conditions import get_condition
 from ferry.api.models import (
     API_VERSION,
     GROUP,
     VERSION,
+    ChainReason,
     ConditionStatus,
+    StorageReason,
     WeightFormat,
     WeightVersion,
     WeightVersionConditionType,
     WeightVersionPhase,
 )
-from ferry.publish.errors import ImmutableConflict, PublishError
+from ferry.errors import InvalidInput
+from ferry.publish.errors import ImmutableConflict, InvalidPublish, PublishError, PublishNotFound, PublishUnavailable
+
+log = logging.getLogger("ferry.publish")
 
 
 @contextlib.contextmanager
@@ -37,9 +44,19 @@ def kube_errors(what: str) -> Iterator[None]:
         detail = exc.reason
         with contextlib.suppress(Exception):
             detail = json.loads(exc.body)["message"]
-        raise PublishError(f"{what}: the Kubernetes API answered {exc.status}: {detail}") from exc
-    except (ConfigException, HTTPError, OSError) as exc:
-        raise PublishError(f"{what}: {exc}") from exc
+        message = f"{what}: the Kubernetes API answered {exc.status}: {detail}"
+        status = exc.status or 0
+        if status == 404:
+            raise PublishNotFound(message) from exc
+        if status == 409:
+            raise ImmutableConflict(message) from exc
+        if 400 <= status < 500 and status != 429:  # invalid, unauthorized, forbidden: the same request fails again
+            raise InvalidPublish(message) from exc
+        raise PublishUnavailable(message) from exc
+    except ConfigException as exc:
+        raise InvalidPublish(f"{what}: {exc}") from exc
+    except (HTTPError, OSError) as exc:
+        raise PublishUnavailable(f"{what}: {exc}") from exc
 
 
 def _custom(api: Any) -> Any:
@@ -83,13 +100,36 @@ def weight_version_body(
         model_obj = WeightVersion.model_validate({"spec": spec})
     except ValidationError as exc:
         details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise PublishError(f"invalid WeightVersion: {details}") from exc
+        raise InvalidPublish(f"invalid WeightVersion: {details}") from exc
     return {
         "apiVersion": API_VERSION,
         "kind": WeightVersion.kind,
         "metadata": {"name": name},
         "spec": model_obj.spec.model_dump(mode="json", exclude_none=True),
     }
+
+
+def check_credentials_secret(api: Any, namespace: str, name: str) -> None:
+    """The operator and the agents read the version with this Secret's keys: a missing Secret or key fails the
+    publish before anything is uploaded. A publisher that may not read Secrets cannot check (the WeightVersion's
+    StorageVerified condition will say)."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    what = f"Secret {namespace}/{name} (--credentials-secret)"
+    try:
+        secret = client.CoreV1Api(api).read_namespaced_secret(name, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            raise InvalidPublish(f"{what} does not exist: readers could not verify or load the version") from exc
+        if exc.status == 403:
+            log.warning("%s not checked: this identity may not read Secrets in %s", what, namespace)
+            return
+        raise
+    try:
+        s3.credentials_from_secret_data(secret.data)
+    except InvalidInput as exc:
+        raise InvalidPublish(f"{what}: {exc}") from exc
 
 
 def apply_weight_version(api: Any, namespace: str, body: dict[str, Any]) -> bool:
@@ -116,8 +156,30 @@ def check_existing(existing: dict[str, Any] | None, body: dict[str, Any], namesp
         )
 
 
-def wait_ready(api: Any, namespace: str, name: str, timeout: float, poll: float = 1.0) -> None:
-    """Until the operator marks it Ready; a Failed phase (a permanent reason) ends the wait at once."""
+# Ready=False reasons that the operator retries, but that no retry mends without the user (a Secret, a key, the
+# objects' place or content, the chain): for a WeightVersion this publish created, every verification came after
+# its upload, so the wait ends at once. An older object's status may predate the upload: that one waits.
+NEEDS_THE_USER = frozenset(
+    {
+        StorageReason.CredentialsMissing,
+        StorageReason.AccessDenied,
+        StorageReason.ObjectMissing,
+        StorageReason.IndexInvalid,
+        StorageReason.SizeMismatch,
+        ChainReason.ModelMismatch,
+        ChainReason.ChainCycle,
+        ChainReason.ChainTooLong,
+        ChainReason.LayoutMismatch,
+        ChainReason.UnsupportedFormat,
+    }
+)
+
+
+def wait_ready(
+    api: Any, namespace: str, name: str, timeout: float, poll: float = 1.0, *, created: bool = False
+) -> None:
+    """Until the operator marks it Ready. A Failed phase ends the wait at once, and so does a reason in
+    NEEDS_THE_USER when this publish `created` the object; running out of `timeout` is PublishUnavailable."""
     deadline = time.monotonic() + timeout
     last = "no status yet"
     while True:
@@ -130,6 +192,8 @@ def wait_ready(api: Any, namespace: str, name: str, timeout: float, poll: float 
             last = f"{status.get('phase')}: {ready.get('reason')}: {ready.get('message')}"
         if status.get("phase") == WeightVersionPhase.FAILED:
             raise PublishError(f"WeightVersion {namespace}/{name} failed ({last})")
+        if created and ready and ready.get("reason") in NEEDS_THE_USER:
+            raise PublishError(f"WeightVersion {namespace}/{name} cannot become Ready until this is fixed ({last})")
         if time.monotonic() >= deadline:
-            raise PublishError(f"WeightVersion {namespace}/{name} is not Ready after {timeout:.0f}s ({last})")
+            raise PublishUnavailable(f"WeightVersion {namespace}/{name} is not Ready after {timeout:.0f}s ({last})")
         time.sleep(poll)

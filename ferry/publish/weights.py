@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ferry import checkpoint_format as ckpt
-from ferry.publish.errors import PublishError
+from ferry.publish.errors import InvalidPublish, PublishNotFound
 
 DEFAULT_SHARD_BYTES = 4 << 30  # as ModelExpress's full-checkpoint batches
 _FROM_TORCH = {name: dtype for dtype, name in ckpt.TORCH_DTYPES.items()}  # torch dtype name → safetensors dtype
@@ -32,7 +32,7 @@ class Weights:
 
     def add(self, name: str, dtype: str, array: np.ndarray, where: str) -> None:
         if name in self.arrays:
-            raise PublishError(f"tensor {name!r} appears twice (again in {where})")
+            raise InvalidPublish(f"tensor {name!r} appears twice (again in {where})")
         self.arrays[name] = array
         self.dtypes[name] = dtype
 
@@ -41,7 +41,7 @@ def _numpy_dtype(dtype: str, where: str) -> type[np.generic]:
     found = ckpt.NUMPY_DTYPES.get(dtype) or ckpt.CARRIERS.get(dtype)
     if found is None:
         supported = sorted({*ckpt.NUMPY_DTYPES, *ckpt.CARRIERS})
-        raise PublishError(f"{where}: dtype {dtype} is not supported (supported: {supported})")
+        raise InvalidPublish(f"{where}: dtype {dtype} is not supported (supported: {supported})")
     return found
 
 
@@ -55,10 +55,10 @@ def read_safetensors(data: np.ndarray | bytes, where: str, into: Weights) -> dic
         infos = ckpt.tensor_infos(header)
         checksums = ckpt.shard_checksums(header)
     except ckpt.InvalidShard as exc:
-        raise PublishError(f"{where} is not a valid safetensors file: {exc}") from exc
+        raise InvalidPublish(f"{where} is not a valid safetensors file: {exc}") from exc
     start = ckpt.HEADER_PREFIX_BYTES + length
     if start + ckpt.data_length(infos) > len(buf):
-        raise PublishError(f"{where} is truncated: its header describes more data than the file holds")
+        raise InvalidPublish(f"{where} is truncated: its header describes more data than the file holds")
     for name, info in infos.items():
         raw = buf[start + info.begin : start + info.end]
         into.add(name, info.dtype, raw.view(_numpy_dtype(info.dtype, f"{where}: {name}")).reshape(info.shape), where)
@@ -71,15 +71,15 @@ def _read_torch(path: Path, into: Weights) -> None:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise PublishError(f"{path} is not a loadable torch state dict: {exc}") from exc
+        raise InvalidPublish(f"{path} is not a loadable torch state dict: {exc}") from exc
     if not isinstance(state, Mapping):
-        raise PublishError(f"{path} holds a {type(state).__name__}, not a state dict (name → tensor)")
+        raise InvalidPublish(f"{path} holds a {type(state).__name__}, not a state dict (name → tensor)")
     for name, tensor in state.items():
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise PublishError(f"{path}: entry {name!r} is not a tensor")
+            raise InvalidPublish(f"{path}: entry {name!r} is not a tensor")
         dtype = _FROM_TORCH.get(str(tensor.dtype).removeprefix("torch."))
         if dtype is None:
-            raise PublishError(f"{path}: tensor {name!r} has unsupported dtype {tensor.dtype}")
+            raise InvalidPublish(f"{path}: tensor {name!r} has unsupported dtype {tensor.dtype}")
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         into.add(name, dtype, raw.view(_numpy_dtype(dtype, name)).reshape(tuple(tensor.shape)), str(path))
 
@@ -90,22 +90,22 @@ def load_weights(path: Path) -> Weights:
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
         if not files:
-            raise PublishError(f"{path} has no *.safetensors files")
+            raise InvalidPublish(f"{path} has no *.safetensors files")
     elif path.is_file():
         files = [path]
     else:
-        raise PublishError(f"{path} does not exist")
+        raise PublishNotFound(f"{path} does not exist")
     for file in files:
         if file.suffix in {".pt", ".pth", ".bin"}:
             _read_torch(file, weights)
         elif file.suffix == ".safetensors":
             if file.stat().st_size == 0:
-                raise PublishError(f"{file} is empty")
+                raise InvalidPublish(f"{file} is empty")
             read_safetensors(np.memmap(file, dtype=np.uint8, mode="r"), str(file), weights)
         else:
-            raise PublishError(f"{file}: expected a .safetensors file or a torch state dict (.pt, .pth, .bin)")
+            raise InvalidPublish(f"{file}: expected a .safetensors file or a torch state dict (.pt, .pth, .bin)")
     if not weights.arrays:
-        raise PublishError(f"{path} holds no tensors")
+        raise InvalidPublish(f"{path} holds no tensors")
     return weights
 
 
@@ -121,7 +121,7 @@ def check_same_layout(base: Weights, new: Weights, base_version: str) -> None:
     ]
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise PublishError(
+        raise InvalidPublish(
             f"the tensors do not match base {base_version!r} ({shown}); a delta cannot change the layout, "
             "publish a FullCheckpoint instead"
         )

@@ -18,7 +18,7 @@ from botocore.exceptions import ClientError
 from safetensors.numpy import load, save_file
 
 from ferry import checkpoint_format as ckpt
-from ferry.cli import main
+from ferry.cli import EXIT_CONFLICT, EXIT_INVALID, EXIT_NOT_FOUND, EXIT_TRANSIENT, main
 from ferry.publish import ImmutableConflict
 from ferry.publish.writer import ImmutableWriter
 from ferry_dev.localcluster import LocalCluster, S3Server
@@ -174,7 +174,7 @@ def test_republish_identical_succeeds_and_different_fails(s3, cluster, namespace
         env={**os.environ, **env},
         timeout=120,
     )
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == EXIT_CONFLICT, proc.stderr
     assert f"{prefix}/v1/{ckpt.INDEX_NAME} already exists with different content" in proc.stderr
     assert "nothing was overwritten" in proc.stderr
     assert objects(s3, prefix) == before
@@ -184,12 +184,12 @@ def test_republish_identical_succeeds_and_different_fails(s3, cluster, namespace
     tweaked = weights(1)
     tweaked["layers.3.weight"][0, 0] += 1
     code, _, err = run(capsys, write_dir(tmp_path / "tweaked", tweaked), *args)
-    assert code == 1 and "model-00002-of-00002.safetensors already exists with different content" in err
+    assert code == EXIT_CONFLICT and "model-00002-of-00002.safetensors already exists with different content" in err
     assert objects(s3, prefix) == before
 
     # A different spec for an existing WeightVersion fails before any upload.
     code, _, err = run(capsys, source, *args, "--layout-signature=changed")
-    assert code == 1 and "WeightVersion" in err and "already exists with spec" in err
+    assert code == EXIT_CONFLICT and "WeightVersion" in err and "already exists with spec" in err
 
 
 def test_multipart_upload(s3, prefix, tmp_path, capsys) -> None:
@@ -261,7 +261,7 @@ def test_wait_for_ready(s3, cluster, namespace, prefix, tmp_path, capsys) -> Non
     source = write_dir(tmp_path / "w", weights(5))
     args = [source, "--version=w1", *common(s3, cluster, namespace, prefix)]
     code, _, err = run(capsys, *args, "--wait", "--timeout=1")
-    assert code == 1 and "is not Ready after 1s" in err
+    assert code == EXIT_TRANSIENT and "is not Ready after 1s" in err
     set_status(cluster, namespace, "w1", "Ready", "True", "Verified")
     code, out, err = run(capsys, *args, "--wait", "--timeout=5")
     assert code == 0 and "w1 unchanged" in out, err
@@ -295,22 +295,37 @@ def test_bad_input(s3, cluster, namespace, prefix, tmp_path, capsys) -> None:
     reshaped = write_dir(tmp_path / "reshaped", {k: v.reshape(16, 32) for k, v in weights(1).items()})
     retyped = write_dir(tmp_path / "retyped", {k: v.astype(np.float16) for k, v in weights(1).items()})
     base = ["--base=b0", f"--base-dir={good}"]
-    cases: list[tuple[list[Any], str]] = [
-        ([tmp_path / "missing"], "does not exist"),
-        ([tmp_path / "empty"], "has no *.safetensors files"),
-        ([tmp_path / "none.safetensors"], "holds no tensors"),
-        ([tmp_path / "junk.safetensors"], "is not a valid safetensors file"),
-        ([renamed, *base], "missing layers.0.weight; missing layers.1.weight"),
-        ([reshaped, *base], "layers.0.weight: F32[32, 16] → F32[16, 32]"),
-        ([retyped, *base], "layers.0.weight: F32[32, 16] → F16[32, 16]"),
-        ([good, "--base=nope"], f"base WeightVersion {namespace}/nope not found"),
-        ([good, "--uri-prefix=http://x/y"], "is not an s3://bucket/prefix URI"),
-        ([good, "--version=Not_Valid"], "is not a valid object name"),
-        ([good, "--base=v1", "--version=v1"], "cannot be its own base"),
+    cases: list[tuple[list[Any], int, str]] = [
+        ([tmp_path / "missing"], EXIT_NOT_FOUND, "does not exist"),
+        ([tmp_path / "empty"], EXIT_INVALID, "has no *.safetensors files"),
+        ([tmp_path / "none.safetensors"], EXIT_INVALID, "holds no tensors"),
+        ([tmp_path / "junk.safetensors"], EXIT_INVALID, "is not a valid safetensors file"),
+        ([renamed, *base], EXIT_INVALID, "missing layers.0.weight; missing layers.1.weight"),
+        ([reshaped, *base], EXIT_INVALID, "layers.0.weight: F32[32, 16] → F32[16, 32]"),
+        ([retyped, *base], EXIT_INVALID, "layers.0.weight: F32[32, 16] → F16[32, 16]"),
+        ([good, "--base=nope"], EXIT_NOT_FOUND, f"base WeightVersion {namespace}/nope not found"),
+        ([good, "--uri-prefix=http://x/y"], EXIT_INVALID, "is not an s3://bucket/prefix URI"),
+        ([good, "--version=Not_Valid"], EXIT_INVALID, "is not a valid object name"),
+        ([good, "--base=v1", "--version=v1"], EXIT_INVALID, "cannot be its own base"),
+        ([good, "--credentials-secret=absent"], EXIT_INVALID, f"Secret {namespace}/absent (--credentials-secret) does"),
     ]
-    for extra, message in cases:
+    for extra, status, message in cases:
         code, _, err = run(capsys, "--version=v1", *common(s3, cluster, namespace, prefix), *extra)
-        assert (code, message in err) == (1, True), (extra, err)
+        assert (code, message in err) == (status, True), (extra, err)
     code, _, err = run(capsys, good, "--version=v1", f"--uri-prefix={prefix}")
-    assert code == 1 and "--model is required" in err
+    assert code == EXIT_INVALID and "--model is required" in err
     assert objects(s3, prefix) == {} and get_wv(cluster, namespace, "v1") is None
+
+
+def secret(cluster: LocalCluster, namespace: str, name: str, data: dict[str, str]) -> None:
+    body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "stringData": data}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+
+
+def test_the_credentials_secret_is_checked_before_the_upload(s3, cluster, namespace, prefix, tmp_path, capsys) -> None:
+    source = write_dir(tmp_path / "s", weights(3))
+    args = [source, "--version=s1", *common(s3, cluster, namespace, prefix)]
+    secret(cluster, namespace, "half", {"AWS_ACCESS_KEY_ID": s3.access_key})
+    code, _, err = run(capsys, *args, "--credentials-secret=half")
+    assert code == EXIT_INVALID and f"Secret {namespace}/half (--credentials-secret): Secret data has no key" in err
+    assert objects(s3, prefix) == {} and get_wv(cluster, namespace, "s1") is None  # nothing uploaded or applied
