@@ -209,7 +209,7 @@ def test_multipart_upload(s3, prefix, tmp_path, capsys) -> None:
 
     changed = write_dir(tmp_path / "changed", {**big, "tiny": np.zeros(4, np.float32)})
     code, _, err = run(capsys, changed, *args[1:])
-    assert code == 1 and "already exists with different content" in err
+    assert code == EXIT_CONFLICT and "already exists with different content" in err
     assert objects(s3, prefix) == stored
     assert not client.list_multipart_uploads(Bucket=BUCKET, Prefix=key).get("Uploads")
 
