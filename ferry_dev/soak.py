@@ -270,13 +270,14 @@ def run_soak(
         uid = engine_pod(cluster, namespace, f"{namespace}-n0")
         pod_dir = socket_dir / "pods" / uid
         wait_until(lambda: (pod_dir / "ferry.sock").exists(), 30, "the engine pod's socket", agents[0])
-        consumer = subprocess.Popen(
-            [sys.executable, "-m", "ferry_dev.soak_consumer", MODEL_LOAD, "60"],
-            env={**os.environ, "FERRY_SOCKET_DIR": str(pod_dir), "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE,
-            stderr=open(root / "consumer.log", "w"),  # noqa: SIM115 - the child's for its lifetime
-            text=True,
-        )
+        with open(root / "consumer.log", "w") as log:  # the child keeps its own descriptor
+            consumer = subprocess.Popen(
+                [sys.executable, "-m", "ferry_dev.soak_consumer", MODEL_LOAD, "60"],
+                env={**os.environ, "FERRY_SOCKET_DIR": str(pod_dir), "OMP_NUM_THREADS": "1"},
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
         started = time.monotonic()
         previous: tuple[str, Path] | None = None
         for i, weights in enumerate(step_weights(cfg)):

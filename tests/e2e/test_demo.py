@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 
@@ -26,6 +27,15 @@ def test_demo_runs_end_to_end():
     first_round = tables[0]
     assert first_round.count(" s3 ") == 1 and first_round.count(" peer/") == 2, first_round
     assert "llama-tiny-v2" in tables[1] and "3/3" in out and "AllReplicasReady" in out
+    # As narrated: each replica applies the small delta from S3 to its own v1.
+    assert tables[1].count(" s3 ") == 3, tables[1]
+    # The engine attaches to v1, then refits to v2 with only the changed tensors, and generates what the trainer's
+    # own copy of each version generates; the ModelLoad shows it attached.
+    engine = [line for line in out.splitlines() if line.startswith("  engine: ")]
+    assert len(engine) == 2 and "loaded llama-tiny-v1: copied 48 of 48" in engine[0], engine
+    assert "refit llama-tiny-v2: copied 12 of 48" in engine[1], engine
+    assert out.count("generates") == 4 and out.count(": the same") == 2 and "DIFFERENT" not in out
+    assert "True Attached: 1 pod attached to llama-tiny-v1" in out
     assert tables[2].count(" s3 ") == 1 and tables[2].count(" peer/llama-tiny-tp2-") == 1, tables[2]
     rank_rows = [line.split() for line in tables[3].splitlines()[1:]]
     by_replica: dict[str, list[str]] = {}
@@ -35,3 +45,6 @@ def test_demo_runs_end_to_end():
     assert len(by_replica) == 2 and all(sorted(ranks) == ["0", "1"] for ranks in by_replica.values()), tables[3]
     assert "ReplicaStale" not in out  # a rollout is not mistaken for a dead agent
     assert out.rstrip().endswith("done")
+    # Every command it prints is one a shell takes as it is: no elided arguments.
+    commands = [line[2:] for line in out.splitlines() if line.startswith("$ ")]
+    assert commands and all("..." not in c and shlex.split(c)[0] in ("kubectl", "ferry") for c in commands), commands
