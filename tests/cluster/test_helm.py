@@ -144,6 +144,9 @@ def test_values_schema_is_closed_at_every_level():
         (sets(grafana__dashboards__folder="x"), "at '/grafana/dashboards': additional properties 'folder'"),
         (["--set", "agent.tolerations[0].keyy=x"], "at '/agent/tolerations/0': additional properties 'keyy'"),
         (["--set-string", "agent.ucx.extraEnv.LD_PRELOAD=x"], "invalid propertyName 'LD_PRELOAD'"),
+        (sets(agent__runtimeClassName="Nvidia_Runtime"), "at '/agent/runtimeClassName'"),
+        (sets(agent__affinity__nodeAfinity__x="y"), "at '/agent/affinity': additional properties 'nodeAfinity'"),
+        (sets(agent__gpus__visibleDevices="0;1"), "at '/agent/gpus/visibleDevices'"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -276,6 +279,56 @@ def test_rendered_objects(helm_env):
     assert "IPC_LOCK" in agent["securityContext"]["capabilities"]["add"]
     assert {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1"} in agent["env"]
     assert "--lease-seconds=20" in agent["command"]
+
+
+GPU_NODE_AFFINITY = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H100"]}]}
+            ]
+        }
+    }
+}
+GPU_NODE_VALUES = [
+    *sets(agent__runtimeClassName="nvidia", operator__runtimeClassName="runc-sandboxed", operator__replicas="2"),
+    "--set-json",
+    f"agent.affinity={json.dumps(GPU_NODE_AFFINITY)}",
+    "--set-json",
+    f"operator.affinity={json.dumps(GPU_NODE_AFFINITY)}",
+    "--set-json",
+    'agent.resources.limits={"nvidia.com/gpu": 1, "memory": "8Gi"}',
+]
+
+
+def pod_specs(docs: list[dict]) -> dict[str, dict]:
+    """kind -> pod template spec, of the DaemonSet and the Deployment."""
+    return {d["kind"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("DaemonSet", "Deployment")}
+
+
+def test_gpu_nodes_get_their_runtime_class_affinity_and_devices(helm_env):
+    """What GPU nodes need: a RuntimeClass, an affinity (the operator's replaces its default anti-affinity), GPU
+    resources, and the devices the NVIDIA runtime shows the agent without a device-plugin request by default."""
+    pods = pod_specs(render(helm_env, *GPU_NODE_VALUES))
+    agent, operator = pods["DaemonSet"], pods["Deployment"]
+    assert agent["runtimeClassName"] == "nvidia" and operator["runtimeClassName"] == "runc-sandboxed"
+    assert agent["affinity"] == GPU_NODE_AFFINITY and operator["affinity"] == GPU_NODE_AFFINITY
+    container = agent["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+
+    defaults = pod_specs(render(helm_env, *sets(operator__replicas="2")))
+    assert "runtimeClassName" not in defaults["DaemonSet"] and "affinity" not in defaults["DaemonSet"]
+    assert "podAntiAffinity" in defaults["Deployment"]["affinity"]  # two operators spread over nodes by default
+    off = render(helm_env, "--set", "agent.gpus.visibleDevices=", "--set", "agent.gpus.driverCapabilities=")
+    env = {
+        e["name"]
+        for d in off
+        if d["kind"] == "DaemonSet"
+        for e in d["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert not env & {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
 
 
 def test_the_release_finalizer_policy_renders_where_the_api_is_served(helm_env):
@@ -559,8 +612,16 @@ def test_admission_policy_names_the_agent_and_the_api_constants(helm_env):
         sets(operator__metrics__enabled="false", agent__enabled="false"),
         sets(operator__replicas="2"),
         sets(agent__metrics__service__enabled="true", grafana__dashboards__enabled="true"),
+        GPU_NODE_VALUES,
     ],
-    ids=["defaults", "rdma-and-options", "operator-only", "two-operators", "metrics-service-and-dashboards"],
+    ids=[
+        "defaults",
+        "rdma-and-options",
+        "operator-only",
+        "two-operators",
+        "metrics-service-and-dashboards",
+        "gpu-nodes",
+    ],
 )
 def test_rendered_objects_pass_server_dry_run(cluster, namespace, helm_env, values):
     values = [*values, "--set", f"tenantNamespaces={{{namespace}}}"]
