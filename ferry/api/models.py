@@ -369,6 +369,24 @@ class StorageReason(StrEnum):
     EndpointUnreachable = "EndpointUnreachable"  # network error, timeout or 5xx: transient, retry
 
 
+# Ready=False reasons of phase Failed: only the publisher can mend them. Those of a broken chain or checkpoint are for
+# good (publish a new version); the operator keeps retrying, with backoff, the ones mended in place (a Secret, its
+# keys, the bucket's policy), so such a version still becomes Ready once they are. A missing object stays Pending:
+# a WeightVersion may be applied before its objects are uploaded.
+VERSION_FAILED_FOR_GOOD = frozenset(
+    {
+        ChainReason.ChainCycle,
+        ChainReason.ChainTooLong,
+        ChainReason.ModelMismatch,
+        ChainReason.LayoutMismatch,
+        ChainReason.UnsupportedFormat,
+        StorageReason.IndexInvalid,
+        StorageReason.SizeMismatch,
+    }
+)
+VERSION_FAILED_UNTIL_MENDED = frozenset({StorageReason.CredentialsMissing, StorageReason.AccessDenied})
+
+
 class WeightVersionReadyReason(StrEnum):
     """Reasons of the WeightVersion `Ready` condition besides the first failing condition's (a ChainReason or a
     StorageReason, e.g. VerificationPending)."""
@@ -388,7 +406,7 @@ class WeightVersionPhase(StrEnum):
     PENDING = "Pending"  # waiting on something that may appear (a base, an object, credentials)
     VERIFYING = "Verifying"  # the chain is resolved; the storage is not verified yet
     READY = "Ready"  # Ready=True: replicas may load it
-    FAILED = "Failed"  # a permanent reason: publish a new version
+    FAILED = "Failed"  # only the publisher can mend it (VERSION_FAILED_FOR_GOOD, VERSION_FAILED_UNTIL_MENDED)
     RELEASING = "Releasing"  # deleted; waits until nothing needs it
 
 

@@ -17,7 +17,7 @@ from ferry.api.models import (
     API_VERSION,
     GROUP,
     VERSION,
-    ChainReason,
+    VERSION_FAILED_UNTIL_MENDED,
     ConditionStatus,
     StorageReason,
     WeightFormat,
@@ -156,30 +156,13 @@ def check_existing(existing: dict[str, Any] | None, body: dict[str, Any], namesp
         )
 
 
-# Ready=False reasons that the operator retries, but that no retry mends without the user (a Secret, a key, the
-# objects' place or content, the chain): for a WeightVersion this publish created, every verification came after
-# its upload, so the wait ends at once. An older object's status may predate the upload: that one waits.
-NEEDS_THE_USER = frozenset(
-    {
-        StorageReason.CredentialsMissing,
-        StorageReason.AccessDenied,
-        StorageReason.ObjectMissing,
-        StorageReason.IndexInvalid,
-        StorageReason.SizeMismatch,
-        ChainReason.ModelMismatch,
-        ChainReason.ChainCycle,
-        ChainReason.ChainTooLong,
-        ChainReason.LayoutMismatch,
-        ChainReason.UnsupportedFormat,
-    }
-)
-
-
 def wait_ready(
     api: Any, namespace: str, name: str, timeout: float, poll: float = 1.0, *, created: bool = False
 ) -> None:
-    """Until the operator marks it Ready. A Failed phase ends the wait at once, and so does a reason in
-    NEEDS_THE_USER when this publish `created` the object; running out of `timeout` is PublishUnavailable."""
+    """Until the operator marks it Ready. A Failed phase ends the wait at once (one that is mended in place only for
+    a WeightVersion this publish `created`: an older object's status may predate the upload), and so does a
+    missing object of a created one (it was uploaded before the apply); `timeout` running out is
+    PublishUnavailable."""
     deadline = time.monotonic() + timeout
     last = "no status yet"
     while True:
@@ -190,10 +173,12 @@ def wait_ready(
             return
         if ready:
             last = f"{status.get('phase')}: {ready.get('reason')}: {ready.get('message')}"
-        if status.get("phase") == WeightVersionPhase.FAILED:
+        reason = (ready or {}).get("reason")
+        failed = status.get("phase") == WeightVersionPhase.FAILED
+        if failed and (created or reason not in VERSION_FAILED_UNTIL_MENDED):
             raise PublishError(f"WeightVersion {namespace}/{name} failed ({last})")
-        if created and ready and ready.get("reason") in NEEDS_THE_USER:
-            raise PublishError(f"WeightVersion {namespace}/{name} cannot become Ready until this is fixed ({last})")
+        if created and reason == StorageReason.ObjectMissing:
+            raise PublishError(f"WeightVersion {namespace}/{name} names objects that are not there ({last})")
         if time.monotonic() >= deadline:
             raise PublishUnavailable(f"WeightVersion {namespace}/{name} is not Ready after {timeout:.0f}s ({last})")
         time.sleep(poll)

@@ -11,7 +11,8 @@ from typing import Any
 
 from ferry.api.conditions import find_condition, human_bytes, with_condition
 from ferry.api.models import (
-    ChainReason,
+    VERSION_FAILED_FOR_GOOD,
+    VERSION_FAILED_UNTIL_MENDED,
     ConditionStatus,
     StorageReason,
     WeightReplica,
@@ -27,18 +28,7 @@ from ferry.storage import StorageReport
 
 STORAGE_REASONS = frozenset(StorageReason)
 
-# Spec is immutable, so these can only be fixed by publishing a new version.
-PERMANENT_REASONS = frozenset(
-    {
-        ChainReason.ChainCycle,
-        ChainReason.ChainTooLong,
-        ChainReason.ModelMismatch,
-        ChainReason.LayoutMismatch,
-        ChainReason.UnsupportedFormat,
-        StorageReason.IndexInvalid,
-        StorageReason.SizeMismatch,
-    }
-)
+FAILED_REASONS = VERSION_FAILED_FOR_GOOD | VERSION_FAILED_UNTIL_MENDED
 
 
 @dataclass
@@ -151,7 +141,7 @@ def plan_version_status(
         phase = WeightVersionPhase.RELEASING
     elif ready:
         phase = WeightVersionPhase.READY
-    elif ready_reason in PERMANENT_REASONS:
+    elif ready_reason in FAILED_REASONS:
         phase = WeightVersionPhase.FAILED
     elif storage is None and chain.ok:
         phase = WeightVersionPhase.VERIFYING

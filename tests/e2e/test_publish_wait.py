@@ -51,4 +51,4 @@ def test_wait_ends_at_once_when_only_the_user_can_fix_the_version(
     code = main(args)
     err = capsys.readouterr().err
     assert code == 1, err
-    assert "cannot become Ready until this is fixed" in err and "AccessDenied" in err, err
+    assert "failed (Failed: AccessDenied" in err, err
