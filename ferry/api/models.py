@@ -669,6 +669,7 @@ class DegradedReason(StrEnum):
     REPLICA_FAILED = "ReplicaFailed"  # True: a replica failed, or failed to load its loadingVersion
     REPLICA_STALE = "ReplicaStale"  # True: a Serving replica is not Live (its Lease expired or is gone)
     FELL_BACK_TO_OBJECT_STORAGE = "FellBackToObjectStorage"  # True: a peer failed and object storage served
+    INSUFFICIENT_NODES = "InsufficientNodes"  # True: fewer nodes match spec.nodeSelector than spec.replicas
     AS_EXPECTED = "AsExpected"  # False: none of these
 
 
@@ -676,7 +677,7 @@ class PeerStalledReason(StrEnum):
     """Reasons of the ModelLoad's `PeerStalled` condition."""
 
     NO_PROGRESS = "NoProgress"  # True: a loading replica made no progress for transfer.stallSeconds
-    PROGRESSING = "Progressing"  # False: no loading replica is stalled
+    NOT_STALLED = "NotStalled"  # False: no loading replica is stalled
 
 
 class EnginesAttachedReason(StrEnum):
@@ -729,7 +730,7 @@ class ModelLoadPhase(StrEnum):
     PENDING = "Pending"  # nothing loads and not every replica is ready (e.g. the version is missing or not Ready)
     PROGRESSING = "Progressing"  # replicas load or roll out
     READY = "Ready"  # Ready=True
-    DEGRADED = "Degraded"  # a replica failed or is stale
+    DEGRADED = "Degraded"  # a replica failed or is stale, or some serve and the rest cannot (e.g. too few nodes)
 
 
 class ModelLoadStatus(_Model):

@@ -719,6 +719,13 @@ def aggregate_status(
                 f"peers failed, loaded from S3: {', '.join(sorted(fallbacks))}",
             )
         )
+    if pool > nodes_available:
+        problems.append(
+            (
+                DegradedReason.INSUFFICIENT_NODES,
+                f"{pool - nodes_available} of {pool} replicas have no node: {nodes_available} match spec.nodeSelector",
+            )
+        )
     if problems:
         put(ModelLoadConditionType.DEGRADED, True, problems[0][0], "; ".join(m for _, m in problems))
     else:
@@ -737,7 +744,7 @@ def aggregate_status(
             "; ".join(s.message() for s in stalled),
         )
     else:
-        put(ModelLoadConditionType.PEER_STALLED, False, PeerStalledReason.PROGRESSING, "no replica is stalled")
+        put(ModelLoadConditionType.PEER_STALLED, False, PeerStalledReason.NOT_STALLED, "no replica is stalled")
 
     attached = attached_pods(replicas, desired, stale)
     engines, engines_reason, engines_message = attached.condition(desired)
@@ -749,6 +756,8 @@ def aggregate_status(
         phase = ModelLoadPhase.DEGRADED
     elif loading or behind:
         phase = ModelLoadPhase.PROGRESSING
+    elif ready:  # some serve, and nothing is on its way for the rest (too few nodes, say)
+        phase = ModelLoadPhase.DEGRADED
     else:
         phase = ModelLoadPhase.PENDING
     update: dict[str, Any] = {

@@ -35,7 +35,7 @@ WARN, NORMAL, NONE = True, False, None
         ("Ready", None, c("False", "VersionNotReady"), NONE),
         ("Ready", c("False", "VersionNotReady"), c("False", "ReplicasNotReady"), NONE),
         ("Degraded", None, c("False", "AsExpected"), NONE),
-        ("PeerStalled", None, c("False", "Progressing"), NONE),
+        ("PeerStalled", None, c("False", "NotStalled"), NONE),
         ("Progressing", None, c("True", "Loading"), NONE),
         ("Ready", c("False", "ReplicasNotReady"), c("True", "AllReplicasReady"), NORMAL),
         # A rollout: Ready goes False while the replicas move, and back.
@@ -47,7 +47,7 @@ WARN, NORMAL, NONE = True, False, None
         ("Degraded", c("False", "AsExpected"), c("True", "ReplicaStale"), WARN),
         ("Degraded", c("True", "ReplicaStale"), c("True", "ReplicaFailed"), WARN),
         ("Degraded", c("True", "ReplicaStale"), c("False", "AsExpected"), NORMAL),
-        ("PeerStalled", c("False", "Progressing"), c("True", "NoProgress"), WARN),
+        ("PeerStalled", c("False", "NotStalled"), c("True", "NoProgress"), WARN),
         # WeightVersions: Ready says it all; waiting on a base or a verification is no problem.
         ("Ready", None, c("True", "Verified"), NORMAL),
         ("Ready", None, c("False", "BaseNotReady"), NONE),

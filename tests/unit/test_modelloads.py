@@ -312,3 +312,21 @@ def test_what_a_reconcile_gathers_holders_leases_and_matching_nodes():
     assert replica_leases([wr("a"), wr("b")], lambda name: found.get(name, [])) == {replica_lease_name(RA): lease("a")}
     nodes = [node("a"), node("b", gpu=False), node("c", unschedulable=True)]
     assert matching_nodes(nodes, ml().spec) == 1
+
+
+def test_some_replicas_serving_and_none_on_the_way_is_degraded_not_pending():
+    """2 of 3 serve and only 2 nodes match: nothing is loading or behind, yet the ModelLoad is short of replicas."""
+    replicas = [wr("a"), wr("b")]
+    leases = {replica_lease_name(r["metadata"]["name"]): lease(r["spec"]["nodeName"]) for r in replicas}
+    status = aggregate_status(ml(replicas=3), replicas, leases, nodes_available=2, now=NOW, now_text=ts(0))
+    c = conds(status)
+    assert (status.phase, status.ready) == ("Degraded", "2/3")
+    assert (c["Ready"].reason, c["Degraded"].status, c["Degraded"].reason) == (
+        "InsufficientNodes",
+        "True",
+        "InsufficientNodes",
+    )
+    assert "1 of 3 replicas have no node" in c["Degraded"].message
+    assert (c["PeerStalled"].status, c["PeerStalled"].reason) == ("False", "NotStalled")
+    none = aggregate_status(ml(replicas=3), [], {}, nodes_available=0, now=NOW, now_text=ts(0))
+    assert none.phase == "Pending"
