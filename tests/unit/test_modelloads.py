@@ -21,6 +21,7 @@ from ferry_operator.modelloads import (
     replica_body,
     replica_leases,
     replica_name,
+    retarget_ops,
     stale_replicas,
     stall_deadline,
     stalled_replicas,
@@ -312,3 +313,19 @@ def test_what_a_reconcile_gathers_holders_leases_and_matching_nodes():
     assert replica_leases([wr("a"), wr("b")], lambda name: found.get(name, [])) == {replica_lease_name(RA): lease("a")}
     nodes = [node("a"), node("b", gpu=False), node("c", unschedulable=True)]
     assert matching_nodes(nodes, ml().spec) == 1
+
+
+def test_a_retarget_is_tested_on_the_replica_as_read():
+    """The apiserver applies the move only to that very replica still at the version the plan read: a retarget
+    from a lagging read (the replica moved on since) is refused, never a move back."""
+    wr = replica_body(ml(version="v1"), "n1", "v1")
+    wr["metadata"]["uid"] = "u-1"
+    ops = retarget_ops(wr, "v2")
+    assert ops[:2] == [
+        {"op": "test", "path": "/metadata/uid", "value": "u-1"},
+        {"op": "test", "path": "/spec/version", "value": "v1"},
+    ]
+    assert {"op": "replace", "path": "/spec/version", "value": "v2"} in ops
+    assert {"op": "add", "path": "/metadata/labels/ferry.dev~1version", "value": "v2"} in ops
+    wr["spec"]["version"] = "v3"  # read again after a newer reconcile moved it
+    assert retarget_ops(wr, "v2")[1]["value"] == "v3"
