@@ -88,7 +88,7 @@ def generation_drops(seen: list[tuple[str, str, int | None]]) -> list[tuple[int,
 
 @pytest.mark.parametrize(
     ("strategy", "changes"),
-    [("Parallel", 25), ("Rolling", 25)],
+    [("Parallel", 25), ("Rolling", 25), ("Parallel", 100)],
 )
 def test_fast_desired_changes_never_move_a_replica_back(
     cluster, s3, namespace, operator, tmp_path, kube, strategy, changes
