@@ -7,7 +7,7 @@ import functools
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from ferry.api.models import GROUP, VERSION, label_value
+from ferry.api.models import GROUP, VERSION
 from ferry.kube import kube_client
 
 # The kopf resource of each kind, for handler decorators and kopf's own calls.
@@ -46,13 +46,20 @@ def get_object(plural: str, namespace: str, name: str) -> dict | None:
         return None
 
 
-def patch_status(plural: str, namespace: str, name: str, status: dict) -> None:
-    """Merge `status` into the object's status subresource (a gone object is no error)."""
+def patch_status(plural: str, namespace: str, name: str, status: dict, resource_version: str | None = None) -> bool:
+    """Merge `status` into the object's status subresource (a gone object is no error). Given `resource_version`,
+    only into the object as read: False (409) when it changed since, so a status computed from an older
+    generation never overwrites a newer one's."""
+    body: dict = {"status": status}
+    if resource_version is not None:
+        body["metadata"] = {"resourceVersion": resource_version}
     try:
-        _objects().patch_namespaced_custom_object_status(GROUP, VERSION, namespace, plural, name, {"status": status})
+        _objects().patch_namespaced_custom_object_status(GROUP, VERSION, namespace, plural, name, body)
     except ApiException as exc:
-        if exc.status != 404:
-            raise
+        if exc.status == 404 or (exc.status == 409 and resource_version is not None):
+            return False
+        raise
+    return True
 
 
 def _objects() -> client.CustomObjectsApi:
@@ -83,9 +90,18 @@ def delete_replica(namespace: str, name: str) -> bool:
     return True
 
 
-def retarget_replica(namespace: str, name: str, version: str, version_label: str) -> None:
-    body = {"metadata": {"labels": {version_label: label_value(version)}}, "spec": {"version": version}}
-    _objects().patch_namespaced_custom_object(GROUP, VERSION, namespace, "weightreplicas", name, body)
+def retarget_replica(namespace: str, name: str, ops: list[dict]) -> bool:
+    """Apply the JSON patch `ops` (`modelloads.retarget_ops`). False: its test failed (422; the replica moved since
+    it was read, so a newer reconcile owns it) or the replica is gone."""
+    try:
+        _objects().patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, "weightreplicas", name, ops, _content_type="application/json-patch+json"
+        )
+    except ApiException as exc:
+        if exc.status in (404, 422):
+            return False
+        raise
+    return True
 
 
 def set_replica_conditions(namespace: str, name: str, conditions: list[dict]) -> None:

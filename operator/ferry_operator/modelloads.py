@@ -220,6 +220,19 @@ def replica_body(modelload: ModelLoad, node: str, version: str, placement: str =
     }
 
 
+def retarget_ops(replica: Mapping[str, Any], version: str) -> list[dict[str, Any]]:
+    """The JSON patch moving `replica` (as read) to `version`, tested on its uid and its spec.version as read: a
+    retarget planned from an older read (a lagging index) is refused by the apiserver, so a replica a newer
+    reconcile already moved on is never moved back."""
+    label = "/metadata/labels/" + LABEL_VERSION.replace("~", "~0").replace("/", "~1")
+    return [
+        {"op": "test", "path": "/metadata/uid", "value": replica["metadata"]["uid"]},
+        {"op": "test", "path": "/spec/version", "value": replica["spec"]["version"]},
+        {"op": "replace", "path": "/spec/version", "value": version},
+        {"op": "add", "path": label, "value": label_value(version)},
+    ]
+
+
 @dataclass
 class ReplicaPlan:
     create: list[dict[str, Any]] = field(default_factory=list)

@@ -21,6 +21,7 @@ from ferry_operator.modelloads import (
     replica_body,
     replica_leases,
     replica_name,
+    retarget_ops,
     stale_replicas,
     stall_deadline,
     stalled_replicas,
@@ -330,3 +331,19 @@ def test_some_replicas_serving_and_none_on_the_way_is_degraded_not_pending():
     assert (c["PeerStalled"].status, c["PeerStalled"].reason) == ("False", "NotStalled")
     none = aggregate_status(ml(replicas=3), [], {}, nodes_available=0, now=NOW, now_text=ts(0))
     assert none.phase == "Pending"
+
+
+def test_a_retarget_is_tested_on_the_replica_as_read():
+    """The apiserver applies the move only to that very replica still at the version the plan read: a retarget
+    from a lagging read (the replica moved on since) is refused, never a move back."""
+    wr = replica_body(ml(version="v1"), "n1", "v1")
+    wr["metadata"]["uid"] = "u-1"
+    ops = retarget_ops(wr, "v2")
+    assert ops[:2] == [
+        {"op": "test", "path": "/metadata/uid", "value": "u-1"},
+        {"op": "test", "path": "/spec/version", "value": "v1"},
+    ]
+    assert {"op": "replace", "path": "/spec/version", "value": "v2"} in ops
+    assert {"op": "add", "path": "/metadata/labels/ferry.dev~1version", "value": "v2"} in ops
+    wr["spec"]["version"] = "v3"  # read again after a newer reconcile moved it
+    assert retarget_ops(wr, "v2")[1]["value"] == "v3"

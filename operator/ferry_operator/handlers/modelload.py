@@ -20,7 +20,6 @@ import kopf
 from ferry.api.conditions import condition_dicts, now_rfc3339
 from ferry.api.models import (
     LABEL_PLACEMENT,
-    LABEL_VERSION,
     EventAction,
     InvalidObject,
     ModelLoad,
@@ -41,6 +40,7 @@ from ferry_operator.modelloads import (
     matching_nodes,
     plan_replicas,
     replica_leases,
+    retarget_ops,
     stale_replicas,
     stall_deadline,
     stall_seconds,
@@ -64,13 +64,14 @@ def wake_later(namespace: str, name: str) -> Callable[[], Awaitable[None]]:
 
 
 async def reconcile(namespace: str, name: str, memo: kopf.Memo, body: Mapping[str, Any] | None = None) -> None:
-    """`body` None: woken, read the object now (the lock is held first, so a write just before is seen)."""
+    """Always from the object as it is now, read under the lock: kopf replays every queued event, and acting on an
+    older event's `body` would move replicas back to a version desired before. `body` (the event's) is not used."""
+    del body
     async with WAKEUPS.lock(memo):
-        if body is None:
-            body = await asyncio.to_thread(kubeapi.get_object, ML[2], namespace, name)
-            if body is None:
-                return
-        await _reconcile(namespace, name, body, memo)
+        fresh = await asyncio.to_thread(kubeapi.get_object, ML[2], namespace, name)
+        if fresh is None:
+            return
+        await _reconcile(namespace, name, fresh, memo)
 
 
 async def reconcile_woken(namespace: str, name: str, memo: kopf.Memo) -> None:
@@ -117,11 +118,17 @@ async def _reconcile(namespace: str, name: str, body: Mapping[str, Any], memo: k
         if await asyncio.to_thread(kubeapi.delete_replica, namespace, replica):
             EVENTS.post(body, reason=MLEvent.REPLICA_DELETED, message=replica, action=EventAction.DELETE_REPLICA)
     if plan.retarget:  # at once: a Parallel rollout of N replicas must not wait for N patches in a row
-        await asyncio.gather(
-            *(asyncio.to_thread(kubeapi.retarget_replica, namespace, r, desired, LABEL_VERSION) for r in plan.retarget)
+        by_name = {r["metadata"]["name"]: r for r in replicas}
+        moved = await asyncio.gather(
+            *(
+                asyncio.to_thread(kubeapi.retarget_replica, namespace, r, retarget_ops(by_name[r], desired))
+                for r in plan.retarget
+            )
         )
+        # A refused one moved since it was read: the next reconcile (its change wakes one) plans it again.
+        done = [r for r, ok in zip(plan.retarget, moved, strict=True) if ok]
         # One Event per step; a stale index that retargets the same replicas again posts none.
-        fresh = [r for r in plan.retarget if first_time(announced, f"RollingOut/{r}", ("RollingOut", desired))]
+        fresh = [r for r in done if first_time(announced, f"RollingOut/{r}", ("RollingOut", desired))]
         if fresh:
             message = f"{', '.join(fresh)} move to {desired}"
             EVENTS.post(body, reason=MLEvent.ROLLING_OUT, message=message, action=EventAction.ROLL_OUT)
@@ -159,7 +166,11 @@ async def _reconcile(namespace: str, name: str, body: Mapping[str, Any], memo: k
     status = status.model_copy(update={"warmNodeLabel": warm_node_label(namespace, name)})
     patch = merge_patch(model_load.status, status)
     if status != model_load.status:
-        await asyncio.to_thread(kubeapi.patch_status, ML[2], namespace, name, patch)
+        # Only onto the object as read: a newer generation (its event queued already) writes its own status, so
+        # observedGeneration never goes down.
+        rv = body["metadata"].get("resourceVersion")
+        if not await asyncio.to_thread(kubeapi.patch_status, ML[2], namespace, name, patch, rv):
+            return
         before = condition_dicts(model_load.status.conditions) if model_load.status else []
         emit_transitions(body, before, patch["conditions"], announced)
     # A load that stops progressing sends no event: its stall deadline is one. A stalled one that progresses again
