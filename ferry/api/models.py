@@ -292,7 +292,8 @@ class StorageLocation(_Model):
     """S3 region; unset: the client's default."""
     credentialsSecret: ObjectName | None = None
     """Secret in the same namespace with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; unset: the operator's and
-    agents' own credentials."""
+    agents' own credentials, only where the cluster admin's ambientCredentials allow them for this namespace, bucket,
+    prefix and endpoint (else StorageVerified is False with reason AmbientCredentialsDenied)."""
 
 
 class WeightVersionSpec(_Model):
@@ -366,6 +367,8 @@ class StorageReason(StrEnum):
     SizeMismatch = "SizeMismatch"  # a shard is truncated/padded, or total_size disagrees with the shards
     AccessDenied = "AccessDenied"  # the credentials are wrong or lack permission
     CredentialsMissing = "CredentialsMissing"  # no credentials, or the Secret lacks a key
+    # no credentialsSecret, and the admin's ambientCredentials allow no platform credentials for it (docs/security.md)
+    AmbientCredentialsDenied = "AmbientCredentialsDenied"
     EndpointUnreachable = "EndpointUnreachable"  # network error, timeout or 5xx: transient, retry
 
 
