@@ -839,6 +839,8 @@ class AttemptReason(StrEnum):
     UNAVAILABLE = "Unavailable"  # the strategy cannot serve this load (no peer, no store, no seed): not tried
     FAILED = "Failed"  # the source failed without changing the target; the next one is tried
     FAILED_MUTATED = "FailedMutated"  # the strategy failed after writing into the target, which was reset for the next
+    # ObjectStorage: no credentialsSecret, and the admin's ambientCredentials do not allow the agent's own here
+    AMBIENT_CREDENTIALS_DENIED = "AmbientCredentialsDenied"
     RECOVERY_FAILED = "RecoveryFailed"  # the target could not be reset after a failure: the chain stops
     UNEXPECTED_ERROR = "UnexpectedError"  # the strategy raised an error it does not declare (a bug); the next is tried
     MANIFEST_MISMATCH = "ManifestMismatch"  # the peer's tensor manifest is not the advertised (or expected) one

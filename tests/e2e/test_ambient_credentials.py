@@ -187,6 +187,8 @@ def test_the_agent_refuses_a_version_its_policy_does_not_allow(cluster, s3, name
         status = failed["status"]
         assert "may not read" in status["message"] and uri(victim, "v1") in status["message"], status
         assert "ambientCredentials" in status["message"] and not status.get("ranks"), status
+        tried = {a["source"]: a["reason"] for a in status.get("attempts") or []}
+        assert tried.get("ObjectStorage") == "AmbientCredentialsDenied", status
         assert not (tmp_path / f"store-{pool}-n" / thief).exists(), "the thief's load stored bytes"
 
         apply(cluster, victim, ml_body(victim, pool=pool))  # allowed on the same agent: its own bytes
