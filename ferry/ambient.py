@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ferry.errors import InvalidInput
-from ferry.s3 import BUCKET, parse_s3_uri
+from ferry.s3 import BUCKET, InvalidUri, parse_s3_uri
 
 ENV = "FERRY_AMBIENT_CREDENTIALS"
 CHART_VALUE = "ambientCredentials"
@@ -152,9 +152,12 @@ class AmbientPolicy:
         spec.storage.endpoint; None: `default_endpoint`, this component's own default) with the platform's own
         credentials. The shards of a checkpoint lie beside its index, so the index's key decides for them too."""
         used = normalize_endpoint(endpoint or default_endpoint)
-        bucket, key = parse_s3_uri(uri)
+        try:
+            bucket, key = parse_s3_uri(uri)
+        except InvalidUri:
+            bucket, key = "", ""  # matches no rule
         # S3 keys are not paths, but some S3-compatible servers resolve `..`: such a key matches no prefix.
-        safe = not any(p in {".", ".."} for p in key.split("/")) and "//" not in key
+        safe = bool(key) and not any(p in {".", ".."} for p in key.split("/")) and "//" not in key
         default = normalize_endpoint(default_endpoint)
         if safe and any(r.allows(namespace, used, default, bucket, key) for r in self.rules):
             return

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -50,6 +53,7 @@ def test_a_namespace_rule_covers_only_its_namespaces_and_prefixes():
     assert not allowed(p, "victim", f"s3://other/victim/v1/{INDEX}")
     assert not allowed(p, "victim", f"s3://models/victim/../thief/{INDEX}")  # servers that resolve `..`
     assert not allowed(p, "victim", f"s3://models/victim//x/{INDEX}")
+    assert not allowed(p, "victim", "not-a-uri")
 
 
 def test_namespace_placeholder_gives_each_namespace_its_own_folder():
@@ -99,6 +103,14 @@ def test_malformed_policies_say_what_is_wrong(text, says):
     with pytest.raises(ValueError) as caught:
         AmbientPolicy.parse(text)
     assert says in str(caught.value)
+
+
+def test_a_malformed_policy_stops_the_operator_at_start():
+    env = {**os.environ, ENV: '[{"namespaces": ["a"]}]'}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import ferry_operator.config"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode != 0 and "prefixes must be a non-empty list" in proc.stderr, proc.stderr
 
 
 def test_the_agent_reads_the_env_and_hands_the_same_rules_to_its_rank_processes(monkeypatch):
