@@ -29,6 +29,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from ferry import ambient
+
 CACHE_DIR = Path(os.environ.get("FERRY_CACHE", Path.home() / ".cache" / "ferry"))
 BIN_DIR = Path(os.environ.get("FERRY_BIN_DIR", CACHE_DIR / "bin"))
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +48,7 @@ IN_CLUSTER_SANS = (
 )
 
 S3_ACCESS_KEY = "ferry-access"
+DEV_AMBIENT_CREDENTIALS = json.dumps([{"namespaces": [ambient.ANY], "prefixes": [f"s3://{ambient.ANY}"]}])
 S3_SECRET_KEY = "ferry-secret-key"
 
 
@@ -405,6 +408,9 @@ class S3Server:
             "AWS_ENDPOINT_URL": self.endpoint,
             "AWS_REGION": "us-east-1",
             "AWS_EC2_METADATA_DISABLED": "true",
+            # The dev cluster's admin lets every namespace use these (its only) credentials for every bucket at the
+            # default endpoint, as a single-tenant cluster would; the chart's default allows nobody.
+            ambient.ENV: DEV_AMBIENT_CREDENTIALS,
         }
 
     def stop(self) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ferry import ambient
 from ferry_agent.attach.memstore import parse_bytes
 from ferry_agent.kube.registry import DEFAULT_LEASE_SECONDS
 from ferry_agent.logs import LogFormat
@@ -29,6 +30,7 @@ class AgentConfig:
     checkpoint_quota_gib: float
     s3_endpoint: str | None  # for WeightVersions that name none
     s3_download_workers: int  # ranged GETs an ObjectStorage load runs at once
+    ambient: ambient.AmbientPolicy  # where the agent's own S3 credentials may be used (versions without a Secret)
     metrics_port: int  # -1 = off, 0 = any free port
     rank_timeout_seconds: float  # bound on each agreement step of a multi-rank replica
     warm_ranks: int  # rank processes kept started and idle even when no replica of this node has several ranks
@@ -59,6 +61,7 @@ class AgentConfig:
             checkpoint_quota_gib=args.checkpoint_quota_gib,
             s3_endpoint=args.s3_endpoint,
             s3_download_workers=args.s3_download_workers,
+            ambient=args.ambient_credentials,
             metrics_port=args.metrics_port,
             rank_timeout_seconds=args.rank_timeout_seconds,
             warm_ranks=args.warm_ranks,
@@ -131,6 +134,7 @@ def argument_parser() -> argparse.ArgumentParser:
         default=int(os.environ.get("FERRY_S3_DOWNLOAD_WORKERS", "8")),
         help="ranged GETs an object-storage load (on every rank) runs at once (env FERRY_S3_DOWNLOAD_WORKERS)",
     )
+    add_ambient_argument(parser)
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -180,6 +184,25 @@ def argument_parser() -> argparse.ArgumentParser:
     )
     worker_auth.add_arguments(parser)
     return parser
+
+
+def add_ambient_argument(parser: argparse.ArgumentParser) -> None:
+    """`--ambient-credentials`, the agent's and its rank processes' (the operator reads the same JSON)."""
+    parser.add_argument(
+        "--ambient-credentials",
+        type=_ambient,
+        default=os.environ.get(ambient.ENV, ""),
+        metavar="JSON",
+        help=f"rules that let WeightVersions without a credentialsSecret use this agent's own S3 credentials, per "
+        f"namespace, bucket/prefix and endpoint (env {ambient.ENV}; ferry/ambient.py); empty: none may",
+    )
+
+
+def _ambient(text: str) -> ambient.AmbientPolicy:
+    try:
+        return ambient.AmbientPolicy.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _budget(text: str) -> int | None:

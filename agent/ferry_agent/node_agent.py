@@ -166,6 +166,7 @@ class NodeAgent:
         self._store = store
         self._s3_endpoint = config.s3_endpoint
         self._s3_workers = config.s3_download_workers
+        self._ambient = config.ambient
         # Bound on each collective of a multi-rank replica. Followers wait in one while their leader downloads and
         # replays the whole chain, so it is long; a rank that dies is noticed at once by its exit, not by this.
         self._rank_timeout_s = config.rank_timeout_seconds
@@ -184,6 +185,7 @@ class NodeAgent:
                 checkpoint_quota_gib=store.quota_bytes / 2**30 if store else 500.0,
                 s3_endpoint=self._s3_endpoint,
                 s3_download_workers=self._s3_workers,
+                ambient_credentials=config.ambient.text,
                 seeds=self._seeds,
                 node=self.node,
                 reader=worker_tokens.identity if worker_tokens else None,
@@ -452,7 +454,7 @@ class NodeAgent:
         group = SingleRank()
         ctx = rank_context(group, name, spec)
         label = f"{namespace}/{spec['modelName']}/{spec['version']}"
-        sources = ApiSources(self._api, namespace, self._stopping)
+        sources = ApiSources(self._api, namespace, self._stopping, ambient=self._ambient, s3_endpoint=self._s3_endpoint)
 
         def held() -> list[SealedVersion]:  # the replica's versions in host memory, which a replay may start from
             return self._host.versions((namespace, name))

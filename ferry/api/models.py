@@ -292,7 +292,8 @@ class StorageLocation(_Model):
     """S3 region; unset: the client's default."""
     credentialsSecret: ObjectName | None = None
     """Secret in the same namespace with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; unset: the operator's and
-    agents' own credentials."""
+    agents' own credentials, only where the cluster admin's ambientCredentials allow them for this namespace, bucket,
+    prefix and endpoint (else StorageVerified is False with reason AmbientCredentialsDenied)."""
 
 
 class WeightVersionSpec(_Model):
@@ -366,6 +367,8 @@ class StorageReason(StrEnum):
     SizeMismatch = "SizeMismatch"  # a shard is truncated/padded, or total_size disagrees with the shards
     AccessDenied = "AccessDenied"  # the credentials are wrong or lack permission
     CredentialsMissing = "CredentialsMissing"  # no credentials, or the Secret lacks a key
+    # no credentialsSecret, and the admin's ambientCredentials allow no platform credentials for it (docs/security.md)
+    AmbientCredentialsDenied = "AmbientCredentialsDenied"
     EndpointUnreachable = "EndpointUnreachable"  # network error, timeout or 5xx: transient, retry
 
 
@@ -855,6 +858,8 @@ class AttemptReason(StrEnum):
     UNAVAILABLE = "Unavailable"  # the strategy cannot serve this load (no peer, no store, no seed): not tried
     FAILED = "Failed"  # the source failed without changing the target; the next one is tried
     FAILED_MUTATED = "FailedMutated"  # the strategy failed after writing into the target, which was reset for the next
+    # ObjectStorage: no credentialsSecret, and the admin's ambientCredentials do not allow the agent's own here
+    AMBIENT_CREDENTIALS_DENIED = "AmbientCredentialsDenied"
     RECOVERY_FAILED = "RecoveryFailed"  # the target could not be reset after a failure: the chain stops
     UNEXPECTED_ERROR = "UnexpectedError"  # the strategy raised an error it does not declare (a bug); the next is tried
     MANIFEST_MISMATCH = "ManifestMismatch"  # the peer's tensor manifest is not the advertised (or expected) one

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ferry import ambient
 from ferry.api.models import MAX_CHAIN_LENGTH
 
 
@@ -39,6 +40,12 @@ SETTINGS = (
     Setting("FERRY_METRICS_ADDRESS", "0.0.0.0", "address of the Prometheus /metrics endpoint"),
     Setting("FERRY_METRICS_PORT", "8080", "port of the /metrics endpoint; 0 = any free port, -1 = off"),
     Setting("FERRY_S3_ENDPOINT", "", "S3 endpoint for WeightVersions that name none (else AWS_ENDPOINT_URL)"),
+    Setting(
+        ambient.ENV,
+        "",
+        "JSON rules that let WeightVersions without a credentialsSecret use the operator's own S3 credentials, per "
+        "namespace, bucket/prefix and endpoint (ferry/ambient.py); unset: none may",
+    ),
     Setting("FERRY_LEADER_ELECTION", "", "true: run as one of several replicas, one active (Lease election)"),
     Setting("FERRY_LEADER_ELECTION_NAMESPACE", "default", "namespace of the leader-election Lease"),
     Setting("FERRY_LEADER_ELECTION_LEASE", "ferry-operator", "name of the leader-election Lease"),
@@ -72,6 +79,7 @@ class OperatorConfig:
     metrics_address: str
     metrics_port: int  # 0 = any free port, -1 = off
     s3_endpoint: str | None
+    ambient: ambient.AmbientPolicy  # where the operator's own S3 credentials may be used
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -86,6 +94,7 @@ class OperatorConfig:
             metrics_port=int(os.environ.get("FERRY_METRICS_PORT", DEFAULTS["FERRY_METRICS_PORT"])),
             # Default endpoint for WeightVersions that name none (e.g. an in-cluster S3 gateway).
             s3_endpoint=os.environ.get("FERRY_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL") or None,
+            ambient=ambient.AmbientPolicy.from_env(),
         )
 
 

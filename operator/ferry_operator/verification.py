@@ -17,6 +17,7 @@ from typing import Any
 
 import kopf
 
+from ferry.ambient import AmbientCredentialsDenied
 from ferry.api.models import StorageReason, WeightVersionSpec
 from ferry.s3 import credentials_from_secret_data
 from ferry.storage import StorageReport, verify_checkpoint, verify_checkpoint_async
@@ -75,6 +76,12 @@ async def verify_storage(namespace: str, name: str, spec: WeightVersionSpec) -> 
         )
     except ValueError as exc:
         return StorageReport(ok=False, reason=StorageReason.CredentialsMissing, message=str(exc))
+    if credentials is None:
+        # The operator's own credentials: not one request, not even to the endpoint, unless the admin allows it.
+        try:
+            CONFIG.ambient.check(namespace, storage.uri, storage.endpoint, CONFIG.s3_endpoint)
+        except AmbientCredentialsDenied as exc:
+            return StorageReport(ok=False, reason=StorageReason.AmbientCredentialsDenied, message=f"{exc}.")
     endpoint = storage.endpoint or CONFIG.s3_endpoint
     checkpoint = {"fmt": spec.format, "version": name, "base_version": spec.baseVersion}
     if endpoint:

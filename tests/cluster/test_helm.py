@@ -22,6 +22,7 @@ import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from ferry import ambient
 from ferry.api import crdgen, models
 from ferry_dev.localcluster import LocalCluster, binary, wait_until, write_kubeconfig
 from tests.support.helm import CHART, KUBE_VERSION, helm, render, sets
@@ -553,6 +554,54 @@ def test_a_tenant_namespace_may_list_its_own_secret_names(helm_env, tmp_path):
 def test_values_schema_rejects_bad_tenant_entries(helm_env, tmp_path, entry, message):
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump({"tenantNamespaces": [entry]}))
+    proc = helm(
+        helm_env, "template", "ferry", str(CHART), "--kube-version", KUBE_VERSION, "-f", str(values), check=False
+    )
+    assert proc.returncode != 0 and "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    assert message in proc.stderr, proc.stderr
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env") or []}
+
+
+def test_ambient_credentials_render_the_same_rules_for_operator_and_agents(helm_env, tmp_path):
+    """Default: nobody may use the platform's own credentials (no FERRY_AMBIENT_CREDENTIALS, which the operator and
+    the agent read as no rule); set, the same JSON reaches both, and the shared module reads it as written."""
+    docs = by_kind(render(helm_env))
+    containers = [docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]]
+    containers.append(docs["DaemonSet"][0]["spec"]["template"]["spec"]["containers"][0])
+    assert all(ambient.ENV not in _env(c) for c in containers)
+    rules = [
+        {"namespaces": ["*"], "prefixes": ["s3://models/{namespace}/"]},
+        {"namespaces": ["team-a"], "prefixes": ["s3://shared/llama"], "endpoints": ["https://s3.storage.svc:9000"]},
+    ]
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"ambientCredentials": rules}))
+    docs = by_kind(render(helm_env, "-f", str(values)))
+    operator = _env(docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0])[ambient.ENV]
+    agent = _env(docs["DaemonSet"][0]["spec"]["template"]["spec"]["containers"][0])[ambient.ENV]
+    assert operator == agent and json.loads(operator) == rules
+    policy = ambient.AmbientPolicy.parse(agent)
+    policy.check("team-b", "s3://models/team-b/v1/model.safetensors.index.json", None, None)
+    with pytest.raises(ambient.AmbientCredentialsDenied):
+        policy.check("team-b", "s3://models/team-a/v1/model.safetensors.index.json", None, None)
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        ({"prefixes": ["s3://models"]}, "missing property 'namespaces'"),
+        ({"namespaces": ["Team-A"], "prefixes": ["s3://models"]}, "'oneOf' failed"),
+        ({"namespaces": ["a"], "prefixes": ["models/a"]}, "does not match pattern"),
+        ({"namespaces": ["a"], "prefixes": ["s3://m"], "endpoints": ["s3.local"]}, "does not match pattern"),
+        ({"namespaces": ["a"], "prefixes": ["s3://models"], "bucket": "x"}, "additional properties 'bucket'"),
+    ],
+    ids=["no-namespaces", "bad-namespace", "bad-prefix", "bad-endpoint", "unknown-key"],
+)
+def test_values_schema_rejects_bad_ambient_rules(helm_env, tmp_path, rule, message):
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"ambientCredentials": [rule]}))
     proc = helm(
         helm_env, "template", "ferry", str(CHART), "--kube-version", KUBE_VERSION, "-f", str(values), check=False
     )

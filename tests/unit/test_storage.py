@@ -173,6 +173,7 @@ def test_reasons_are_a_fixed_camelcase_list() -> None:
         "SizeMismatch",
         "AccessDenied",
         "CredentialsMissing",
+        "AmbientCredentialsDenied",
         "EndpointUnreachable",
     }
 

@@ -12,6 +12,7 @@ from typing import Any
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
+from ferry.ambient import AmbientPolicy
 from ferry.api.models import GROUP, LABEL_MODEL, VERSION, ReplicaPhase, WeightReplica, label_value
 from ferry.s3 import credentials_from_secret_data
 from ferry_agent.kube.apiretry import call_with_retry
@@ -32,8 +33,20 @@ class ApiSources:
     is retried with backoff while the apiserver is unreachable or failing (`apiretry.call_with_retry`), so a
     short outage delays a load instead of failing it."""
 
-    def __init__(self, api: client.ApiClient, namespace: str, stopping: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        api: client.ApiClient,
+        namespace: str,
+        stopping: threading.Event | None = None,
+        *,
+        ambient: AmbientPolicy | None = None,
+        s3_endpoint: str | None = None,
+    ) -> None:
+        """`ambient`: where the agent's own S3 credentials may be used (default: nowhere); `s3_endpoint`: the
+        endpoint of versions that name none."""
         self._api = api
+        self._ambient = ambient or AmbientPolicy()
+        self._s3_endpoint = s3_endpoint
         self._objects = client.CustomObjectsApi(api)
         self._leases = client.CoordinationV1Api(api)
         self.namespace = namespace
@@ -180,7 +193,10 @@ class ApiSources:
     def credentials(self, storage: Mapping) -> dict[str, str] | None:
         secret = storage.get("credentialsSecret")
         if not secret:
-            return None  # the agent's own environment (instance role, env vars)
+            # The agent's own environment (instance role, env vars), only where the admin allows it: raises
+            # AmbientCredentialsDenied, and no request is made.
+            self._ambient.check(self.namespace, storage.get("uri") or "", storage.get("endpoint"), self._s3_endpoint)
+            return None
         data = self._read(
             f"Secret {secret}", lambda: client.CoreV1Api(self._api).read_namespaced_secret(secret, self.namespace).data
         )

@@ -55,6 +55,7 @@ class WorkerSettings:
     checkpoint_quota_gib: float = 500.0
     s3_endpoint: str | None = None
     s3_download_workers: int = 8
+    ambient_credentials: str = ""  # the agent's --ambient-credentials (JSON)
     seeds: Mapping[SeedKey, Path] | None = None
     node: str = ""  # the agent's node: the ranks' worker services accept tokens for its audience
     reader: PodIdentity | None = None  # whom the ranks mint their worker tokens as; None: their env's
@@ -82,6 +83,7 @@ class WorkerSettings:
         if self.s3_endpoint:
             args += ["--s3-endpoint", self.s3_endpoint]
         args += ["--s3-download-workers", str(self.s3_download_workers)]
+        args += ["--ambient-credentials", self.ambient_credentials]
         for key, path in (self.seeds or {}).items():
             args += ["--seed", f"{key}={path}"]
         if self.node:

@@ -47,6 +47,7 @@ from ferry import s3
 from ferry.kube import kube_client
 from ferry_agent import logs
 from ferry_agent.attach.memstore import HostStore
+from ferry_agent.config import add_ambient_argument
 from ferry_agent.kube.apiretry import bound_requests
 from ferry_agent.kube.sources import ApiSources
 from ferry_agent.logs import LogFormat
@@ -123,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--parent-pid", type=int, help="the node agent's pid: this rank ends when the agent does")
     p.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this rank's node (env NODE_NAME)")
+    add_ambient_argument(p)
     worker_auth.add_arguments(p)
     return p
 
@@ -182,7 +184,7 @@ class RankProcess:
         process goes on (False: stdin ended)."""
         args, report = self.args, self.report
         _log_as(args, job)
-        sources = ApiSources(self.api, job.namespace)
+        sources = ApiSources(self.api, job.namespace, ambient=args.ambient_credentials, s3_endpoint=args.s3_endpoint)
         spec = sources.replica(job.replica)["spec"]
         host, _, port = job.store.rpartition(":")
         timeout = dt.timedelta(seconds=job.timeout_s)

@@ -38,11 +38,13 @@ _MAX_MESSAGE = 4096
 
 
 class StrategyFailed(NotFound, RuntimeError):
-    """An expected miss. `mutated=True` means target weights may have changed: rollback + reinit."""
+    """An expected miss. `mutated=True` means target weights may have changed: rollback + reinit. `reason`: the
+    attempt's, when it says more than Failed (an AttemptReason)."""
 
-    def __init__(self, message: str, *, mutated: bool = False) -> None:
+    def __init__(self, message: str, *, mutated: bool = False, reason: str | None = None) -> None:
         super().__init__(message)
         self.mutated = mutated
+        self.reason = reason
 
 
 class StrategyRecoveryError(RuntimeError):
@@ -197,7 +199,7 @@ def run_strategy_chain(
                 _rollback(strategy, ctx)
                 raise
             except StrategyFailed as exc:
-                reason = AttemptReason.FAILED_MUTATED if exc.mutated else AttemptReason.FAILED
+                reason = exc.reason or (AttemptReason.FAILED_MUTATED if exc.mutated else AttemptReason.FAILED)
                 ctx.record(strategy.name, AttemptOutcome.FAILED, reason, _describe(exc))
                 failures.append(f"{strategy.name}: {_describe(exc)}")
                 log.info("strategy %s failed (mutated=%s): %s", strategy.name, exc.mutated, exc)  # an expected miss

@@ -60,7 +60,8 @@ import numpy as np
 import torch
 
 from ferry import s3
-from ferry.api.models import SourceKind
+from ferry.ambient import AmbientCredentialsDenied
+from ferry.api.models import AttemptReason, SourceKind
 from ferry_agent.ranks.landing import Landing, MappedLanding
 from ferry_agent.ranks.sharding import rank_of_tensors
 from ferry_agent.store.checkpoints import CheckpointCacheCapacityError, CheckpointStore, chain_refs
@@ -301,7 +302,9 @@ class ObjectStorageStrategy:
         except LoadError as exc:
             if exc.discard is not None:
                 self._store.discard(exc.discard)
-            raise StrategyFailed(f"ObjectStorage: {exc}", mutated=False) from exc
+            denied = isinstance(exc.__cause__, AmbientCredentialsDenied)
+            reason = AttemptReason.AMBIENT_CREDENTIALS_DENIED if denied else None
+            raise StrategyFailed(f"ObjectStorage: {exc}", mutated=False, reason=reason) from exc
         except OSError as exc:  # local I/O (disk full, permissions): the new pool was never handed out
             raise StrategyFailed(f"ObjectStorage: local checkpoint store I/O failed: {exc}", mutated=False) from exc
 
@@ -354,6 +357,8 @@ class ObjectStorageStrategy:
         region = link.storage.get("region")
         try:
             creds = self._credentials(link.storage)
+        except AmbientCredentialsDenied as exc:  # the message says it all; no request was made
+            raise LoadError(str(exc)) from exc
         except Exception as exc:
             raise LoadError(f"no S3 credentials for {link.uri}: {exc}") from exc
         return s3.client(endpoint, region, creds, s3.bulk_download(self._workers, self._timeout_s))
