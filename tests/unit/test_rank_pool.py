@@ -221,7 +221,7 @@ def test_the_pool_never_runs_more_processes_than_its_cap_lent_and_idle_together(
         first.wait_loaded(10)
         pool.maintain(2)  # spares for the next version: only one fits beside the two lent
         assert len(pool.idle()) == 1 and len(children() - before) == 3
-        with pytest.raises(RanksExceedNode, match="beside the 2 rank processes other replicas hold"):
+        with pytest.raises(RanksExceedNode, match="beside the 2 rank processes lent now"):
             load(pool)  # two more do not fit beside the two lent: refused, nothing started
         assert len(children() - before) == 3
         single = load(pool, n=1)  # one does: the idle one

@@ -279,8 +279,9 @@ class RankPool:
         lent = self._lent()
         if lent + n > self.cap:
             raise RanksExceedNode(
-                f"ranksPerReplica {n} does not fit beside the {lent} rank processes other replicas hold: this "
-                f"node's cap is {self.cap} (--max-rank-processes); retried once they are released"
+                f"ranksPerReplica {n} does not fit beside the {lent} rank processes lent now (to the loads and served "
+                f"versions of this node, a served version of this replica included): this node's cap is {self.cap} "
+                "(--max-rank-processes); retried with backoff"
             )
 
     def _exited(self, worker: RankWorker) -> None:
