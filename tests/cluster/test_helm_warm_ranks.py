@@ -40,3 +40,11 @@ def test_a_cap_of_rank_processes_that_is_not_a_positive_count_is_refused(helm_en
     args = ("template", "ferry", str(CHART), "--kube-version", KUBE_VERSION, *sets(agent__maxRankProcesses=value))
     proc = helm(helm_env, *args, check=False)
     assert proc.returncode != 0 and "maxRankProcesses" in proc.stderr
+
+
+def test_more_warm_ranks_than_the_cap_are_refused_by_the_chart(helm_env):
+    """The agent would exit at its start (`--warm-ranks` above `--max-rank-processes`): the chart says so first."""
+    sets_ = sets(agent__warmRanks="9", agent__maxRankProcesses="8")
+    proc = helm(helm_env, "template", "ferry", str(CHART), "--kube-version", KUBE_VERSION, *sets_, check=False)
+    assert proc.returncode != 0 and "agent.warmRanks is more than agent.maxRankProcesses" in proc.stderr
+    assert agent_env(render(helm_env, *sets(agent__warmRanks="8", agent__maxRankProcesses="8")))
