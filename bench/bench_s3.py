@@ -600,7 +600,7 @@ def _version(dist: str) -> str | None:
 
 def _frame(files: dict[str, bytes], name: str) -> bytes:
     shard = files[ckpt.delta_shard_name(0, 1)]
-    layout = ckpt.check_shard(shard, len(shard), {name}, checksummed=True)
+    layout = ckpt.check_shard(shard, len(shard), {name})
     info = layout.infos[name]
     return shard[layout.data_start + info.begin : layout.data_start + info.end]
 

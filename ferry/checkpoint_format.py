@@ -14,6 +14,10 @@ interoperate:
 
 Shards always sit beside the index; shard names are plain file names (no paths), so an index cannot point
 outside its folder. See docs/checkpoint-format.md.
+
+`parse_index` and `check_shard` are the one validation of indexes and shard headers: the operator's verification
+(`ferry.storage`) and the agent's load (`ObjectStorage` plan) both call them, so what the operator marks Ready the
+agent can load. Each refusal names the shard's tensor and the `Rule` it breaks.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import struct
 import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -48,7 +53,8 @@ DELTA_METADATA_KEYS = frozenset(
     {"version", "base_version", "delta_encoding", "compression_format", "checksum_format", "total_size"}
 )
 
-# Byte width per element; dtypes not listed (sub-byte floats) are accepted without a size cross-check.
+# Byte width per element of every dtype Ferry loads: fixed-width ones, each with a torch dtype (`TORCH_DTYPES`). A
+# shard with any other (F128, sub-byte F4, ...) is refused.
 DTYPE_SIZES = {
     "BOOL": 1,
     "U8": 1,
@@ -114,12 +120,61 @@ TORCH_DTYPES: dict[str, str] = {
 }
 
 
+class Rule(StrEnum):
+    """The rules of a checkpoint's shard headers (docs/checkpoint-format.md); a refusal names the one broken."""
+
+    HEADER = "header"  # 8 bytes of length, then at most MAX_HEADER_BYTES of JSON: an object
+    ENTRY = "entry"  # a tensor's entry is an object of dtype, shape and data_offsets
+    DTYPE_KNOWN = "dtype-known"  # the dtype is one of the fixed-width dtypes Ferry loads (DTYPE_SIZES)
+    SHAPE = "shape"  # a list of non-negative integers
+    OFFSETS = "data-offsets"  # [begin, end], non-negative integers, end not before begin
+    SIZE_MATCHES_SHAPE = "size-matches-shape"  # the shape's elements times the dtype's width: end - begin
+    OFFSETS_DISJOINT = "offsets-disjoint"  # no two tensors share a byte
+    OFFSETS_CONTIGUOUS = "offsets-contiguous"  # the tensors tile the data from byte 0, no gap (as safetensors)
+    NAME_UNIQUE = "name-unique"  # a name appears once in a header (and in an index's weight_map)
+    DELTA_FRAME = "delta-frame"  # a delta stores each tensor as a 1-D U8 zstd frame
+    SHARD_SIZE = "shard-size"  # the shard is exactly as long as its header describes
+    INDEX_MATCHES = "index-matches-header"  # a shard holds exactly the tensors its index maps to it
+    CHECKSUM = "checksum"  # every tensor has its adler32 (8 lowercase hex digits) in __metadata__
+
+
+# Rules whose message completes "shard X …" on its own; the others are faults of the header's content.
+_SHARD_SENTENCES = frozenset({Rule.SHARD_SIZE, Rule.INDEX_MATCHES, Rule.CHECKSUM})
+
+
 class InvalidIndex(IntegrityError, ValueError):
     """The index JSON is not a canonical Ferry/ModelExpress index; the message says precisely why."""
 
 
 class InvalidShard(IntegrityError, ValueError):
-    """A shard's safetensors header is malformed."""
+    """A shard breaks a `Rule`; the message names it (and the tensor, `tensor`, where one is at fault)."""
+
+    def __init__(self, message: str, rule: Rule = Rule.HEADER, tensor: str | None = None) -> None:
+        super().__init__(f"{message} (rule {rule})")
+        self.rule = rule
+        self.tensor = tensor
+
+    def describe(self, shard: str) -> str:
+        """The refusal as a sentence about `shard` (its URI or path), the same for the operator and the agent."""
+        return (
+            f"shard {shard} {self}"
+            if self.rule in _SHARD_SENTENCES
+            else f"shard {shard} has a malformed header: {self}"
+        )
+
+
+class _Duplicate(ValueError):
+    pass
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object_pairs_hook: a JSON object naming a key twice is refused (json.loads keeps the last silently)."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _Duplicate(key)
+        found[key] = value
+    return found
 
 
 def adler32(data: bytes | bytearray | memoryview | np.ndarray, value: int = 1) -> int:
@@ -172,7 +227,9 @@ def parse_safetensors_header(first_bytes: bytes | bytearray | memoryview) -> tup
     if len(first_bytes) < end:
         raise InvalidShard(f"need {end} bytes to read the safetensors header, got {len(first_bytes)}")
     try:
-        header = json.loads(bytes(first_bytes[HEADER_PREFIX_BYTES:end]))
+        header = json.loads(bytes(first_bytes[HEADER_PREFIX_BYTES:end]), object_pairs_hook=_unique_pairs)
+    except _Duplicate as exc:
+        raise InvalidShard(f"{exc.args[0]!r} appears twice in one object of the header", Rule.NAME_UNIQUE) from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidShard(f"safetensors header is not valid JSON: {exc}") from exc
     if not isinstance(header, dict):
@@ -197,31 +254,67 @@ def _is_int(value: object) -> bool:
 
 
 def tensor_infos(header: Mapping[str, Any]) -> dict[str, TensorInfo]:
-    """The validated tensor entries of a parsed header (everything except `__metadata__`)."""
+    """The validated tensor entries of a parsed header (everything except `__metadata__`): each entry well formed,
+    of a known dtype, as long as its shape says, and together tiling the data without overlap or gap."""
     infos: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == METADATA_KEY:
             continue
         if not isinstance(entry, dict):
-            raise InvalidShard(f"tensor {name!r}: header entry is not an object")
+            raise InvalidShard(f"tensor {name!r}: header entry is not an object", Rule.ENTRY, name)
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if not isinstance(dtype, str):
-            raise InvalidShard(f"tensor {name!r}: dtype is missing")
+            raise InvalidShard(f"tensor {name!r}: dtype is missing", Rule.ENTRY, name)
+        if dtype not in DTYPE_SIZES:
+            raise InvalidShard(
+                f"tensor {name!r}: dtype {dtype!r} is not one of the fixed-width dtypes Ferry loads "
+                f"({', '.join(DTYPE_SIZES)})",
+                Rule.DTYPE_KNOWN,
+                name,
+            )
         if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
-            raise InvalidShard(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+            raise InvalidShard(
+                f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers", Rule.SHAPE, name
+            )
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
-            raise InvalidShard(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
+            raise InvalidShard(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]", Rule.OFFSETS, name)
         begin, end = offsets
         if end < begin:
-            raise InvalidShard(f"tensor {name!r}: data_offsets end {end} is before begin {begin}")
-        if dtype in DTYPE_SIZES:
-            expected = DTYPE_SIZES[dtype] * int(np.prod(shape, dtype=np.int64))
-            if expected != end - begin:
-                raise InvalidShard(
-                    f"tensor {name!r}: {dtype}{shape} needs {expected} bytes but data_offsets span {end - begin}"
-                )
+            raise InvalidShard(f"tensor {name!r}: data_offsets end {end} is before begin {begin}", Rule.OFFSETS, name)
+        expected = DTYPE_SIZES[dtype] * int(np.prod(shape, dtype=np.int64))
+        if expected != end - begin:
+            raise InvalidShard(
+                f"tensor {name!r}: {dtype}{shape} needs {expected} bytes but data_offsets span {end - begin}",
+                Rule.SIZE_MATCHES_SHAPE,
+                name,
+            )
         infos[name] = TensorInfo(dtype, tuple(shape), begin, end)
+    _check_tiling(infos)
     return infos
+
+
+def _check_tiling(infos: Mapping[str, TensorInfo]) -> None:
+    """The tensors' bytes tile the data from byte 0: in offset order, each begins where the one before it ends.
+    Overlapping tensors would alias each other's bytes; a gap hides bytes no tensor (nor checksum) covers."""
+    last, covered = None, 0  # the tensor ending furthest so far, and where
+    for name, info in sorted(infos.items(), key=lambda item: (item[1].begin, item[1].end, item[0])):
+        if info.begin < covered:
+            raise InvalidShard(
+                f"tensor {name!r}: data_offsets [{info.begin}, {info.end}] overlap tensor {last!r}'s "
+                f"[{infos[last].begin}, {infos[last].end}]",
+                Rule.OFFSETS_DISJOINT,
+                name,
+            )
+        if info.begin > covered:
+            before = f"tensor {last!r} ends" if last is not None else "the data starts"
+            raise InvalidShard(
+                f"tensor {name!r}: data_offsets begin at {info.begin} but {before} at {covered}: bytes "
+                f"[{covered}, {info.begin}] belong to no tensor",
+                Rule.OFFSETS_CONTIGUOUS,
+                name,
+            )
+        if info.end > covered or last is None:
+            last, covered = name, info.end
 
 
 def data_length(infos: Mapping[str, TensorInfo]) -> int:
@@ -256,26 +349,41 @@ class ShardLayout:
 
 
 def check_shard(
-    first_bytes: bytes | bytearray | memoryview, size: int, expected: Collection[str], *, checksummed: bool
+    first_bytes: bytes | bytearray | memoryview, size: int, expected: Collection[str], *, delta: bool = False
 ) -> ShardLayout:
-    """Parse a shard's header (`first_bytes` holds at least 8 + header_len bytes) and check it against the
-    shard's file size and the tensors its index maps to it. InvalidShard's message completes "shard X …"."""
+    """Parse a shard's header (`first_bytes` holds at least 8 + header_len bytes) and check it against every `Rule`:
+    the shard's file size, the tensors its index maps to it (`expected`), their checksums, and for a `delta` that
+    each is a zstd frame. InvalidShard's `describe` makes the refusal a sentence about the shard."""
     header_len, header = parse_safetensors_header(first_bytes)
     infos = tensor_infos(header)
     layout = ShardLayout(header_len, infos, shard_checksums(header))
     if size != layout.size:
         state = "truncated" if size < layout.size else "longer than its header describes"
-        raise InvalidShard(f"is {size} bytes but its header describes {layout.size}; it is {state}")
+        raise InvalidShard(f"is {size} bytes but its header describes {layout.size}; it is {state}", Rule.SHARD_SIZE)
     missing, extra = sorted(set(expected) - infos.keys()), sorted(infos.keys() - set(expected))
     if missing:
-        raise InvalidShard(f"lacks tensors the index maps to it: {missing}")
+        raise InvalidShard(f"lacks tensors the index maps to it: {_some(missing)}", Rule.INDEX_MATCHES, missing[0])
     if extra:
-        raise InvalidShard(f"holds tensors not in the index: {extra}")
-    if checksummed:
-        bad = sorted(name for name in infos if not _CHECKSUM.fullmatch(layout.checksums.get(name, "")))
-        if bad:
-            raise InvalidShard(f"has no valid adler32 checksum (8 lowercase hex digits) for tensors {bad}")
+        raise InvalidShard(f"holds tensors not in the index: {_some(extra)}", Rule.INDEX_MATCHES, extra[0])
+    bad = sorted(name for name in infos if not _CHECKSUM.fullmatch(layout.checksums.get(name, "")))
+    if bad:
+        raise InvalidShard(
+            f"has no valid adler32 checksum (8 lowercase hex digits) for tensors {_some(bad)}", Rule.CHECKSUM, bad[0]
+        )
+    if delta:
+        for name, info in infos.items():
+            if info.dtype != "U8" or len(info.shape) != 1:
+                raise InvalidShard(
+                    f"tensor {name!r}: a delta stores it as {info.dtype}{list(info.shape)}, not as a 1-D U8 zstd frame",
+                    Rule.DELTA_FRAME,
+                    name,
+                )
     return layout
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    """The first names of a list, so that a refusal of a whole checkpoint fits a condition's message."""
+    return str(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 # ---------------------------------------------------------------- index
@@ -301,7 +409,9 @@ class CheckpointIndex:
 def parse_index(raw: bytes | str) -> CheckpointIndex:
     """Parse and structurally validate an index (full or delta); raises InvalidIndex with a precise reason."""
     try:
-        doc = json.loads(raw)
+        doc = json.loads(raw, object_pairs_hook=_unique_pairs)
+    except _Duplicate as exc:
+        raise InvalidIndex(f"{exc.args[0]!r} appears twice in one object (rule {Rule.NAME_UNIQUE})") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidIndex(f"not valid JSON ({exc})") from exc
     if not isinstance(doc, dict):

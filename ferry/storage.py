@@ -300,8 +300,6 @@ def _verification(
     except ckpt.InvalidIndex as exc:
         raise _stop(StorageReason.IndexInvalid, f"index {index_uri} is invalid: {exc}.") from exc
 
-    # Deltas always carry checksums; a full checkpoint does when its index says so (ours always do).
-    checksummed = index.metadata.get("checksum_format") == ckpt.CHECKSUM_FORMAT
     total_bytes = 0
     tensor_bytes = 0
     # Every shard's header is read at once; a failure is reported when its turn comes, as a loop would: the first
@@ -319,7 +317,7 @@ def _verification(
                 (yield [_Read(prefix + shard, f"shard {shard_uri}", byte_range=f"bytes={len(first)}-{header_end - 1}")])
             )
             first += rest
-        infos = _check_shard(first, size, shard_uri, index.tensors_in(shard), checksummed)
+        infos = _check_shard(first, size, shard_uri, index.tensors_in(shard), delta)
         total_bytes += size
         tensor_bytes += sum(info.nbytes for info in infos.values())
 
@@ -358,7 +356,7 @@ def _header_end(first: bytes, size: int, shard_uri: str) -> int:
     try:
         header_len = ckpt.header_length(first)
     except ckpt.InvalidShard as exc:
-        raise _stop(StorageReason.IndexInvalid, f"shard {shard_uri} has a malformed header: {exc}.") from exc
+        raise _stop(StorageReason.IndexInvalid, f"{exc.describe(shard_uri)}.") from exc
     if ckpt.HEADER_PREFIX_BYTES + header_len > size:
         raise _stop(
             StorageReason.SizeMismatch,
@@ -369,43 +367,15 @@ def _header_end(first: bytes, size: int, shard_uri: str) -> int:
 
 
 def _check_shard(
-    header: bytes, size: int, shard_uri: str, expected: set[str], checksummed: bool
+    header: bytes, size: int, shard_uri: str, expected: set[str], delta: bool
 ) -> dict[str, ckpt.TensorInfo]:
-    """A shard's tensors, from its whole header and its size, checked against the index."""
+    """A shard's tensors, from its whole header and its size, checked by the agent's own rules (`ckpt.check_shard`):
+    what is verified here, the agent loads."""
     try:
-        header_len, parsed = ckpt.parse_safetensors_header(header)
-        infos = ckpt.tensor_infos(parsed)
-        checksums = ckpt.shard_checksums(parsed)
+        return ckpt.check_shard(header, size, expected, delta=delta).infos
     except ckpt.InvalidShard as exc:
-        raise _stop(StorageReason.IndexInvalid, f"shard {shard_uri} has a malformed header: {exc}.") from exc
-
-    described = ckpt.HEADER_PREFIX_BYTES + header_len + ckpt.data_length(infos)
-    if size != described:
-        state = "truncated" if size < described else "longer than its header describes"
-        raise _stop(
-            StorageReason.SizeMismatch,
-            f"shard {shard_uri} is {size} bytes but its header describes {described}; it is {state}.",
-        )
-    missing, extra = sorted(expected - infos.keys()), sorted(infos.keys() - expected)
-    if missing:
-        raise _stop(
-            StorageReason.IndexInvalid,
-            f"shard {shard_uri} lacks tensors the index maps to it: {_names(missing)}.",
-        )
-    if extra:
-        raise _stop(StorageReason.IndexInvalid, f"shard {shard_uri} holds tensors not in the index: {_names(extra)}.")
-    unchecked = sorted(name for name in infos if name not in checksums) if checksummed else []
-    if unchecked:
-        raise _stop(
-            StorageReason.IndexInvalid,
-            f"shard {shard_uri} has no adler32 checksum for tensors {_names(unchecked)}.",
-        )
-    return infos
-
-
-def _names(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+        reason = StorageReason.SizeMismatch if exc.rule == ckpt.Rule.SHARD_SIZE else StorageReason.IndexInvalid
+        raise _stop(reason, f"{exc.describe(shard_uri)}.") from exc
 
 
 @dataclass(frozen=True)

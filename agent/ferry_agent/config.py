@@ -14,6 +14,7 @@ from ferry import ambient
 from ferry_agent.attach.memstore import parse_bytes
 from ferry_agent.kube.registry import DEFAULT_LEASE_SECONDS
 from ferry_agent.logs import LogFormat
+from ferry_agent.ranks.supervisor import DEFAULT_MAX_RANK_PROCESSES
 from ferry_agent.strategies.local_file import SeedKey, seed_argument
 from ferry_agent.transport import worker_auth
 
@@ -34,6 +35,7 @@ class AgentConfig:
     metrics_port: int  # -1 = off, 0 = any free port
     rank_timeout_seconds: float  # bound on each agreement step of a multi-rank replica
     warm_ranks: int  # rank processes kept started and idle even when no replica of this node has several ranks
+    max_rank_processes: int  # most rank processes running at once, lent and idle; a replica beyond it is refused
     socket_dir: str  # attach sockets under DIR/pods/<pod-uid>/; "" = no attach
     host_memory_budget: int | None  # bytes the resident versions may take; None = unlimited
     log_format: LogFormat
@@ -50,6 +52,8 @@ class AgentConfig:
         args = parser.parse_args(argv)
         if not args.node:
             parser.error("--node (or NODE_NAME) is required")
+        if args.warm_ranks > args.max_rank_processes:
+            parser.error(f"--warm-ranks {args.warm_ranks} is more than --max-rank-processes {args.max_rank_processes}")
         return cls(
             node=args.node,
             seeds=dict(args.seed),
@@ -65,6 +69,7 @@ class AgentConfig:
             metrics_port=args.metrics_port,
             rank_timeout_seconds=args.rank_timeout_seconds,
             warm_ranks=args.warm_ranks,
+            max_rank_processes=args.max_rank_processes,
             socket_dir=args.socket_dir,
             host_memory_budget=args.host_memory_budget,
             log_format=LogFormat(args.log_format),
@@ -163,6 +168,15 @@ def argument_parser() -> argparse.ArgumentParser:
         "version loads on processes already started",
     )
     parser.add_argument(
+        "--max-rank-processes",
+        type=_positive,
+        default=os.environ.get("FERRY_MAX_RANK_PROCESSES", str(DEFAULT_MAX_RANK_PROCESSES)),
+        help="most rank processes the agent runs at once, lent and idle (env FERRY_MAX_RANK_PROCESSES): a replica "
+        "of more ranks fails with RanksExceedNode before any starts, as does one of more than the cap leaves beside "
+        "the other replicas' ranks (retried with the load backoff); a CUDA replica also needs a GPU per rank. A "
+        "replica that loads its next version beside the serving one holds twice its ranks meanwhile",
+    )
+    parser.add_argument(
         "--socket-dir",
         default=os.environ.get("FERRY_AGENT_SOCKET_DIR", "/run/ferry"),
         help="serve attach sockets at DIR/pods/<pod-uid>/ferry.sock to this node's pods "
@@ -203,6 +217,16 @@ def _ambient(text: str) -> ambient.AmbientPolicy:
         return ambient.AmbientPolicy.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def _budget(text: str) -> int | None:

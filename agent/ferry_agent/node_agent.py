@@ -43,7 +43,7 @@ from ferry_agent.kube.lease import ReplicaLeases
 from ferry_agent.kube.replicas import NodeReplicas
 from ferry_agent.kube.sources import ApiSources
 from ferry_agent.ranks.agreement import SingleRank
-from ferry_agent.ranks.supervisor import RankLaunch, RankPool, RankProcesses, WorkerSettings
+from ferry_agent.ranks.supervisor import RankLaunch, RankPool, RankProcesses, RanksExceedNode, WorkerSettings
 from ferry_agent.replica_load import deltas_first, load_rank, loading_source, rank_context, read_guard, serve_rank
 from ferry_agent.store.checkpoints import CheckpointStore, model_key
 from ferry_agent.store.resident import ResidentWeights
@@ -194,7 +194,9 @@ class NodeAgent:
             ),
             warm=config.warm_ranks,
             wake=lambda: self._wake.set(),
+            cap=config.max_rank_processes,
         )
+        self._gpus: int | None = None  # CUDA devices this agent sees, counted at the first multi-rank CUDA load
         # status.attachments of each replica, written through the same outbox.
         self._attachments = AttachmentPublisher(attach.server, self._patch_status) if attach is not None else None
         self._stopping = threading.Event()
@@ -263,9 +265,17 @@ class NodeAgent:
             if (served is None or served.version != wanted) and self._may_try(key, wanted):
                 self._load(key, wr)
             self._publish_memory(key, wr)
-        # Idle rank processes for the next multi-rank load (a new version loads beside the served one).
+        # Idle rank processes for the next multi-rank load (a new version loads beside the served one); none for a
+        # replica whose ranks this node cannot run.
         self._rank_pool.maintain(
-            max((r for wr in assigned.values() if (r := wr["spec"].get("ranks", 1)) > 1), default=0)
+            max(
+                (
+                    r
+                    for wr in assigned.values()
+                    if (r := wr["spec"].get("ranks", 1)) > 1 and self._rank_refusal(wr["spec"]) is None
+                ),
+                default=0,
+            )
         )
 
     def _may_try(self, key: tuple[str, str], version: str) -> bool:
@@ -371,15 +381,18 @@ class NodeAgent:
         t0 = time.monotonic()
         try:
             self._check_budget(key, spec)
+            self._check_ranks(spec)
             if spec.get("ranks", 1) == 1:
                 loaded = self._load_here(namespace, name, spec, progress, note)
             else:
                 loaded = self._load_ranks(namespace, name, spec, progress, note)
-        except (LoadFailed, MemoryBudgetExceeded) as exc:  # the message names every strategy's (or rank's) failure
+        except (LoadFailed, MemoryBudgetExceeded, RanksExceedNode) as exc:  # the message names every failure
             metrics.LOADS.labels(source_kind="none", outcome=AttemptOutcome.FAILED).inc()
             attempts = exc.attempts if isinstance(exc, LoadFailed) else []
             refused = exc if isinstance(exc, MemoryBudgetExceeded) else self._host.take_refusal(key)
-            if refused is not None:  # every source would need the same memory: that is the reason, not a source
+            if isinstance(exc, RanksExceedNode):
+                reason, message = ReplicaReason.RANKS_EXCEED_NODE, f"{version}: {exc}; no rank process was started"
+            elif refused is not None:  # every source would need the same memory: that is the reason, not a source
                 reason, message = ReplicaReason.MEMORY_BUDGET_EXCEEDED, f"{version} {refused}; nothing was loaded"
             else:
                 reason, message = ReplicaReason.LOAD_FAILED, str(exc)
@@ -562,6 +575,28 @@ class NodeAgent:
         if isinstance(total, int) and not self._host.versions(key):
             self._host.check_budget(total)
 
+    def _rank_refusal(self, spec: Mapping[str, Any]) -> str | None:
+        """Why this node can never run a multi-rank replica: more ranks than its GPUs (cuda: one rank a GPU) or
+        than its cap of rank processes; None if it can (a one-rank replica loads in the agent's own process)."""
+        ranks = spec.get("ranks", 1)
+        if ranks == 1:
+            return None
+        if spec.get("device", "cuda") == "cuda":
+            if self._gpus is None:
+                import torch  # the rank processes import it anyway; the agent only for a multi-rank CUDA replica
+
+                self._gpus = torch.cuda.device_count()
+            if ranks > self._gpus:
+                return f"ranksPerReplica {ranks} > this node's {self._gpus} GPUs (cuda: a rank a GPU)"
+        return self._rank_pool.refusal(ranks)
+
+    def _check_ranks(self, spec: Mapping[str, Any]) -> None:
+        """Refuse, before any process starts, a replica this node cannot run, or not beside its other loads now."""
+        if (why := self._rank_refusal(spec)) is not None:
+            raise RanksExceedNode(why)
+        if spec.get("ranks", 1) > 1:
+            self._rank_pool.check(spec["ranks"])
+
     def _load_ranks(
         self, namespace: str, name: str, spec: Mapping[str, Any], progress: Progress, note: Callable[[str], None]
     ) -> Loaded:
@@ -591,7 +626,7 @@ class NodeAgent:
             ranks.stop(drain_s=0)  # no rank may keep its GPU memory, or serve, for a load the agent gave up on
             if self._store is not None:  # a leader killed between prepare and activate left its mark
                 self._store.release_prepared(model_key(namespace, spec["modelName"]), spec["version"])
-            if isinstance(exc, Exception) and not isinstance(exc, LoadFailed):
+            if isinstance(exc, Exception) and not isinstance(exc, (LoadFailed, RanksExceedNode)):
                 raise LoadFailed(f"supervising the rank processes failed: {type(exc).__name__}: {exc}", []) from exc
             raise
         source = ",".join(sorted({e["source"] for e in serving}))  # each rank may copy from a different peer

@@ -842,6 +842,9 @@ class ReplicaReason(StrEnum):
     LOAD_FAILED = "LoadFailed"  # every source of the chain failed; `message` names each failure
     RANK_EXITED = "RankExited"  # a rank process of a loaded replica died; the agent reloads it
     MEMORY_BUDGET_EXCEEDED = "MemoryBudgetExceeded"  # the version does not fit the agent's --host-memory-budget
+    # More ranks than the node runs: its GPUs (cuda), its agent's --max-rank-processes, or what that cap leaves beside
+    # the rank processes of its other loads (retried with the load backoff). No rank process was started.
+    RANKS_EXCEED_NODE = "RanksExceedNode"
 
 
 class AttemptOutcome(StrEnum):

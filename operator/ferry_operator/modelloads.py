@@ -447,7 +447,8 @@ def load_failed(replica: Mapping[str, Any]) -> bool:
     status = replica.get("status") or {}
     return _phase(replica) == ReplicaPhase.FAILED or bool(
         status.get("loadingVersion")
-        and status.get("reason") in (ReplicaReason.LOAD_FAILED, ReplicaReason.MEMORY_BUDGET_EXCEEDED)
+        and status.get("reason")
+        in (ReplicaReason.LOAD_FAILED, ReplicaReason.MEMORY_BUDGET_EXCEEDED, ReplicaReason.RANKS_EXCEED_NODE)
     )
 
 

@@ -20,11 +20,14 @@ import numpy as np
 import pytest
 
 from ferry import checkpoint_format as ckpt
+from ferry.s3 import new_client, verification
+from ferry.storage import StorageReason, verify_checkpoint
 from ferry_agent.store.checkpoints import ArtifactRef, CheckpointStore, StoreStatus, chain_refs
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
 from ferry_agent.strategies.object_storage import replay as replay_module
 from ferry_agent.strategies.object_storage import stream as stream_module
 from ferry_agent.strategies.object_storage.strategy import ObjectStorageStrategy
+from tests.support.objects import forged
 from tests.support.s3 import (
     DELTA,
     FULL,
@@ -566,3 +569,42 @@ def test_a_range_cut_mid_body_fails_the_load_naming_its_shard(
     assert store.artifacts() == [] and store.state(KEY).version is None and not debris(store.root)
     # the same load through the server itself
     assert resident_shas(registry.strategy(store).load(ctx("v1"))) == shas(w1)
+
+
+def _overlap(header: dict[str, Any]) -> None:
+    """The second tensor's bytes start halfway into the first's: each tensor still spans what its shape says."""
+    first, second = sorted((n for n in header if n != ckpt.METADATA_KEY), key=lambda n: header[n]["data_offsets"])[:2]
+    begin, end = header[second]["data_offsets"]
+    shift = (header[first]["data_offsets"][1] - header[first]["data_offsets"][0]) // 2
+    header[second]["data_offsets"] = [begin - shift, end - shift]
+
+
+def _f128(header: dict[str, Any]) -> None:
+    """A tensor relabelled F128 (16-byte elements), its shape shrunk so that the span still matches it."""
+    name = max(n for n in header if n != ckpt.METADATA_KEY)
+    entry = header[name]
+    entry["dtype"], entry["shape"] = "F128", [(entry["data_offsets"][1] - entry["data_offsets"][0]) // 16]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("change", "rule"), [(_overlap, "offsets-disjoint"), (_f128, "dtype-known")], ids=["overlap", "f128"]
+)
+def test_a_shard_the_operator_refuses_the_agent_refuses_with_the_same_words(
+    registry: Registry, store: CheckpointStore, change: Any, rule: str
+) -> None:
+    """One validation (`ckpt.check_shard`): the operator's verification and the agent's load, over the same objects
+    in S3, refuse the same shard naming the same tensor and rule."""
+    files = forged(ckpt.build_full_checkpoint(weights(31), shard_bytes=1 << 30), change)  # one shard
+    registry.publish("v1", files)
+    creds = {"AWS_ACCESS_KEY_ID": registry.server.access_key, "AWS_SECRET_ACCESS_KEY": registry.server.secret_key}
+    client = new_client(registry.server.endpoint, "us-east-1", creds, verification())
+    report = verify_checkpoint(client, registry.uri("v1"), fmt="FullCheckpoint", version="v1", base_version=None)
+    assert not report.ok and report.reason == StorageReason.IndexInvalid, report
+    shard = min(f for f in files if f != ckpt.INDEX_NAME)
+    sentence = f"shard {registry.uri('v1', shard)} has a malformed header: tensor '"
+    assert report.message.startswith(sentence[:1].upper() + sentence[1:]) and f"(rule {rule})." in report.message
+    with pytest.raises(StrategyFailed) as exc:
+        registry.strategy(store).load(ctx("v1"))
+    said = report.message[0].lower() + report.message[1:-1]  # the operator's sentence, as a load error's clause
+    assert said in str(exc.value) and store.artifacts() == []

@@ -180,3 +180,48 @@ def test_rank_processes_configured_with_different_versions_both_fail(cluster, na
         assert events[1]["fatal"] is True
         assert "rank 0 pins 'v1' but rank 1 is configured with 'v7'" in events[1]["message"]
         assert "desired-version disagreement" in err
+
+
+def test_replicas_of_more_ranks_than_the_node_runs_fail_before_any_rank_process_starts(
+    cluster, s3, namespace, operator, tmp_path
+):
+    """A CPU replica of 1024 ranks on an agent capped at 8 rank processes, and a CUDA one of more ranks than the
+    node has GPUs: both Failed, reason RanksExceedNode naming the limit, and not one rank process started."""
+    publish_full(s3, namespace, "v1", tensors(5, n=2))
+    apply(cluster, namespace, wv_body(namespace, "v1"))
+    wait_reason(cluster, namespace, "v1", "Ready", "True", "Verified", timeout=60)
+    name = f"{namespace}-n"
+    node(cluster, name, {"ferry.dev/pool": namespace})
+    agent = start_agent(cluster, tmp_path, name, s3=s3, args=["--max-rank-processes", "8"])
+    gpus = torch.cuda.device_count()  # what the agent sees too: 0 on a CPU node
+    many = max(2, gpus + 1)  # one rank loads in the agent's own process
+    expected = {
+        "cpu": "v1: ranksPerReplica 1024 > this node's cap 8 (--max-rank-processes); no rank process was started",
+        "gpu": f"v1: ranksPerReplica {many} > this node's {gpus} GPUs (cuda: a rank a GPU); no rank process",
+    }
+    workers = f"ferry_agent.ranks.worker .*--node {name}"
+
+    def failed() -> dict | None:
+        items = json.loads(cluster.kubectl("get", "wr", "-n", namespace, "-o", "json").stdout)["items"]
+        status = {r["spec"]["modelLoad"]: r.get("status") or {} for r in items}
+        done = {ml: s for ml, s in status.items() if s.get("phase") == "Failed"}
+        return done if len(done) == 2 else None
+
+    try:
+        apply(
+            cluster,
+            namespace,
+            ml_body(namespace, "v1", 1, name="cpu", ranksPerReplica=1024),
+            ml_body(namespace, "v1", 1, name="gpu", ranksPerReplica=many, device="cuda"),
+        )
+        statuses = wait_for(failed, 60, "both replicas fail", lambda: agent.log_tail(40))
+        for ml, status in statuses.items():
+            assert status["reason"] == "RanksExceedNode", status
+            assert expected[ml] in status["message"], status
+        # Retried with backoff (1 s here), each retry refused the same way: still no rank process, idle ones neither.
+        wait_for(lambda: agent.log_path.read_text().count("ranksPerReplica 1024 >") >= 3, 30, "retries", agent.log_tail)
+        assert subprocess.run(["pgrep", "-f", workers], capture_output=True).returncode == 1, "a rank process ran"
+        assert "started rank process" not in agent.log_path.read_text()
+    finally:
+        cluster.kubectl("delete", "ml", "cpu", "gpu", "-n", namespace, "--wait=false", check=False)
+        agent.stop()

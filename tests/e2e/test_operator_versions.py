@@ -18,6 +18,7 @@ from tests.support.helm import render
 from tests.support.objects import (
     apply,
     condition,
+    forged,
     get,
     ml_body,
     publish_delta,
@@ -173,6 +174,35 @@ def test_storage_failures_are_reported(cluster, s3, namespace, operator, case, r
     assert condition(obj, "Ready")["reason"] == reason
     if case.startswith("missing"):
         assert "s3://" in condition(obj, "StorageVerified")["message"]
+
+
+def test_checkpoints_the_agent_would_refuse_are_not_ready_naming_the_tensor_and_the_rule(
+    cluster, s3, namespace, operator
+):
+    """Overlapping data_offsets and a dtype Ferry cannot load (F128): verified by the agent's own rules, not Ready."""
+
+    def overlap(header: dict) -> None:  # layer1's bytes start halfway into layer0's
+        begin, end = header["layer1.weight"]["data_offsets"]
+        header["layer1.weight"]["data_offsets"] = [begin - 2048, end - 2048]
+
+    def f128(header: dict) -> None:  # the same 4096 bytes, as 256 16-byte elements
+        header["layer1.weight"].update(dtype="F128", shape=[256])
+
+    base = cf.build_full_checkpoint(tensors(1), shard_bytes=8 << 10)  # layer0 and layer1 (4 KiB each) in shard 1
+    put_files(s3, namespace, "overlap", forged(base, overlap))
+    put_files(s3, namespace, "wide", forged(base, f128))
+    apply(cluster, namespace, wv_body(namespace, "overlap"), wv_body(namespace, "wide"))
+    expected = {
+        "overlap": "tensor 'layer1.weight': data_offsets [2048, 6144] overlap tensor 'layer0.weight''s [0, 4096] "
+        "(rule offsets-disjoint).",
+        "wide": "tensor 'layer1.weight': dtype 'F128' is not one of the fixed-width dtypes Ferry loads",
+    }
+    for version, said in expected.items():
+        obj = wait_reason(cluster, namespace, version, "StorageVerified", "False", "IndexInvalid")
+        message = condition(obj, "StorageVerified")["message"]
+        assert said in message and "model-00001-of-00002.safetensors has a malformed header" in message, message
+        ready = condition(obj, "Ready")
+        assert (ready["status"], ready["reason"]) == ("False", "IndexInvalid") and obj["status"]["phase"] != "Ready"
 
 
 def test_object_appearing_later_flips_storage_verified(cluster, s3, namespace, operator):

@@ -32,6 +32,22 @@ def test_flags_default_to_their_environment(monkeypatch, tmp_path):
     assert AgentConfig.from_args(["--log-format", "plain"]).log_format == LogFormat.PLAIN
 
 
+def test_the_cap_of_rank_processes_defaults_and_comes_from_the_environment(monkeypatch, capsys):
+    monkeypatch.delenv("FERRY_MAX_RANK_PROCESSES", raising=False)
+    monkeypatch.delenv("FERRY_WARM_RANKS", raising=False)
+    assert AgentConfig.from_args(["--node", "n"]).max_rank_processes == 16
+    monkeypatch.setenv("FERRY_MAX_RANK_PROCESSES", "4")
+    assert AgentConfig.from_args(["--node", "n"]).max_rank_processes == 4
+    for argv, said in (
+        (["--max-rank-processes", "0"], "'0' is not a positive integer"),
+        (["--max-rank-processes", "x"], "'x' is not a positive integer"),
+        (["--warm-ranks", "5"], "--warm-ranks 5 is more than --max-rank-processes 4"),
+    ):
+        with pytest.raises(SystemExit):
+            AgentConfig.from_args(["--node", "n", *argv])
+        assert said in capsys.readouterr().err
+
+
 def test_node_is_required(monkeypatch):
     monkeypatch.delenv("NODE_NAME", raising=False)
     with pytest.raises(SystemExit):

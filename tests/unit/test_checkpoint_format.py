@@ -268,9 +268,11 @@ def test_tensor_infos_reject_bad_entries(entry: object, match: str) -> None:
         ckpt.tensor_infos({"t": entry})
 
 
-def test_unknown_dtypes_are_accepted_without_size_check() -> None:
-    infos = ckpt.tensor_infos({"t": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}})
-    assert infos["t"].nbytes == 2 and ckpt.data_length(infos) == 2
+@pytest.mark.parametrize("dtype", ["F128", "F4", "f32"])
+def test_dtypes_that_are_not_fixed_width_ones_ferry_loads_are_refused(dtype: str) -> None:
+    """The agent loads none of them (no torch dtype, or no width to check the span against)."""
+    with pytest.raises(ckpt.InvalidShard, match=rf"tensor 't': dtype '{dtype}' is not one of .* \(rule dtype-known\)"):
+        ckpt.tensor_infos({"t": {"dtype": dtype, "shape": [3], "data_offsets": [0, 48]}})
     assert ckpt.data_length({}) == 0
 
 
@@ -363,3 +365,125 @@ def test_dtype_tables_agree() -> None:
         assert isinstance(torch_dtype, torch.dtype) and torch_dtype.itemsize == ckpt.DTYPE_SIZES[dtype], dtype
         numpy_dtype = ckpt.NUMPY_DTYPES.get(dtype) or ckpt.CARRIERS[dtype]
         assert np.dtype(numpy_dtype).itemsize == ckpt.DTYPE_SIZES[dtype], dtype
+
+
+# ---------------------------------------------------------------- the one validation: every rule, named
+
+
+def raw_shard(header_json: str, data_bytes: int) -> bytes:
+    """A shard with exactly this header text (so a key may be written twice) and `data_bytes` of data."""
+    text = header_json.encode()
+    return struct.pack("<Q", len(text)) + text + b"\x00" * data_bytes
+
+
+def entry(begin: int, end: int, dtype: str = "U8") -> dict:
+    return {"dtype": dtype, "shape": [end - begin], "data_offsets": [begin, end]}
+
+
+def shard_of(entries: dict[str, dict], data_bytes: int | None = None, checksums: bool = True) -> bytes:
+    header: dict = {"__metadata__": dict.fromkeys(entries, "00000001")} if checksums else {}
+    header.update(entries)
+    end = max((e["data_offsets"][1] for e in entries.values()), default=0)
+    return raw_shard(json.dumps(header), end if data_bytes is None else data_bytes)
+
+
+def refusal(
+    shard: bytes, expected: set[str] | None = None, *, delta: bool = False, size: int | None = None
+) -> ckpt.InvalidShard:
+    """check_shard's refusal of `shard`, checked against `expected` (default: the tensors its header names)."""
+    names = expected
+    if names is None:
+        names = {n for n in ckpt.parse_safetensors_header(shard)[1] if n != ckpt.METADATA_KEY}
+    with pytest.raises(ckpt.InvalidShard) as refused:
+        ckpt.check_shard(shard, len(shard) if size is None else size, names, delta=delta)
+    return refused.value
+
+
+def test_every_shard_a_writer_builds_keeps_every_rule() -> None:
+    """Zero-size and 0-d tensors included: what Ferry publishes, Ferry verifies and loads."""
+    files = ckpt.build_full_checkpoint(tensors(), shard_bytes=600)
+    index = ckpt.parse_index(files[ckpt.INDEX_NAME])
+    for shard in index.shards:
+        ckpt.check_shard(files[shard], len(files[shard]), index.tensors_in(shard))
+    changed = {k: (a + 1 if k == "embed.weight" else a) for k, a in tensors().items()}
+    delta = ckpt.build_xor_delta(tensors(), changed, "v2", "v1")
+    index = ckpt.parse_index(delta[ckpt.INDEX_NAME])
+    for shard in index.shards:
+        ckpt.check_shard(delta[shard], len(delta[shard]), index.tensors_in(shard), delta=True)
+
+
+def test_overlapping_data_offsets_are_refused_naming_both_tensors() -> None:
+    exc = refusal(shard_of({"a": entry(0, 16), "b": entry(8, 24)}))
+    assert (exc.rule, exc.tensor) == (ckpt.Rule.OFFSETS_DISJOINT, "b")
+    assert str(exc) == "tensor 'b': data_offsets [8, 24] overlap tensor 'a''s [0, 16] (rule offsets-disjoint)"
+    # The same bytes twice, and an empty tensor inside another's bytes, overlap too.
+    assert refusal(shard_of({"a": entry(0, 16), "b": entry(0, 16)})).rule == ckpt.Rule.OFFSETS_DISJOINT
+    assert refusal(shard_of({"a": entry(0, 16), "z": entry(4, 4)})).tensor == "z"
+
+
+def test_data_offsets_that_leave_a_gap_are_refused() -> None:
+    exc = refusal(shard_of({"a": entry(0, 16), "b": entry(20, 36)}))
+    assert (exc.rule, exc.tensor) == (ckpt.Rule.OFFSETS_CONTIGUOUS, "b")
+    assert "begin at 20 but tensor 'a' ends at 16: bytes [16, 20] belong to no tensor" in str(exc)
+    exc = refusal(shard_of({"a": entry(4, 20)}))
+    assert exc.tensor == "a" and "but the data starts at 0" in str(exc)
+
+
+def test_a_dtype_ferry_cannot_load_is_refused_by_check_shard() -> None:
+    exc = refusal(shard_of({"a": entry(0, 16), "big": {"dtype": "F128", "shape": [2], "data_offsets": [16, 48]}}))
+    assert (exc.rule, exc.tensor) == (ckpt.Rule.DTYPE_KNOWN, "big")
+
+
+def test_a_span_other_than_the_shape_says_is_refused() -> None:
+    exc = refusal(shard_of({"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 20]}}))
+    assert (exc.rule, exc.tensor) == (ckpt.Rule.SIZE_MATCHES_SHAPE, "w") and "needs 24 bytes" in str(exc)
+
+
+def test_a_name_written_twice_is_refused_not_silently_dropped() -> None:
+    """json.loads keeps the last of two equal keys: the first tensor would vanish from the checks."""
+    first, second = json.dumps(entry(0, 8)), json.dumps(entry(8, 16))
+    header = '{"__metadata__":{"a":"00000001"},"a":' + first + ',"a":' + second + "}"
+    exc = refusal(raw_shard(header, 16), {"a"})
+    assert exc.rule == ckpt.Rule.NAME_UNIQUE and "'a' appears twice" in str(exc)
+    doc = '{"metadata":{"total_size":16},"weight_map":{"a":"s.safetensors","a":"t.safetensors"}}'
+    with pytest.raises(ckpt.InvalidIndex, match=r"'a' appears twice in one object \(rule name-unique\)"):
+        ckpt.parse_index(doc)
+
+
+def test_the_shard_and_the_index_must_agree() -> None:
+    shard = shard_of({"a": entry(0, 8), "b": entry(8, 16)})
+    exc = refusal(shard, {"a", "b", "c"})
+    assert (exc.rule, exc.tensor) == (ckpt.Rule.INDEX_MATCHES, "c") and "lacks tensors" in str(exc)
+    exc = refusal(shard, {"a"})
+    assert (exc.rule, exc.tensor) == (ckpt.Rule.INDEX_MATCHES, "b") and "not in the index" in str(exc)
+
+
+def test_the_shard_size_must_be_what_its_header_describes() -> None:
+    shard = shard_of({"a": entry(0, 8)})
+    assert refusal(shard, {"a"}, size=len(shard) - 1).rule == ckpt.Rule.SHARD_SIZE
+    assert "longer than its header describes" in str(refusal(shard, {"a"}, size=len(shard) + 1))
+
+
+def test_every_tensor_needs_its_checksum() -> None:
+    exc = refusal(shard_of({"a": entry(0, 8)}, checksums=False))
+    assert (exc.rule, exc.tensor) == (ckpt.Rule.CHECKSUM, "a")
+    many = {f"t{i}": entry(i, i + 1) for i in range(9)}
+    assert "for tensors ['t0', 't1', 't2', 't3', 't4'] and 4 more" in str(refusal(shard_of(many, checksums=False)))
+
+
+def test_a_delta_stores_every_tensor_as_a_one_dimensional_byte_frame() -> None:
+    shard = shard_of({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})
+    ckpt.check_shard(shard, len(shard), {"w"})  # fine in a full checkpoint
+    exc = refusal(shard, {"w"}, delta=True)
+    assert (exc.rule, exc.tensor) == (ckpt.Rule.DELTA_FRAME, "w") and "not as a 1-D U8 zstd frame" in str(exc)
+
+
+def test_a_refusal_reads_as_one_sentence_about_its_shard() -> None:
+    overlap = refusal(shard_of({"a": entry(0, 16), "b": entry(8, 24)}))
+    assert overlap.describe("s3://b/m/x.safetensors") == (
+        "shard s3://b/m/x.safetensors has a malformed header: tensor 'b': data_offsets [8, 24] overlap tensor 'a''s "
+        "[0, 16] (rule offsets-disjoint)"
+    )
+    shard = shard_of({"a": entry(0, 8)})
+    short = refusal(shard, {"a"}, size=len(shard) - 1)
+    assert short.describe("x.safetensors").startswith(f"shard x.safetensors is {len(shard) - 1} bytes but its header")

@@ -343,7 +343,7 @@ def test_streamed_xor_matches_the_reference_decoder() -> None:
     files = ckpt.build_xor_delta({"w": base}, {"w": new}, version="v2", base_version="v1")
     index = ckpt.parse_index(files[ckpt.INDEX_NAME])
     shard = files[index.weight_map["w"]]
-    layout = ckpt.check_shard(shard, len(shard), {"w"}, checksummed=True)
+    layout = ckpt.check_shard(shard, len(shard), {"w"})
     info = layout.infos["w"]
     frame = shard[layout.data_start + info.begin : layout.data_start + info.end]
     target = base.view(np.uint8).copy()
@@ -389,22 +389,22 @@ def test_streamed_xor_rejects_bad_frames(mangle, match: str) -> None:
 def test_check_shard_rejects_inconsistent_shards() -> None:
     files = ckpt.build_full_checkpoint({"a": np.ones(16, np.float32), "b": np.zeros(4, np.int64)}, shard_bytes=1 << 20)
     shard = files["model-00001-of-00001.safetensors"]
-    assert ckpt.check_shard(shard, len(shard), {"a", "b"}, checksummed=True).size == len(shard)
+    assert ckpt.check_shard(shard, len(shard), {"a", "b"}).size == len(shard)
     with pytest.raises(ckpt.InvalidShard, match="truncated"):
-        ckpt.check_shard(shard, len(shard) - 1, {"a", "b"}, checksummed=True)
+        ckpt.check_shard(shard, len(shard) - 1, {"a", "b"})
     with pytest.raises(ckpt.InvalidShard, match="longer"):
-        ckpt.check_shard(shard, len(shard) + 1, {"a", "b"}, checksummed=True)
+        ckpt.check_shard(shard, len(shard) + 1, {"a", "b"})
     with pytest.raises(ckpt.InvalidShard, match=r"lacks tensors .*'c'"):
-        ckpt.check_shard(shard, len(shard), {"a", "b", "c"}, checksummed=True)
+        ckpt.check_shard(shard, len(shard), {"a", "b", "c"})
     with pytest.raises(ckpt.InvalidShard, match=r"not in the index: \['b'\]"):
-        ckpt.check_shard(shard, len(shard), {"a"}, checksummed=True)
+        ckpt.check_shard(shard, len(shard), {"a"})
     unchecked = ckpt.build_full_checkpoint({"a": np.ones(4, np.float32)}, 1 << 20)["model-00001-of-00001.safetensors"]
     length, header = ckpt.parse_safetensors_header(unchecked)
     header["__metadata__"] = {"a": "XYZ"}
     body = json.dumps(header, separators=(",", ":")).encode().ljust(length)
     forged = len(body).to_bytes(8, "little") + body + unchecked[8 + length :]
     with pytest.raises(ckpt.InvalidShard, match="no valid adler32"):
-        ckpt.check_shard(forged, len(forged), {"a"}, checksummed=True)
+        ckpt.check_shard(forged, len(forged), {"a"})
 
 
 # ---------------------------------------------------------------- identity

@@ -5,16 +5,25 @@ said before anybody borrowed it reaches the load it is lent to. The real rank pr
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from ferry.errors import LoadFailed
-from ferry_agent.ranks.supervisor import RankLaunch, RankPool, RankProcesses, RankWorker, WorkerSettings
+from ferry_agent.ranks.supervisor import (
+    RankLaunch,
+    RankPool,
+    RankProcesses,
+    RanksExceedNode,
+    RankWorker,
+    WorkerSettings,
+)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -54,8 +63,16 @@ def wait(predicate, timeout: float = 20) -> None:
         time.sleep(0.02)
 
 
-def load(pool: RankPool, version: str = "v1") -> RankProcesses:
-    ranks = RankProcesses(RankLaunch("ns", "wr", 2, version, timeout_s=30), pool)
+def children() -> set[int]:
+    """The live child processes of this one (/proc): what the pool really runs, whatever it counts."""
+    found: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        found.update(int(pid) for pid in Path(f"/proc/self/task/{task}/children").read_text().split())
+    return {pid for pid in found if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"}
+
+
+def load(pool: RankPool, version: str = "v1", n: int = 2) -> RankProcesses:
+    ranks = RankProcesses(RankLaunch("ns", "wr", n, version, timeout_s=30), pool)
     ranks.start()
     return ranks
 
@@ -180,3 +197,46 @@ def test_idle_processes_that_cannot_start_are_started_again_only_after_a_backoff
         wait(second.ready.is_set)
     finally:
         pool.shutdown()
+
+
+def test_a_replica_of_more_ranks_than_the_cap_is_refused_before_any_process_starts() -> None:
+    pool = RankPool(StandIn(agent_name="n-1"), cap=3)
+    before = children()
+    try:
+        with pytest.raises(RanksExceedNode, match=r"ranksPerReplica 1024 > this node's cap 3 \(--max-rank-processes\)"):
+            load(pool, n=1024)
+        assert pool.refusal(1024) and pool.refusal(3) is None
+        pool.maintain(1024)  # no idle processes beyond the cap either
+        assert len(pool.idle()) == 3 and len(children() - before) == 3
+    finally:
+        pool.shutdown()
+
+
+def test_the_pool_never_runs_more_processes_than_its_cap_lent_and_idle_together() -> None:
+    pool = RankPool(StandIn(agent_name="n-1"), warm=2, cap=3)
+    before = children()
+    try:
+        pool.maintain(2)
+        first = load(pool)
+        first.wait_loaded(10)
+        pool.maintain(2)  # spares for the next version: only one fits beside the two lent
+        assert len(pool.idle()) == 1 and len(children() - before) == 3
+        with pytest.raises(RanksExceedNode, match="beside the 2 rank processes lent now"):
+            load(pool)  # two more do not fit beside the two lent: refused, nothing started
+        assert len(children() - before) == 3
+        single = load(pool, n=1)  # one does: the idle one
+        single.wait_loaded(10)
+        assert len(children() - before) == 3 and pool.idle() == []
+        first.stop(drain_s=0)  # released: two fit again
+        again = load(pool)
+        again.wait_loaded(10)
+        assert len(children() - before) == 3
+        again.stop(drain_s=0)
+        single.stop(drain_s=0)
+    finally:
+        pool.shutdown()
+
+
+def test_warm_processes_beyond_the_cap_are_a_configuration_error() -> None:
+    with pytest.raises(ValueError, match="between 0 and the cap"):
+        RankPool(StandIn(agent_name="n-1"), warm=4, cap=3)

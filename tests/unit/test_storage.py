@@ -381,9 +381,11 @@ def test_shard_without_checksums() -> None:
     ).encode()
     report = verify(FakeS3(files))
     assert report.reason == StorageReason.IndexInvalid and "checksum" in report.message
-    # Without checksum_format (a plain Hugging Face index) checksums are not required.
+    # Without checksum_format (a plain Hugging Face index) too: the agent checks every tensor's adler32, so a
+    # checkpoint without them is not Ready (it would be refused on every node).
     files = edit_index(files, lambda d: d["metadata"].pop("checksum_format"))
-    assert verify(FakeS3(files)).ok
+    report = verify(FakeS3(files))
+    assert report.reason == StorageReason.IndexInvalid and "for tensors ['w'] (rule checksum)" in report.message
 
 
 def test_malformed_shard_header() -> None:

@@ -42,7 +42,14 @@ log = logging.getLogger(__name__)
 
 FAILED_RANKS_GRACE_S = 30.0  # after one rank fails, how long the others get to report the agreed failure
 START_BACKOFF_MAX_S = 300.0  # longest wait before idle processes are started again after ones that could not start
+# Most rank processes an agent runs, lent and idle together (`--max-rank-processes`): twice an 8-GPU node's GPUs, so
+# that a replica on every GPU loads its next version beside the one it serves (make-before-break).
+DEFAULT_MAX_RANK_PROCESSES = 16
 Event = dict[str, Any]
+
+
+class RanksExceedNode(RuntimeError):
+    """A replica's ranks cannot run on this node (now); nothing was started for it."""
 
 
 @dataclass(frozen=True)
@@ -222,11 +229,21 @@ class RankPool:
     Processes are started by the thread that calls `take` and `maintain` (the agent's reconcile loop): a rank dies
     with the thread that started it (`PR_SET_PDEATHSIG`), so that must be one that lives as long as the agent."""
 
-    def __init__(self, settings: WorkerSettings, warm: int = 0, wake: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        warm: int = 0,
+        wake: Callable[[], None] = lambda: None,
+        cap: int = DEFAULT_MAX_RANK_PROCESSES,
+    ) -> None:
+        if not 0 <= warm <= cap:
+            raise ValueError(f"warm rank processes ({warm}) must be between 0 and the cap ({cap})")
         self.settings = settings
         self.warm = warm  # idle processes kept even when no replica of this node has several ranks
+        self.cap = cap  # most processes running at once, lent and idle: whatever the replicas ask, never more
         self._wake = wake  # an idle process died: the agent's loop replaces it (`maintain`)
         self._idle: list[RankWorker] = []
+        self._running: list[RankWorker] = []  # every process started and not yet exited, lent or idle
         self._lock = threading.Lock()
         self._started = 0
         self._closed = False
@@ -238,8 +255,36 @@ class RankPool:
     def _start(self) -> RankWorker:
         self._started += 1
         worker = RankWorker(self.settings, f"{self.settings.agent_name}-w{self._started}", self._exited)
+        self._running.append(worker)
         log.info("started rank process %d (%s)", worker.pid, worker.name)
         return worker
+
+    def _lent(self) -> int:
+        """Running processes lent to loads (under the lock)."""
+        self._running = [w for w in self._running if w.alive()]
+        return len(self._running) - sum(w in self._running for w in self._idle)
+
+    def refusal(self, n: int) -> str | None:
+        """Why a replica of `n` ranks can never run here (more ranks than the cap), or None."""
+        if n > self.cap:
+            return f"ranksPerReplica {n} > this node's cap {self.cap} (--max-rank-processes)"
+        return None
+
+    def check(self, n: int) -> None:
+        """RanksExceedNode unless `n` processes can be lent now, beside those other loads hold."""
+        with self._lock:
+            self._check(n)
+
+    def _check(self, n: int) -> None:
+        if (why := self.refusal(n)) is not None:
+            raise RanksExceedNode(why)
+        lent = self._lent()
+        if lent + n > self.cap:
+            raise RanksExceedNode(
+                f"ranksPerReplica {n} does not fit beside the {lent} rank processes lent now (to the loads and served "
+                f"versions of this node, a served version of this replica included): this node's cap is {self.cap} "
+                "(--max-rank-processes); retried with backoff"
+            )
 
     def _exited(self, worker: RankWorker) -> None:
         with self._lock:
@@ -253,8 +298,10 @@ class RankPool:
     def take(self, n: int) -> tuple[list[RankWorker], int]:
         """`n` processes for one load, by rank, and how many of them were idle. Rank r goes to an idle process that
         was rank r before where there is one (on a GPU node it keeps using `cuda:r`, instead of holding a CUDA
-        context on every GPU), else to the longest idle, else to a new one."""
+        context on every GPU), else to the longest idle, else to a new one. RanksExceedNode, before any process
+        starts, if that would take the processes running beyond the cap."""
         with self._lock:
+            self._check(n)  # the idle ones are at most the cap less the lent ones (`maintain`): n more fit
             idle = [w for w in self._idle if w.alive()]
             lent = [next((w for w in idle if w.rank == r), None) for r in range(n)]
             rest = iter([w for w in idle if w not in lent])
@@ -279,12 +326,13 @@ class RankPool:
 
     def maintain(self, wanted: int) -> None:
         """Keep max(`warm`, `wanted`) processes idle (`wanted`: the most ranks a replica of this node has, so that
-        its next version loads on started processes), starting what is missing and ending what is beyond."""
-        target = max(self.warm, wanted)
+        its next version loads on started processes), starting what is missing and ending what is beyond; never
+        more than the cap leaves beside the lent ones."""
         with self._lock:
             if self._closed:
                 return
             self._idle = [w for w in self._idle if w.alive()]
+            target = max(0, min(max(self.warm, wanted), self.cap - self._lent()))
             extra, self._idle = self._idle[target:], self._idle[:target]
             if time.monotonic() >= self._next_start:
                 self._idle += [self._start() for _ in range(target - len(self._idle))]
@@ -365,6 +413,7 @@ class RankProcesses:
         import torch.distributed as dist
 
         n = self.launch.world_size
+        self._workers, warm = self._pool.take(n)  # first: a refusal (RanksExceedNode) starts nothing
         # Port 0: the OS picks a free one, so concurrent replicas never collide. Dropped once all ranks loaded.
         self._tcp = dist.TCPStore(
             "127.0.0.1",
@@ -375,7 +424,6 @@ class RankProcesses:
             timeout=dt.timedelta(seconds=self.launch.timeout_s),
         )
         store = f"127.0.0.1:{self._tcp.port}"
-        self._workers, warm = self._pool.take(n)
         for rank, worker in enumerate(self._workers):
             worker.lend(lambda event, rank=rank: self._events.put((rank, event)))
             worker.send(f"load {self.launch.job(rank, store).to_json()}")

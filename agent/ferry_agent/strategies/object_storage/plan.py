@@ -168,22 +168,15 @@ class Planner:
             ref = ArtifactRef(model, ArtifactKind.DELTA, link.name)
             deltas.append(self._stored(ref, link) or fetch(ref, link))
 
+        # Every shard's dtypes and, in a delta, its zstd frames are checked with its header (`ckpt.check_shard`).
         layout = {name: (shard, info) for shard in base.shards.values() for name, info in shard.layout.infos.items()}
-        for name, (shard, info) in layout.items():
-            if info.dtype not in ckpt.TORCH_DTYPES:
-                raise LoadError(f"tensor {name!r} in {base.where(shard.name)} has dtype {info.dtype}, unsupported")
         for delta in deltas:
             for shard in delta.shards.values():
-                for name, info in shard.layout.infos.items():
+                for name in shard.layout.infos:
                     if name not in layout:
                         raise LoadError(
                             f"delta shard {delta.where(shard.name)} changes tensor {name!r}, which {chain[0]} does "
                             "not have; a layout change needs a new FullCheckpoint"
-                        )
-                    if info.dtype != "U8" or len(info.shape) != 1:
-                        raise LoadError(
-                            f"delta shard {delta.where(shard.name)} stores {name!r} as {info.dtype}{list(info.shape)},"
-                            " not as a 1-D U8 zstd frame"
                         )
         specs = rank_specs(layout_specs(layout), ctx.rank, ctx.world_size)
         expected = ctx.expected_manifest_digest
@@ -267,7 +260,7 @@ class Planner:
                     prefix = f.read(ckpt.HEADER_PREFIX_BYTES)
                     header = prefix + f.read(ckpt.header_length(prefix))
                 layout = ckpt.check_shard(
-                    header, (path / name).stat().st_size, index.tensors_in(name), checksummed=True
+                    header, (path / name).stat().st_size, index.tensors_in(name), delta=index.is_delta
                 )
                 shards[name] = Shard(name, layout, header)
             checksums = {k: v for s in shards.values() for k, v in s.layout.checksums.items()}
@@ -330,11 +323,11 @@ class Planner:
                 raise LoadError(f"shard {uri} is {size} bytes but its header alone needs {header_end}; truncated")
             if header_end > len(head):
                 head += get(len(head), header_end - 1)
-            layout = ckpt.check_shard(head, size, index.tensors_in(shard), checksummed=True)
+            layout = ckpt.check_shard(head, size, index.tensors_in(shard), delta=index.is_delta)
         except (ClientError, BotoCoreError) as exc:
             raise s3_error(exc, uri) from exc
         except ckpt.InvalidShard as exc:
-            raise LoadError(f"shard {uri} {exc}") from exc
+            raise LoadError(exc.describe(uri)) from exc
         except ValueError as exc:  # its size unknown (`object_size`)
             raise LoadError(f"shard {uri}: {exc}") from exc
         return Shard(shard, layout, head[: layout.data_start])
