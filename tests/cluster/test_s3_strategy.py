@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from ferry import checkpoint_format as ckpt
+from ferry import s3
 from ferry_agent.store.checkpoints import ArtifactRef, CheckpointStore, StoreStatus, chain_refs
 from ferry_agent.strategies.chain import LoadContext, StrategyFailed
 from ferry_agent.strategies.object_storage import replay as replay_module
@@ -566,3 +567,54 @@ def test_a_range_cut_mid_body_fails_the_load_naming_its_shard(
     assert store.artifacts() == [] and store.state(KEY).version is None and not debris(store.root)
     # the same load through the server itself
     assert resident_shas(registry.strategy(store).load(ctx("v1"))) == shas(w1)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    "pattern", [b"^GET ", rb"model-00001-of-\d+\.safetensors .*Range: bytes=49152-"], ids=["every-request", "one-range"]
+)
+def test_throttled_requests_are_retried_within_the_load(
+    registry: Registry, s3_server: Any, store: CheckpointStore, pattern: bytes
+) -> None:
+    """`503 SlowDown` answers (the first requests of the load, index read included, or one data range again and
+    again) are retried per request with backoff: the load succeeds, with the exact bytes."""
+    w1 = weights(36)
+    registry.publish("v1", full(w1))
+    relay = SlowRelay(s3_server.endpoint, rate=1e12, throttle=(pattern, 4))
+    try:
+        result = registry.strategy(store, endpoint=relay.endpoint).load(ctx("v1"))
+    finally:
+        relay.close()
+    assert relay.throttled == 4
+    assert resident_shas(result) == shas(w1)
+
+
+@pytest.mark.cluster
+def test_a_hung_s3_fails_the_load_within_the_default_request_timeouts(
+    registry: Registry, s3_server: Any, store: CheckpointStore
+) -> None:
+    """S3 accepts the connection and never answers: with the default settings (a 300 s transfer timeout) the index
+    read fails after its tries of at most 15 s of silence each, naming the index and the timeout."""
+    w1 = weights(37)
+    registry.publish("v1", full(w1))
+    relay = SlowRelay(s3_server.endpoint, rate=1e12)
+    relay.hold()
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            registry.strategy(store, endpoint=relay.endpoint).load(ctx("v1"))
+        except BaseException as exc:
+            failures.append(exc)
+
+    loader = threading.Thread(target=load, daemon=True)
+    try:
+        loader.start()
+        loader.join(s3.TIMEOUT_ATTEMPTS * s3.READ_TIMEOUT_S + 15)  # well under a minute, backoffs and startup included
+        assert not loader.is_alive(), "the load still waits on a hung S3"
+    finally:
+        relay.close()
+    assert len(failures) == 1 and isinstance(failures[0], StrategyFailed) and not failures[0].mutated
+    message = str(failures[0])
+    assert registry.uri("v1") in message and "Read timeout" in message, message
+    assert store.artifacts() == [] and store.state(KEY).version is None
