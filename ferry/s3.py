@@ -140,6 +140,10 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
         raise InvalidUri(f"{uri!r} has an invalid bucket name {bucket!r}")
     if not sep or not key or key.endswith("/") or any(c.isspace() for c in key):
         raise InvalidUri(f"{uri!r} has no object key (expected s3://bucket/path/{ckpt.INDEX_NAME})")
+    if any(not part.strip(".") for part in key.split("/")):
+        # Clients and servers resolve `.` and `..` (and drop empty segments) differently, so such a key may name
+        # another object than the one signed: S3 then answers 403 SignatureDoesNotMatch, a credentials problem.
+        raise InvalidUri(f"{uri!r} has an empty, '.' or '..' segment in its object key")
     return bucket, key
 
 

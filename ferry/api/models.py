@@ -26,7 +26,8 @@ MAX_CHAIN_LENGTH = 64
 MAX_ATTACHMENTS = 1024  # entries of a WeightReplica's status.attachments
 
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-S3_INDEX_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/([^/]+/)*[^/]+\.index\.json$"
+# Every key segment has a character other than a dot: no `.` or `..` (`ferry.s3.parse_s3_uri` refuses them too).
+S3_INDEX_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/(\.*[^/.][^/]*/)*[^/]+\.index\.json$"
 HTTP_ENDPOINT = r"^https?://[^\s/]+(:[0-9]+)?/?$"
 CONDITION_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 
@@ -363,6 +364,7 @@ class StorageReason(StrEnum):
     VerificationPending = "VerificationPending"  # Unknown: not checked yet (also Ready=False meanwhile)
     ObjectMissing = "ObjectMissing"  # the index, a shard or the bucket does not exist
     IndexInvalid = "IndexInvalid"  # index or a shard header is not canonical, or not for this version
+    UriInvalid = "UriInvalid"  # spec.storage.uri is not an s3:// URI Ferry reads (e.g. a `..` segment)
     SizeMismatch = "SizeMismatch"  # a shard is truncated/padded, or total_size disagrees with the shards
     AccessDenied = "AccessDenied"  # the credentials are wrong or lack permission
     CredentialsMissing = "CredentialsMissing"  # no credentials, or the Secret lacks a key

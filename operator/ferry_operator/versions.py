@@ -36,6 +36,7 @@ PERMANENT_REASONS = frozenset(
         ChainReason.LayoutMismatch,
         ChainReason.UnsupportedFormat,
         StorageReason.IndexInvalid,
+        StorageReason.UriInvalid,
         StorageReason.SizeMismatch,
     }
 )

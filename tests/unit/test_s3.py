@@ -128,6 +128,11 @@ def test_parse_s3_uri(uri: str, expected: tuple[str, str]) -> None:
         "s3:///key",
         "s3://bucket\n/key",
         "s3://bucket/has space",
+        "s3://bucket/a/../model.safetensors.index.json",
+        "s3://bucket/../model.safetensors.index.json",
+        "s3://bucket/./model.safetensors.index.json",
+        "s3://bucket/a//model.safetensors.index.json",
+        "s3://bucket/a/..",
         None,
     ],
 )
