@@ -198,6 +198,34 @@ def test_malformed_clients_are_disconnected_and_the_server_keeps_serving(server,
     assert attached(server) == 0
 
 
+@pytest.mark.parametrize("depth", [p.MAX_DEPTH, 30_000], ids=["past-the-limit", "past-the-parser"])
+def test_a_deeply_nested_frame_gets_an_error_reply_and_no_traceback(server, depth, caplog):
+    pod = add_pod(server)
+    tensors = offer(server)
+    sock = raw(pod)
+    nested = b'{"op":"attach","name":' + b"[" * depth + b"]" * depth + b"}"  # depth + 1 levels with the object
+    assert len(nested) <= p.MAX_REQUEST_BYTES
+    sock.sendall(struct.pack(">I", len(nested)) + nested)
+    reply, _ = p.recv_frame(sock, max_bytes=p.MAX_REPLY_BYTES)
+    assert reply == p.error(p.BAD_REQUEST, f"frame nests deeper than {p.MAX_DEPTH} levels")
+    assert sock.recv(1) == b""  # disconnected
+    sock.close()
+    assert not [r for r in caplog.records if r.exc_info]
+    with attach("ml", socket_dir=pod, timeout=5) as w:  # the socket still serves
+        assert torch.equal(w.tensors()["layer.bias"], tensors["layer.bias"])
+
+
+def test_frames_nested_up_to_the_limit_are_read():
+    left, right = socket.socketpair()
+    message = {"op": "list", "x": [[{"k": []}]] * 2}  # MAX_DEPTH levels once wrapped, the most accepted
+    for _ in range(p.MAX_DEPTH - 5):  # five levels in the innermost message
+        message = {"n": message}
+    p.send_frame(left, message)
+    assert p.recv_frame(right, max_bytes=p.MAX_REQUEST_BYTES)[0] == message
+    left.close()
+    right.close()
+
+
 def test_descriptors_sent_to_the_agent_are_refused(server):
     pod = add_pod(server)
     offer(server)
