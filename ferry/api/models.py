@@ -835,6 +835,9 @@ class AttemptReason(StrEnum):
     LocalFile) or one peer (peer/<replica>). `message` says the rest."""
 
     LOADED = "Loaded"  # the source delivered the version
+    # Loaded from object storage into memory only: the node's checkpoint store cannot fit the version (its quota
+    # or its disk, with every evictable artifact gone); it is served all the same, and not stored
+    STORE_SKIPPED = "StoreSkipped"
     UNAVAILABLE = "Unavailable"  # the strategy cannot serve this load (no peer, no store, no seed): not tried
     FAILED = "Failed"  # the source failed without changing the target; the next one is tried
     FAILED_MUTATED = "FailedMutated"  # the strategy failed after writing into the target, which was reset for the next
