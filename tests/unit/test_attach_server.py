@@ -348,3 +348,71 @@ def test_socket_binds_in_a_pod_directory_the_kubelet_made_first():
         assert os.waitstatus_to_exitcode(status) == 0, "the agent could not bind the socket in the kubelet's dir"
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _die(srv: AttachServer) -> None:
+    """What the kernel does to an agent process that exits: every consumer connection closed."""
+    for listener in list(srv._listeners.values()):
+        for conn in list(listener.connections):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+    srv.stop()
+
+
+def test_a_mapping_outlives_an_agent_restart_and_the_next_agent_lists_it_again():
+    root = Path(tempfile.mkdtemp(prefix="ferry-t-", dir="/tmp"))
+    pod = Pod(str(uuid.uuid4()), "ns", "engine-ns")
+    first = AttachServer(root)
+    first.start()
+    second = AttachServer(root)
+    try:
+        first.add_pod(pod)
+        tensors = offer(first)
+        w = attach("ml", socket_dir=first.pods_dir / pod.uid, timeout=5)
+        (entry,) = first.attachments()[("ns", "ml-node")]
+        assert (entry["podUid"], entry["version"]) == (pod.uid, "v1")
+        _die(first)
+
+        second.start()
+        second.add_pod(pod)
+        assert second.attachments() == {}
+        offer(second, "v2", seed=2)  # the next agent serves the ModelLoad's next version
+        eventually(lambda: ("ns", "ml-node") in second.attachments())
+        (again,) = second.attachments()[("ns", "ml-node")]
+        assert {k: again[k] for k in ("pod", "podNamespace", "podUid", "version")} == {
+            "pod": "engine-ns",
+            "podNamespace": "ns",
+            "podUid": pod.uid,
+            "version": "v1",
+        }
+        assert attached(second) == 0  # no memory of the new agent is leased
+        for name, t in tensors.items():  # still the first agent's bytes, mapped
+            assert torch.equal(w.tensors()[name], t)
+        w.close()
+        eventually(lambda: second.attachments() == {})
+    finally:
+        second.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_an_announcement_is_of_the_pods_own_namespace_and_bounded(server):
+    pod = add_pod(server)
+    offer(server)
+    sock = raw(pod)
+    for message, code in [
+        ({"op": "announce", "modelLoad": "ml"}, p.BAD_REQUEST),
+        ({"op": "announce", "modelLoad": "ml", "version": ["v1"]}, p.BAD_REQUEST),
+        ({"op": "announce", "modelLoad": "ml", "version": "v1", "rank": -1}, p.BAD_REQUEST),
+        ({"op": "announce", "modelLoad": "ml", "version": "v1", "namespace": "other"}, p.FORBIDDEN),
+    ]:
+        p.send_frame(sock, message)
+        reply, _ = p.recv_frame(sock, max_bytes=p.MAX_REPLY_BYTES)
+        assert reply["error"]["code"] == code, message
+    for version in ("v0", "v1"):  # the server's 2 leases a connection
+        p.send_frame(sock, {"op": "announce", "modelLoad": "ml", "version": version})
+        assert p.recv_frame(sock, max_bytes=p.MAX_REPLY_BYTES)[0]["ok"]
+    p.send_frame(sock, {"op": "announce", "modelLoad": "ml", "version": "v9"})
+    assert p.recv_frame(sock, max_bytes=p.MAX_REPLY_BYTES)[0]["error"]["code"] == p.TOO_MANY_LEASES
+    assert [e["version"] for e in server.attachments()[("ns", "ml-node")]] == ["v0", "v1"]
+    sock.close()
+    eventually(lambda: server.attachments() == {})
