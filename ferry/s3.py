@@ -4,9 +4,15 @@ translation of botocore errors into Ferry's error classes (`ferry.errors`).
 Profiles:
 - `verification`: the operator's HEADs and header GETs; short timeouts and few retries, so an unreachable
   endpoint costs a reconcile seconds, not minutes.
-- `bulk_download`: the agent's ranged GETs; a pool as large as its download workers, every try of one request
-  within the transfer timeout.
+- `bulk_download`: the agent's index reads and ranged GETs; a pool as large as its download workers, every try of
+  one request within the transfer timeout, a hung endpoint failing a request within `TIMEOUT_ATTEMPTS` tries of
+  at most `READ_TIMEOUT_S` of silence each (30 s), a throttled one (`503 SlowDown`) tried again with backoff.
 - `publishing`: `ferry publish`'s uploads; more retries, botocore's timeouts.
+
+Retries are Ferry's own (`Retries`, in place of botocore's handler), per request, so per ranged GET of a load:
+throttling (`SlowDown`, 503, 429 and botocore's throttling codes) is tried up to `THROTTLED_ATTEMPTS` times with
+exponential backoff and full jitter; a timeout up to `TIMEOUT_ATTEMPTS` times (each try already waited its whole
+timeout); any other transient failure (5xx, a dropped connection) up to the profile's `max_attempts`.
 
 Every S3 failure is turned into one of the classes below by `translate`, so the operator, the agent and
 `ferry publish` agree on what a 404, a 403, a missing credential or a dropped connection means.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import random
 import re
 import threading
 from collections.abc import Mapping
@@ -30,7 +37,14 @@ SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
 SESSION_TOKEN = "AWS_SESSION_TOKEN"
 BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 MAX_CLIENTS = 64  # distinct endpoint/credential/profile sets kept; the oldest is dropped beyond that
-BULK_ATTEMPTS = 3  # tries of one agent S3 request (botocore standard retries), all within the transfer timeout
+BULK_ATTEMPTS = 3  # tries of one agent S3 request failing transiently, all within the transfer timeout
+CONNECT_TIMEOUT_S = 5.0  # the agent's longest wait for a connection to S3
+READ_TIMEOUT_S = 15.0  # the agent's longest silence of S3 on a connection (no answer yet, or mid-body)
+TIMEOUT_ATTEMPTS = 2  # tries of one request that timed out: a hung S3 fails it in about 2 x READ_TIMEOUT_S
+THROTTLED_ATTEMPTS = 8  # tries of one request S3 throttles (SlowDown, 503)
+THROTTLE_BACKOFF_S = 0.25  # the first backoff's ceiling after a throttled try, doubled for each further one
+TRANSIENT_BACKOFF_S = 0.05  # the same after any other transient failure
+MAX_BACKOFF_S = 8.0
 
 _MISSING_CODES = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
 _DENIED_CODES = {
@@ -126,6 +140,10 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
         raise InvalidUri(f"{uri!r} has an invalid bucket name {bucket!r}")
     if not sep or not key or key.endswith("/") or any(c.isspace() for c in key):
         raise InvalidUri(f"{uri!r} has no object key (expected s3://bucket/path/{ckpt.INDEX_NAME})")
+    if any(not part.strip(".") for part in key.split("/")):
+        # Clients and servers resolve `.` and `..` (and drop empty segments) differently, so such a key may name
+        # another object than the one signed: S3 then answers 403 SignatureDoesNotMatch, a credentials problem.
+        raise InvalidUri(f"{uri!r} has an empty, '.' or '..' segment in its object key")
     return bucket, key
 
 
@@ -175,20 +193,55 @@ class ClientProfile:
     max_attempts: int  # counts the first try
     max_pool_connections: int
     addressing: Literal["path", "auto"] = "path"
+    timeout_attempts: int = TIMEOUT_ATTEMPTS  # tries of a request whose connect or read timed out
+    throttled_attempts: int = THROTTLED_ATTEMPTS  # tries of a request S3 throttled
+
+
+class Retries:
+    """botocore's `needs-retry` handler for Ferry's clients: the delay before the next try of a request, None for
+    no more tries. Which failures are throttling and which transient is botocore's standard classification; 503
+    counts as throttling (S3's `SlowDown`, also from servers that send no code)."""
+
+    def __init__(self, profile: ClientProfile) -> None:
+        from botocore.retries import standard
+
+        self._profile = profile
+        self._context = standard.RetryEventAdapter().create_retry_context
+        self._throttled = standard.ThrottledRetryableChecker()
+        self._transient = standard.TransientRetryableChecker()
+
+    def __call__(self, **kwargs: Any) -> float | None:
+        from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+
+        context = self._context(**kwargs)
+        status = getattr(context.http_response, "status_code", None)
+        if self._throttled.is_retryable(context) or status in (429, 503):
+            limit, base = self._profile.throttled_attempts, THROTTLE_BACKOFF_S
+        elif isinstance(context.caught_exception, (ConnectTimeoutError, ReadTimeoutError)):
+            limit, base = self._profile.timeout_attempts, TRANSIENT_BACKOFF_S
+        elif self._transient.is_retryable(context):
+            limit, base = self._profile.max_attempts, TRANSIENT_BACKOFF_S
+        else:
+            return None
+        if context.attempt_number >= limit:
+            return None
+        return random.random() * min(base * 2 ** (context.attempt_number - 1), MAX_BACKOFF_S)
 
 
 def verification(pool: int = 10) -> ClientProfile:
     """The operator's: `pool` verifications share the client."""
-    return ClientProfile(connect_timeout=3.0, read_timeout=10.0, max_attempts=3, max_pool_connections=pool)
+    return ClientProfile(
+        connect_timeout=3.0, read_timeout=10.0, max_attempts=3, max_pool_connections=pool, timeout_attempts=3
+    )
 
 
 def request_timeouts(timeout_s: float) -> tuple[float, float]:
     """(connect, read) timeouts of one try of an S3 request, so that all `BULK_ATTEMPTS` tries of one request
     fit in `timeout_s` (the transfer timeout): a hung endpoint fails a load in bounded time. The read timeout
-    is the longest silence on the socket (capped at 60 s), not the duration of a whole ranged GET."""
+    is the longest silence on the socket (at most `READ_TIMEOUT_S`), not the duration of a whole ranged GET."""
     per_try = timeout_s / BULK_ATTEMPTS
-    connect = min(5.0, per_try / 2)
-    return connect, min(60.0, per_try - connect)
+    connect = min(CONNECT_TIMEOUT_S, per_try / 2)
+    return connect, min(READ_TIMEOUT_S, per_try - connect)
 
 
 def bulk_download(workers: int, timeout_s: float) -> ClientProfile:
@@ -202,7 +255,12 @@ def bulk_download(workers: int, timeout_s: float) -> ClientProfile:
 def publishing() -> ClientProfile:
     """`ferry publish`'s: botocore's default timeouts, more retries, a pool for parallel part uploads."""
     return ClientProfile(
-        connect_timeout=60.0, read_timeout=60.0, max_attempts=5, max_pool_connections=32, addressing="auto"
+        connect_timeout=60.0,
+        read_timeout=60.0,
+        max_attempts=5,
+        max_pool_connections=32,
+        addressing="auto",
+        timeout_attempts=5,
     )
 
 
@@ -220,7 +278,7 @@ def new_client(
     # service models, what makes a session's first client cost ~0.1-0.3 s) is the process's one, read-only.
     session = botocore.session.Session()
     session.register_component("data_loader", _loader())
-    return boto3.session.Session(botocore_session=session).client(
+    built = boto3.session.Session(botocore_session=session).client(
         "s3",
         endpoint_url=endpoint or None,
         region_name=region or None,
@@ -235,6 +293,10 @@ def new_client(
             max_pool_connections=profile.max_pool_connections,
         ),
     )
+    events = built.meta.events
+    events.unregister("needs-retry.s3", unique_id="retry-config-s3")  # botocore's standard handler: Ferry's instead
+    events.register("needs-retry.s3", Retries(profile), unique_id="ferry-retries-s3")
+    return built
 
 
 _data_loader: Any = None

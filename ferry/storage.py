@@ -283,7 +283,7 @@ def _verification(
     try:
         bucket, key = s3.parse_s3_uri(uri)
     except s3.InvalidUri as exc:
-        raise _stop(StorageReason.IndexInvalid, f"the spec.storage.uri is invalid: {exc}.") from exc
+        raise _stop(StorageReason.UriInvalid, f"the spec.storage.uri is invalid: {exc}.") from exc
     index_uri = f"s3://{bucket}/{key}"
     prefix = key.rpartition("/")[0] + "/" if "/" in key else ""
 

@@ -26,7 +26,8 @@ MAX_CHAIN_LENGTH = 64
 MAX_ATTACHMENTS = 1024  # entries of a WeightReplica's status.attachments
 
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-S3_INDEX_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/([^/]+/)*[^/]+\.index\.json$"
+# Every key segment has a character other than a dot: no `.` or `..` (`ferry.s3.parse_s3_uri` refuses them too).
+S3_INDEX_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/(\.*[^/.][^/]*/)*[^/]+\.index\.json$"
 HTTP_ENDPOINT = r"^https?://[^\s/]+(:[0-9]+)?/?$"
 CONDITION_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 
@@ -364,6 +365,7 @@ class StorageReason(StrEnum):
     VerificationPending = "VerificationPending"  # Unknown: not checked yet (also Ready=False meanwhile)
     ObjectMissing = "ObjectMissing"  # the index, a shard or the bucket does not exist
     IndexInvalid = "IndexInvalid"  # index or a shard header is not canonical, or not for this version
+    UriInvalid = "UriInvalid"  # spec.storage.uri is not an s3:// URI Ferry reads (e.g. a `..` segment)
     SizeMismatch = "SizeMismatch"  # a shard is truncated/padded, or total_size disagrees with the shards
     AccessDenied = "AccessDenied"  # the credentials are wrong or lack permission
     CredentialsMissing = "CredentialsMissing"  # no credentials, or the Secret lacks a key
@@ -384,6 +386,7 @@ VERSION_FAILED_FOR_GOOD = frozenset(
         ChainReason.LayoutMismatch,
         ChainReason.UnsupportedFormat,
         StorageReason.IndexInvalid,
+        StorageReason.UriInvalid,
         StorageReason.SizeMismatch,
     }
 )
@@ -858,6 +861,9 @@ class AttemptReason(StrEnum):
     LocalFile) or one peer (peer/<replica>). `message` says the rest."""
 
     LOADED = "Loaded"  # the source delivered the version
+    # Loaded from object storage into memory only: the node's checkpoint store cannot fit the version (its quota
+    # or its disk, with every evictable artifact gone); it is served all the same, and not stored
+    STORE_SKIPPED = "StoreSkipped"
     UNAVAILABLE = "Unavailable"  # the strategy cannot serve this load (no peer, no store, no seed): not tried
     FAILED = "Failed"  # the source failed without changing the target; the next one is tried
     FAILED_MUTATED = "FailedMutated"  # the strategy failed after writing into the target, which was reset for the next

@@ -6,7 +6,9 @@ import contextlib
 import fcntl
 import mmap
 import os
+import select
 import socket
+import threading
 import time
 import warnings
 import weakref
@@ -23,6 +25,8 @@ from ferry.client import protocol as p
 
 DEFAULT_ROOT = "/run/ferry/pods"
 _RETRY_S = 0.5
+_POLL_S = 0.5  # how often an attachment's keeper looks again whether it is still wanted
+_ANNOUNCE_TIMEOUT_S = 5.0  # the most an announcement waits on the agent's reply before it is tried again
 # madvise(2) MADV_POPULATE_READ (Linux 5.14; Python 3.11 lacks the name): maps a range's pages in one call instead
 # of one page fault per 4 KiB on first touch, which otherwise dominates a copy out of the mapping.
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -71,9 +75,22 @@ class LoadResult:
 
 class Attachment:
     """A leased version, mapped read-only. Valid until `close()` (or the end of the `with`); the tensors of
-    `tensors()` must not be used after it."""
+    `tensors()` must not be used after it.
 
-    def __init__(self, sock: socket.socket, reply: dict[str, Any], fds: list[int]) -> None:
+    The mapping outlives the agent: when the agent restarts (the lease's connection closes), a thread of the
+    attachment connects to `path` again, once the new agent serves it, and announces the version it still maps,
+    so that the agent lists this pod in the replica's status again and retention keeps the version; and again
+    after every further restart, until `close()`. `path`: the socket to announce on (None: never announce);
+    `requested_rank`: the rank `attach` asked for."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        reply: dict[str, Any],
+        fds: list[int],
+        path: Path | None = None,
+        requested_rank: int | None = None,
+    ) -> None:
         self._sock = sock
         self.lease: str = reply["lease"]
         self.namespace: str = reply["namespace"]
@@ -94,6 +111,19 @@ class Attachment:
             raise
         finally:
             p.close_all(fds)  # a mapping outlives its descriptor
+        self._keeper: _Keeper | None = None
+        if path is not None:
+            announcement: dict[str, Any] = {
+                "op": "announce",
+                "namespace": self.namespace,
+                "modelLoad": self.model_load,
+                "version": self.version,
+            }
+            if requested_rank is not None:  # one rank's share, as attached
+                announcement["rank"] = requested_rank
+            self._keeper = _Keeper(sock, path, announcement)
+            # Not a reference to the attachment: one dropped unclosed stops its keeper and closes its lease.
+            weakref.finalize(self, self._keeper.stop)
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """{name: CPU tensor}, views of the agent's sealed memory: no copy. The pages are mapped read-only, so a
@@ -176,6 +206,8 @@ class Attachment:
     def close(self) -> None:
         if self._sock.fileno() < 0:
             return
+        if self._keeper is not None:
+            self._keeper.stop()  # it closes its own connection (an announcement) as it ends
         self._views = None
         with contextlib.suppress(OSError, p.ProtocolError):
             p.send_frame(self._sock, {"op": "release", "lease": self.lease})
@@ -194,6 +226,72 @@ class Attachment:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Keeper:
+    """An attachment's thread: waits for the lease's connection to close (the agent went away), then connects to
+    `path` again and announces the version still mapped (`announcement`), and so on after each restart, until
+    `stop()`. It only waits for the hang up, never reads the lease's connection: its replies stay for `close()`."""
+
+    def __init__(self, sock: socket.socket, path: Path, announcement: dict[str, Any]) -> None:
+        self._sock = sock
+        self._path = path
+        self._announcement = announcement
+        self._stopping = threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._run, name="ferry-attach-keeper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        os.write(self._wake_w, b"x")
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _run(self) -> None:
+        conn: socket.socket | None = self._sock
+        while conn is not None and self._hung_up(conn):
+            if conn is not self._sock:
+                conn.close()
+            conn = None
+            while conn is None and not self._stopping.is_set():
+                conn = self._announce()
+                if conn is None:
+                    self._stopping.wait(_RETRY_S)
+        if conn is not None and conn is not self._sock:
+            conn.close()
+
+    def _hung_up(self, conn: socket.socket) -> bool:
+        """Block until the peer closes `conn` (True), or `stop()` or `conn` closed on this side (False). A sleeping
+        poll holds a reference to the socket, so it wakes every `_POLL_S`: a lease socket closed by hand then goes
+        (the agent sees the close) that soon."""
+        fd = conn.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLRDHUP)
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._stopping.is_set() and conn.fileno() == fd:
+            for ready, events in poller.poll(_POLL_S * 1000):
+                if ready == self._wake_r:
+                    return False
+                if events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
+                    return conn.fileno() == fd
+        return False
+
+    def _announce(self) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(_ANNOUNCE_TIMEOUT_S)
+            sock.connect(str(self._path))
+            _request(sock, self._announcement)
+            sock.settimeout(None)
+            return sock
+        except (OSError, p.ProtocolError, AttachError):  # not back yet, or not serving this pod yet
+            sock.close()
+            return None
 
 
 def _entries(reply: dict[str, Any], nfds: int) -> dict[str, TensorEntry]:
@@ -301,7 +399,7 @@ def attach(
             time.sleep(_RETRY_S)
             continue
         try:
-            attachment = Attachment(sock, reply, fds)
+            attachment = Attachment(sock, reply, fds, path, rank)
         except BaseException:
             sock.close()
             raise

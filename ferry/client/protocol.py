@@ -23,6 +23,8 @@ MAX_FDS = 253
 # A request is a few names; a reply carries a manifest (about 200 bytes a tensor).
 MAX_REQUEST_BYTES = 64 << 10
 MAX_REPLY_BYTES = 64 << 20
+# How deep a frame's JSON may nest: a request is an object of names and lists, a manifest three levels deep.
+MAX_DEPTH = 32
 
 _HEADER = struct.Struct(">I")
 
@@ -72,12 +74,26 @@ def recv_frame(sock: socket.socket, *, max_bytes: int, max_fds: int = 0) -> tupl
             message = json.loads(payload)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ProtocolError(f"frame is not JSON: {exc}") from None
+        except RecursionError:  # the parser's own limit, far past MAX_DEPTH
+            raise ProtocolError(f"frame nests deeper than {MAX_DEPTH} levels") from None
         if not isinstance(message, dict):
             raise ProtocolError("frame is not a JSON object")
+        if _too_deep(message, MAX_DEPTH):
+            raise ProtocolError(f"frame nests deeper than {MAX_DEPTH} levels")
         return message, fds
     except BaseException:
         close_all(fds)
         raise
+
+
+def _too_deep(value: Any, levels: int) -> bool:
+    """Whether `value` nests more than `levels` lists and objects deep; stops at that depth, so its own recursion
+    is bounded whatever a peer sent (what handles a frame may recurse into it too: printing, encoding)."""
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, list):
+        return False
+    return levels <= 0 or any(_too_deep(item, levels - 1) for item in value)
 
 
 def _recv_exact(sock: socket.socket, n: int, fds: list[int], max_fds: int, *, eof_ok: bool) -> bytes:

@@ -128,6 +128,8 @@ def test_version_cannot_be_its_own_base(cluster, namespace):
         "s3://models/m/model.safetensors",
         "s3://Bad_Bucket/m/model.safetensors.index.json",
         "s3:///model.safetensors.index.json",
+        "s3://models/m/../model.safetensors.index.json",
+        "s3://models/./m/model.safetensors.index.json",
     ],
 )
 def test_bad_storage_uri_is_rejected(cluster, namespace, uri):

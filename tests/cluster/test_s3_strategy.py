@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 
 from ferry import checkpoint_format as ckpt
+from ferry import s3
+from ferry.api.models import AttemptReason
 from ferry.s3 import new_client, verification
 from ferry.storage import StorageReason, verify_checkpoint
 from ferry_agent.store.checkpoints import ArtifactRef, CheckpointStore, StoreStatus, chain_refs
@@ -304,13 +306,17 @@ def test_quota_eviction_never_evicts_the_active_chain(
     assert before - after == {ArtifactRef(KEY, MAT, "v2")}
     assert chain_refs(KEY, ("v1", "v2", "v3", "v4")) <= after and store.usage() <= quota
 
-    # Another model that cannot fit without evicting the active chain: refused up front, nothing evicted.
-    # (It needs more than the free room plus materialized/v3, which is evictable now that v4 is active.)
-    registry.publish("big", full({"huge": np.ones((1024, 1024), np.uint8)}))
+    # Another model that cannot fit without evicting the active chain: nothing evicted, the store skipped (it is a
+    # cache), the version served from memory all the same. (It needs more than the free room plus materialized/v3,
+    # which is evictable now that v4 is active.)
+    huge = {"huge": np.ones((1024, 1024), np.uint8)}
+    registry.publish("big", full(huge))
     registry.versions["big"]["spec"]["modelName"] = "other"
-    with pytest.raises(StrategyFailed, match="cannot fit") as exc:
-        strategy.load(LoadContext(model="other", version="big", rank=0, target_id="r"))
-    assert not exc.value.mutated and f"{KEY}:full/v1" in str(exc.value)
+    big = strategy.load(LoadContext(model="other", version="big", rank=0, target_id="r"))
+    assert resident_shas(big) == shas(huge) and big.reason == AttemptReason.STORE_SKIPPED
+    assert "served from memory, not stored" in big.detail and "cannot fit" in big.detail
+    assert f"{KEY}:full/v1" in big.detail
+    store.flush()
     assert {a.ref for a in store.artifacts()} == after
     assert (store.state(KEY).status, store.state(KEY).version) == (StoreStatus.READY, "v4")
     assert resident_shas(strategy.load(ctx("v4"))) == shas(w4)
@@ -608,3 +614,85 @@ def test_a_shard_the_operator_refuses_the_agent_refuses_with_the_same_words(
         registry.strategy(store).load(ctx("v1"))
     said = report.message[0].lower() + report.message[1:-1]  # the operator's sentence, as a load error's clause
     assert said in str(exc.value) and store.artifacts() == []
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    "pattern", [b"^GET ", rb"model-00001-of-\d+\.safetensors .*Range: bytes=49152-"], ids=["every-request", "one-range"]
+)
+def test_throttled_requests_are_retried_within_the_load(
+    registry: Registry, s3_server: Any, store: CheckpointStore, pattern: bytes
+) -> None:
+    """`503 SlowDown` answers (the first requests of the load, index read included, or one data range again and
+    again) are retried per request with backoff: the load succeeds, with the exact bytes."""
+    w1 = weights(36)
+    registry.publish("v1", full(w1))
+    relay = SlowRelay(s3_server.endpoint, rate=1e12, throttle=(pattern, 4))
+    try:
+        result = registry.strategy(store, endpoint=relay.endpoint).load(ctx("v1"))
+    finally:
+        relay.close()
+    assert relay.throttled == 4
+    assert resident_shas(result) == shas(w1)
+
+
+@pytest.mark.cluster
+def test_a_hung_s3_fails_the_load_within_the_default_request_timeouts(
+    registry: Registry, s3_server: Any, store: CheckpointStore
+) -> None:
+    """S3 accepts the connection and never answers: with the default settings (a 300 s transfer timeout) the index
+    read fails after its tries of at most 15 s of silence each, naming the index and the timeout."""
+    w1 = weights(37)
+    registry.publish("v1", full(w1))
+    relay = SlowRelay(s3_server.endpoint, rate=1e12)
+    relay.hold()
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            registry.strategy(store, endpoint=relay.endpoint).load(ctx("v1"))
+        except BaseException as exc:
+            failures.append(exc)
+
+    loader = threading.Thread(target=load, daemon=True)
+    try:
+        loader.start()
+        loader.join(s3.TIMEOUT_ATTEMPTS * s3.READ_TIMEOUT_S + 15)  # well under a minute, backoffs and startup included
+        assert not loader.is_alive(), "the load still waits on a hung S3"
+    finally:
+        relay.close()
+    assert len(failures) == 1 and isinstance(failures[0], StrategyFailed) and not failures[0].mutated
+    message = str(failures[0])
+    assert registry.uri("v1") in message and "Read timeout" in message, message
+    assert store.artifacts() == [] and store.state(KEY).version is None
+
+
+@pytest.mark.cluster
+def test_a_store_that_cannot_fit_the_version_is_skipped_and_the_load_serves_from_memory(
+    registry: Registry, chain3: tuple[Weights, Weights, Weights], tmp_path: Path
+) -> None:
+    """A full load streamed into memory and a delta replay onto a held base: with a store too small for either,
+    both serve the exact bytes, say StoreSkipped, and leave the store as it was (nothing written behind)."""
+    w1, w2, _ = chain3
+    publish_chain3(registry, chain3)
+    store = CheckpointStore(tmp_path / "tiny", 4096)
+    strategy = registry.strategy(store)
+    first = strategy.load(ctx("v1"))
+    assert resident_shas(first) == shas(w1) and first.reason == AttemptReason.STORE_SKIPPED
+    assert re.search(r"served from memory, not stored: checkpoint store .* cannot fit \d+ more bytes", first.detail)
+    store.flush()
+    assert store.artifacts() == [] and store.state(KEY).version is None and not debris(store.root)
+
+    # A roomy store holding v1, then too small for v2's delta and materialized/v2: the replay on the stored base
+    # streams, serves, and writes nothing.
+    roomy = CheckpointStore(tmp_path / "roomy", 1 << 30)
+    registry.strategy(roomy).load(ctx("v1"))
+    roomy.flush()
+    stored = {a.ref for a in roomy.artifacts()}
+    roomy.quota_bytes = roomy.usage() + 1024
+    second = registry.strategy(roomy).load(ctx("v2"))
+    assert resident_shas(second) == shas(w2) and second.reason == AttemptReason.STORE_SKIPPED
+    roomy.flush()
+    assert {a.ref for a in roomy.artifacts()} == stored and roomy.state(KEY).version == "v1"
+    store.close()
+    roomy.close()

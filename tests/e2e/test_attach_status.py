@@ -8,6 +8,7 @@ pod's directory attaches the ModelLoad (`attach_consumer.py`, Ferry's own stack 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -141,7 +142,7 @@ def test_attached_pod_is_counted_and_blocks_the_release_of_its_version_until_kil
         agent.stop()
 
 
-def test_attachments_outlive_an_apiserver_outage_and_a_restarted_agent_clears_its_predecessors(
+def test_attachments_outlive_an_apiserver_outage_and_an_agent_restart_and_a_restarted_agent_clears_its_predecessors(
     cluster, namespace, operator, tmp_path, socket_root
 ):
     paths = checkpoints(tmp_path, ("v1",))
@@ -172,9 +173,26 @@ def test_attachments_outlive_an_apiserver_outage_and_a_restarted_agent_clears_it
         wait_for(lambda: held(cluster, namespace) == [("llama-0", uid, "v1")], 60, "written after the outage", describe)
         wait_for(lambda: engines(cluster, namespace) == ("True", "Attached", 1), 30, "EnginesAttached", describe)
 
-        # The agent dies (its consumers' sockets with it); the status still names llama-0 until an agent says
+        # The agent dies (its consumers' sockets with it); llama-0 still maps v1. Its client connects to the next
+        # agent and announces what it maps: that agent lists llama-0 again (its own entry: a later `since`).
+        (before,) = replica_status(cluster, namespace)["attachments"]
+        agent.kill()
+        agent = start_agent(cluster, tmp_path, node_name, *seeds, socket_dir=socket_root)
+        wait_for(
+            lambda: [a["since"] > before["since"] for a in replica_status(cluster, namespace)["attachments"]] == [True],
+            60,
+            "llama-0 announced to the next agent",
+            describe,
+        )
+        assert held(cluster, namespace) == [("llama-0", uid, "v1")]
+        assert re.search(rf"pod {namespace}/llama-0 still maps serve v1 \(announced\)", agent.log_tail(200))
+        wait_for(lambda: engines(cluster, namespace) == ("True", "Attached", 1), 30, "EnginesAttached", describe)
+
+        # The agent dies, and llama-0 while it is down: the status still names llama-0 until an agent says
         # otherwise. The next agent of the node holds no lease of llama-0, and clears it.
         agent.kill()
+        holder.kill()
+        holder.wait()
         assert held(cluster, namespace) == [("llama-0", uid, "v1")]
         agent = start_agent(cluster, tmp_path, node_name, *seeds, socket_dir=socket_root)
         wait_for(lambda: held(cluster, namespace) == [], 60, "the old agent's attachment cleared", describe)

@@ -5,25 +5,44 @@ happens while a load is under way."""
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import threading
 import time
 from dataclasses import dataclass
 
 PROBE_ANSWER = 80 << 10  # a shard's header probe (64 KiB) and its HTTP headers
+_SLOW_DOWN_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+SLOW_DOWN = (
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+    b"Content-Length: %d\r\n\r\n" % len(_SLOW_DOWN_BODY) + _SLOW_DOWN_BODY
+)
 
 
 class SlowRelay:
     """127.0.0.1:<port> → `upstream` (host:port). Responses flow at `rate` bytes/s per connection; `hold()` stops
     them until `release()`, and `hold_after(n)` does once `n` bytes more of data have flowed. `cut=(marker, n)`: the
     first request whose bytes contain `marker` gets only the first `n` bytes of its response, then its connection
-    is closed (a server or network dropping mid-body)."""
+    is closed (a server or network dropping mid-body). `throttle=(pattern, n)`: the first `n` requests whose bytes
+    match `pattern` (a bytes regex, searched with DOTALL) are answered `503 SlowDown` by the relay itself (S3
+    throttling), never reaching S3."""
 
-    def __init__(self, upstream: str, rate: float, cut: tuple[bytes, int] | None = None) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        rate: float,
+        cut: tuple[bytes, int] | None = None,
+        throttle: tuple[bytes, int] | None = None,
+    ) -> None:
         host, _, port = upstream.rpartition(":")
         self._upstream = (host.removeprefix("http://").removeprefix("https://"), int(port))
         self._rate = rate
         self._cut = cut
+        self._throttle = throttle
+        self.throttled = 0  # requests answered 503 SlowDown so far
         self._lock = threading.Lock()
         self._flowing = threading.Event()
         self._flowing.set()
@@ -78,6 +97,17 @@ class SlowRelay:
                 armed.append(self._cut[1])
                 self._cut = None  # the first such request only
 
+    def _throttled(self, request: bytes) -> bool:
+        with self._lock:
+            if self._throttle is None or request[:4] not in (b"GET ", b"HEAD"):
+                return False
+            if not re.search(self._throttle[0], request, re.DOTALL):
+                return False
+            marker, left = self._throttle
+            self._throttle = (marker, left - 1) if left > 1 else None
+            self.throttled += 1
+            return True
+
     def _spend(self, n: int) -> None:
         with self._lock:
             if self._budget is None:
@@ -95,6 +125,9 @@ class SlowRelay:
                 if not data:
                     break
                 if not paced:
+                    if self._throttled(data):  # a GET or HEAD has no body: its headers are all it sends
+                        src.sendall(SLOW_DOWN)
+                        continue
                     self._arm(data, armed)
                     if data[:4] in (b"GET ", b"HEAD"):
                         answered[0] = 0

@@ -198,6 +198,34 @@ def test_malformed_clients_are_disconnected_and_the_server_keeps_serving(server,
     assert attached(server) == 0
 
 
+@pytest.mark.parametrize("depth", [p.MAX_DEPTH, 30_000], ids=["past-the-limit", "past-the-parser"])
+def test_a_deeply_nested_frame_gets_an_error_reply_and_no_traceback(server, depth, caplog):
+    pod = add_pod(server)
+    tensors = offer(server)
+    sock = raw(pod)
+    nested = b'{"op":"attach","name":' + b"[" * depth + b"]" * depth + b"}"  # depth + 1 levels with the object
+    assert len(nested) <= p.MAX_REQUEST_BYTES
+    sock.sendall(struct.pack(">I", len(nested)) + nested)
+    reply, _ = p.recv_frame(sock, max_bytes=p.MAX_REPLY_BYTES)
+    assert reply == p.error(p.BAD_REQUEST, f"frame nests deeper than {p.MAX_DEPTH} levels")
+    assert sock.recv(1) == b""  # disconnected
+    sock.close()
+    assert not [r for r in caplog.records if r.exc_info]
+    with attach("ml", socket_dir=pod, timeout=5) as w:  # the socket still serves
+        assert torch.equal(w.tensors()["layer.bias"], tensors["layer.bias"])
+
+
+def test_frames_nested_up_to_the_limit_are_read():
+    left, right = socket.socketpair()
+    message = {"op": "list", "x": [[{"k": []}]] * 2}  # MAX_DEPTH levels once wrapped, the most accepted
+    for _ in range(p.MAX_DEPTH - 5):  # five levels in the innermost message
+        message = {"n": message}
+    p.send_frame(left, message)
+    assert p.recv_frame(right, max_bytes=p.MAX_REQUEST_BYTES)[0] == message
+    left.close()
+    right.close()
+
+
 def test_descriptors_sent_to_the_agent_are_refused(server):
     pod = add_pod(server)
     offer(server)
@@ -320,3 +348,71 @@ def test_socket_binds_in_a_pod_directory_the_kubelet_made_first():
         assert os.waitstatus_to_exitcode(status) == 0, "the agent could not bind the socket in the kubelet's dir"
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _die(srv: AttachServer) -> None:
+    """What the kernel does to an agent process that exits: every consumer connection closed."""
+    for listener in list(srv._listeners.values()):
+        for conn in list(listener.connections):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+    srv.stop()
+
+
+def test_a_mapping_outlives_an_agent_restart_and_the_next_agent_lists_it_again():
+    root = Path(tempfile.mkdtemp(prefix="ferry-t-", dir="/tmp"))
+    pod = Pod(str(uuid.uuid4()), "ns", "engine-ns")
+    first = AttachServer(root)
+    first.start()
+    second = AttachServer(root)
+    try:
+        first.add_pod(pod)
+        tensors = offer(first)
+        w = attach("ml", socket_dir=first.pods_dir / pod.uid, timeout=5)
+        (entry,) = first.attachments()[("ns", "ml-node")]
+        assert (entry["podUid"], entry["version"]) == (pod.uid, "v1")
+        _die(first)
+
+        second.start()
+        second.add_pod(pod)
+        assert second.attachments() == {}
+        offer(second, "v2", seed=2)  # the next agent serves the ModelLoad's next version
+        eventually(lambda: ("ns", "ml-node") in second.attachments())
+        (again,) = second.attachments()[("ns", "ml-node")]
+        assert {k: again[k] for k in ("pod", "podNamespace", "podUid", "version")} == {
+            "pod": "engine-ns",
+            "podNamespace": "ns",
+            "podUid": pod.uid,
+            "version": "v1",
+        }
+        assert attached(second) == 0  # no memory of the new agent is leased
+        for name, t in tensors.items():  # still the first agent's bytes, mapped
+            assert torch.equal(w.tensors()[name], t)
+        w.close()
+        eventually(lambda: second.attachments() == {})
+    finally:
+        second.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_an_announcement_is_of_the_pods_own_namespace_and_bounded(server):
+    pod = add_pod(server)
+    offer(server)
+    sock = raw(pod)
+    for message, code in [
+        ({"op": "announce", "modelLoad": "ml"}, p.BAD_REQUEST),
+        ({"op": "announce", "modelLoad": "ml", "version": ["v1"]}, p.BAD_REQUEST),
+        ({"op": "announce", "modelLoad": "ml", "version": "v1", "rank": -1}, p.BAD_REQUEST),
+        ({"op": "announce", "modelLoad": "ml", "version": "v1", "namespace": "other"}, p.FORBIDDEN),
+    ]:
+        p.send_frame(sock, message)
+        reply, _ = p.recv_frame(sock, max_bytes=p.MAX_REPLY_BYTES)
+        assert reply["error"]["code"] == code, message
+    for version in ("v0", "v1"):  # the server's 2 leases a connection
+        p.send_frame(sock, {"op": "announce", "modelLoad": "ml", "version": version})
+        assert p.recv_frame(sock, max_bytes=p.MAX_REPLY_BYTES)[0]["ok"]
+    p.send_frame(sock, {"op": "announce", "modelLoad": "ml", "version": "v9"})
+    assert p.recv_frame(sock, max_bytes=p.MAX_REPLY_BYTES)[0]["error"]["code"] == p.TOO_MANY_LEASES
+    assert [e["version"] for e in server.attachments()[("ns", "ml-node")]] == ["v0", "v1"]
+    sock.close()
+    eventually(lambda: server.attachments() == {})

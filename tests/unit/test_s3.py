@@ -128,6 +128,11 @@ def test_parse_s3_uri(uri: str, expected: tuple[str, str]) -> None:
         "s3:///key",
         "s3://bucket\n/key",
         "s3://bucket/has space",
+        "s3://bucket/a/../model.safetensors.index.json",
+        "s3://bucket/../model.safetensors.index.json",
+        "s3://bucket/./model.safetensors.index.json",
+        "s3://bucket/a//model.safetensors.index.json",
+        "s3://bucket/a/..",
         None,
     ],
 )
@@ -262,3 +267,57 @@ def test_every_try_of_an_agent_s3_request_fits_in_the_transfer_timeout(timeout_s
     config = s3.new_client("http://127.0.0.1:1", None, None, s3.bulk_download(4, timeout_s)).meta.config
     assert (config.connect_timeout, config.read_timeout) == (connect, read)
     assert config.retries["total_max_attempts"] == s3.BULK_ATTEMPTS
+
+
+def _retry_delay(profile: s3.ClientProfile, attempt: int, **kwargs: Any) -> float | None:
+    """What Ferry's retry handler answers for try `attempt` of a GetObject that failed as `kwargs` say."""
+    from botocore.awsrequest import AWSResponse
+
+    status = kwargs.pop("status", None)
+    code = kwargs.pop("code", None)
+    response = None
+    if status is not None:
+        parsed = {"Error": {"Code": code}} if code else {}
+        response = (AWSResponse("http://s3", status, {}, None), parsed)
+    return s3.Retries(profile)(
+        attempts=attempt,
+        response=response,
+        caught_exception=kwargs.pop("exception", None),
+        operation=None,
+        request_dict={"context": {}},
+    )
+
+
+def test_throttling_is_retried_more_often_than_a_timeout_with_growing_jittered_backoff() -> None:
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
+
+    profile = s3.bulk_download(4, 300)
+    for throttled in (
+        {"status": 503, "code": "SlowDown"},
+        {"status": 503},
+        {"status": 429},
+        {"status": 400, "code": "SlowDown"},
+    ):
+        delays = [_retry_delay(profile, n, **throttled) for n in range(1, s3.THROTTLED_ATTEMPTS)]
+        assert all(
+            d is not None and 0 <= d <= min(s3.THROTTLE_BACKOFF_S * 2 ** (n - 1), s3.MAX_BACKOFF_S)
+            for n, d in enumerate(delays, 1)
+        )
+        assert _retry_delay(profile, s3.THROTTLED_ATTEMPTS, **throttled) is None
+    for timeout in (ReadTimeoutError(endpoint_url="http://s3"), ConnectTimeoutError(endpoint_url="http://s3")):
+        assert _retry_delay(profile, s3.TIMEOUT_ATTEMPTS - 1, exception=timeout) is not None
+        assert _retry_delay(profile, s3.TIMEOUT_ATTEMPTS, exception=timeout) is None
+    dropped = EndpointConnectionError(endpoint_url="http://s3")
+    for transient in ({"exception": dropped}, {"status": 500, "code": "InternalError"}, {"status": 502}):
+        assert _retry_delay(profile, s3.BULK_ATTEMPTS - 1, **transient) is not None
+        assert _retry_delay(profile, s3.BULK_ATTEMPTS, **transient) is None
+    for final in ({"status": 404, "code": "NoSuchKey"}, {"status": 403, "code": "AccessDenied"}):
+        assert _retry_delay(profile, 1, **final) is None
+
+
+def test_a_hung_endpoint_fails_an_agent_request_well_within_a_minute_by_default() -> None:
+    from ferry_agent.transport.worker_service import DEFAULT_TRANSFER_TIMEOUT_S
+
+    profile = s3.bulk_download(8, DEFAULT_TRANSFER_TIMEOUT_S)
+    assert profile.connect_timeout <= 5 and profile.read_timeout <= 20
+    assert profile.timeout_attempts * (profile.connect_timeout + profile.read_timeout) <= 45

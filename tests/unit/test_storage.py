@@ -170,6 +170,7 @@ def test_reasons_are_a_fixed_camelcase_list() -> None:
         "VerificationPending",
         "ObjectMissing",
         "IndexInvalid",
+        "UriInvalid",
         "SizeMismatch",
         "AccessDenied",
         "CredentialsMissing",
@@ -409,9 +410,12 @@ def test_oversized_index_is_refused_unread() -> None:
     assert report.reason == StorageReason.IndexInvalid and "too big" in report.message
 
 
-def test_invalid_uri() -> None:
-    report = verify(FakeS3(), uri="s3://x")
-    assert report.reason == StorageReason.IndexInvalid and "spec.storage.uri" in report.message
+@pytest.mark.parametrize("uri", ["s3://x", "s3://bucket/m/../model.safetensors.index.json"])
+def test_invalid_uri(uri: str) -> None:
+    """Refused before any request: a `..` key would otherwise reach S3 and come back as a signature mismatch."""
+    report = verify(FakeS3(), uri=uri)
+    assert report.reason == StorageReason.UriInvalid and "spec.storage.uri" in report.message
+    assert not report.transient
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,11 @@ versions a connection attached stay held until it releases them or closes (the k
 dies, SIGKILL included), and a held version is never freed, whatever the agent stops offering meanwhile. Every
 lease taken or let go is announced (`on_leases_changed`); `attachments()` says who holds what, per replica.
 
+A consumer still maps what an earlier agent process leased it when that agent restarts: its client connects
+again and announces each such version (`announce`: ModelLoad, version, rank). An announcement holds no memory;
+while its connection stays open it is listed like a lease, in the status of the replica that serves that
+ModelLoad here, so retention keeps the version the pod still reads.
+
 Each request gets one reply, in order (`ferry.client.protocol`). A client that breaks the framing (garbage, an
 oversized length, descriptors sent to the agent, EOF mid-frame) is sent an error where possible and disconnected;
 a well-framed bad request gets an error reply and the connection stays. Nothing a client sends reaches beyond its
@@ -89,6 +94,18 @@ class _Lease:
 
 
 @dataclass
+class _Announced:
+    """A version a pod still maps from an earlier agent process (`announce`): no memory, only its status entry."""
+
+    id: str
+    pod: Pod
+    model_load: str
+    version: str
+    rank: int | None
+    since: str
+
+
+@dataclass
 class _Listener:
     pod: Pod
     sock: socket.socket
@@ -115,6 +132,7 @@ class AttachServer:
         self._offers: dict[tuple[str, str], Offer] = {}  # (namespace, WeightReplica name) -> what is offered
         self._held: list[Offer] = []  # withdrawn, still leased
         self._leases: dict[str, _Lease] = {}  # every connection's leases, by id: who holds what (status)
+        self._announced: dict[str, _Announced] = {}  # every connection's announcements, by id (status)
         self._on_leases: list[Callable[[], None]] = []
         self._listeners: dict[str, _Listener] = {}  # pod uid ->
         self._selector = selectors.DefaultSelector()
@@ -160,6 +178,12 @@ class AttachServer:
         with self._lock:
             self._offers[key] = offer
             self._changed.notify_all()
+            announced = any(
+                a.pod.namespace == offer.namespace and a.model_load == offer.model_load
+                for a in self._announced.values()
+            )
+        if announced:  # announcements of its ModelLoad are now listed in this replica's status
+            self._leases_changed()
         log.info(
             "offering %s/%s %s (%d bytes, %d chunks) to pods of %s",
             offer.model_load,
@@ -213,20 +237,28 @@ class AttachServer:
         """Per replica, the pods that hold its versions: one `status.attachments` entry per pod, version and rank
         (several connections of one pod are one entry, since its first lease), in pod order."""
         with self._lock:
-            leases = list(self._leases.values())
+            held = [
+                (lease.replica, lease.pod, lease.offer.version, lease.rank, lease.since)
+                for lease in self._leases.values()
+            ]
+            replicas = {(o.namespace, o.model_load): key for key, o in self._offers.items()}
+            for a in self._announced.values():
+                replica = replicas.get((a.pod.namespace, a.model_load))
+                if replica is not None:  # else listed once this node serves its ModelLoad again
+                    held.append((replica, a.pod, a.version, a.rank, a.since))
         found: dict[tuple[str, str], dict[tuple[str, str, int | None], dict[str, Any]]] = {}
-        for lease in leases:
+        for replica, pod, version, rank, since in held:
             entry: dict[str, Any] = {
-                "pod": lease.pod.name,
-                "podNamespace": lease.pod.namespace,
-                "podUid": lease.pod.uid,
-                "version": lease.offer.version,
-                "since": lease.since,
+                "pod": pod.name,
+                "podNamespace": pod.namespace,
+                "podUid": pod.uid,
+                "version": version,
+                "since": since,
             }
-            if lease.rank is not None:
-                entry["rank"] = lease.rank
-            per_replica = found.setdefault(lease.replica, {})
-            key = (lease.pod.uid, lease.offer.version, lease.rank)
+            if rank is not None:
+                entry["rank"] = rank
+            per_replica = found.setdefault(replica, {})
+            key = (pod.uid, version, rank)
             if key not in per_replica or entry["since"] < per_replica[key]["since"]:
                 per_replica[key] = entry
         return {replica: sorted(entries.values(), key=_entry_order) for replica, entries in found.items()}
@@ -341,6 +373,7 @@ class AttachServer:
     def _serve(self, listener: _Listener, conn: socket.socket) -> None:
         pod = listener.pod
         leases: dict[str, _Lease] = {}
+        announced: dict[str, _Announced] = {}
         try:
             while True:
                 try:
@@ -355,7 +388,10 @@ class AttachServer:
                     self._watch(pod, request, conn)
                     return
                 try:
-                    reply, fds = self._handle(pod, request, leases)
+                    if request.get("op") == "announce":
+                        reply, fds = self._announce(pod, request, leases, announced), []
+                    else:
+                        reply, fds = self._handle(pod, request, leases)
                 except Exception as exc:  # a bug here must cost this request, not the agent
                     log.exception("pod %s/%s: request failed", pod.namespace, pod.name)
                     reply, fds = p.error("Internal", f"{type(exc).__name__}: {exc}"), []
@@ -372,8 +408,10 @@ class AttachServer:
                 self._held = [o for o in self._held if o.leases]
                 for lease_id in leases:
                     self._leases.pop(lease_id, None)
+                for announcement in announced:
+                    self._announced.pop(announcement, None)
             conn.close()
-            if leases:
+            if leases or announced:
                 self._leases_changed()
 
     def _handle(self, pod: Pod, request: dict[str, Any], leases: dict[str, _Lease]) -> tuple[dict[str, Any], list]:
@@ -402,6 +440,29 @@ class AttachServer:
             self._leases_changed()
             return {"ok": True}, []
         return p.error(p.BAD_REQUEST, f"unknown op {op!r}"), []
+
+    def _announce(
+        self, pod: Pod, request: dict[str, Any], leases: dict[str, _Lease], announced: dict[str, _Announced]
+    ) -> dict[str, Any]:
+        """`{"op": "announce", "modelLoad", "version", "rank"?}`: the pod still maps this version of that ModelLoad
+        of its namespace (leased from an earlier agent process); listed until this connection closes."""
+        name, version, rank = request.get("modelLoad"), request.get("version"), request.get("rank")
+        if not all(isinstance(v, str) and 0 < len(v) <= 253 for v in (name, version)):
+            return p.error(p.BAD_REQUEST, "announce needs a string 'modelLoad' and 'version'")
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+            return p.error(p.BAD_REQUEST, "'rank' must be a non-negative integer")
+        namespace = request.get("namespace") or pod.namespace
+        if namespace != pod.namespace:
+            return p.error(p.FORBIDDEN, f"pod {pod.namespace}/{pod.name} may announce only in {pod.namespace}")
+        if len(leases) + len(announced) >= self._max_leases:
+            return p.error(p.TOO_MANY_LEASES, f"at most {self._max_leases} leases a connection")
+        announcement = _Announced(uuid.uuid4().hex, pod, name, version, rank, now_rfc3339())
+        announced[announcement.id] = announcement
+        with self._lock:
+            self._announced[announcement.id] = announcement
+        self._leases_changed()
+        log.info("pod %s/%s still maps %s %s (announced)", pod.namespace, pod.name, name, version)
+        return {"ok": True, "announcement": announcement.id}
 
     def _watch(self, pod: Pod, request: dict[str, Any], conn: socket.socket) -> None:
         """The connection becomes a stream: a frame `{"version", "versionUid"}` whenever what this node serves for

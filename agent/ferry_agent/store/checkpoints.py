@@ -26,7 +26,9 @@ changed) is discarded, so the load fetches the version again instead of serving 
 
 Quota: `reserve()` evicts materialized → deltas → full, least recently used first, and never an artifact of
 an active chain (the last activated chain of every model, and the chains of updates in progress). If it still
-cannot fit it raises `CheckpointCacheCapacityError` before evicting anything.
+cannot fit it raises `CheckpointCacheCapacityError` before evicting anything. The store is a cache: a load that
+streams into memory and would write the store behind serves the version all the same and skips the store
+(its attempt says `StoreSkipped`); only a load built from the store itself fails.
 
 One lock (a thread lock plus `flock` on `<root>/.lock`, so two processes on one root also serialize) guards all
 mutations; callers hold `lock()` across a whole load.
@@ -315,6 +317,8 @@ class CheckpointStore:
             self._writer_thread = threading.get_ident()
             try:
                 job()
+            except CheckpointCacheCapacityError as exc:  # the store filled meanwhile: a cache miss, not a bug
+                log.warning("write-behind of %s skipped: %s; the next load fetches it again", what, exc)
             except Exception:
                 log.exception("write-behind of %s failed; the next load fetches it again", what)
 

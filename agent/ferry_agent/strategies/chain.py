@@ -223,8 +223,10 @@ def run_strategy_chain(
             finally:
                 if offered is not None and ctx.leftover is offered:  # not taken: no later strategy gets it
                     ctx.drop_leftover()
-            # A result may say more than "loaded" (`S3LoadResult.detail`: what a load kept of a failed one's).
-            ctx.record(strategy.name, AttemptOutcome.LOADED, AttemptReason.LOADED, getattr(result, "detail", ""))
+            # A result may say more than "loaded" (`S3LoadResult.detail`: what a load kept of a failed one's, and
+            # `reason` StoreSkipped: served from memory, the node's checkpoint store could not fit it).
+            reason = getattr(result, "reason", AttemptReason.LOADED)
+            ctx.record(strategy.name, AttemptOutcome.LOADED, reason, getattr(result, "detail", ""))
             publish(result, ctx)
             return result
     finally:

@@ -96,7 +96,8 @@ class S3LoadResult:
     # A multi-rank leader's streamed load: the other ranks' tensors, and the store write held back until every
     # rank has loaded (`commit_landed`).
     landed: Landed | None = None
-    detail: str = ""  # the attempt's message: what the load kept of a failed strategy's target
+    detail: str = ""  # the attempt's message: what the load kept of a failed strategy's target, a skipped store
+    reason: AttemptReason = AttemptReason.LOADED  # the attempt's: StoreSkipped when served from memory only
 
     @property
     def source_label(self) -> str:
@@ -199,11 +200,13 @@ class ObjectStorageStrategy:
                     ctx.version_uid = links[-1].uid
                     log.info("%s is in this node's store (%s): prepared for every rank", ctx.version, plan.reused)
                     return None
-                resident, downloaded, landed, behind, detail = self._execute(
+                resident, downloaded, landed, behind, detail, skipped = self._execute(
                     ctx, plan, pool, timings, activate=activate, land=land
                 )
         ctx.version_uid = links[-1].uid
-        return self._result(ctx, plan, resident, downloaded, t0, timings, landed, behind=behind, detail=detail)
+        return self._result(
+            ctx, plan, resident, downloaded, t0, timings, landed, behind=behind, detail=detail, skipped=skipped
+        )
 
     @contextlib.contextmanager
     def _holding(self, ctx: LoadContext, activate: bool) -> Iterator[list[Any]]:
@@ -320,6 +323,7 @@ class ObjectStorageStrategy:
         *,
         behind: bool = False,
         detail: str = "",
+        skipped: bool = False,
     ) -> S3LoadResult:
         seconds = time.monotonic() - t0
         checksums = plan.target_checksums
@@ -335,7 +339,7 @@ class ObjectStorageStrategy:
             plan.reused or "S3",
             seconds,
             downloaded,
-            "; streamed, the store is written behind" if behind else "",
+            "; streamed, the store is written behind" if behind else "; served from memory only" if skipped else "",
         )
         return S3LoadResult(
             resident=resident,
@@ -347,6 +351,7 @@ class ObjectStorageStrategy:
             timings={k: round(v, 6) for k, v in timings.items()},
             landed=landed,
             detail=detail,
+            reason=AttemptReason.STORE_SKIPPED if skipped else AttemptReason.LOADED,
         )
 
     def rollback(self, ctx: LoadContext) -> None:
@@ -372,9 +377,9 @@ class ObjectStorageStrategy:
         *,
         activate: bool,
         land: bool = False,
-    ) -> tuple[ResidentWeights, int, Landed | None, bool, str]:
-        """The new pool, the bytes downloaded, the other ranks' landing, whether the store is written behind, and
-        what the load kept of a failed one's (`S3LoadResult.detail`)."""
+    ) -> tuple[ResidentWeights, int, Landed | None, bool, str, bool]:
+        """The new pool, the bytes downloaded, the other ranks' landing, whether the store is written behind, what
+        the load kept of a failed one's and why it skipped the store (`S3LoadResult.detail`), and whether it did."""
         fetch = [c for c in plan.deltas if c.path is None]
         if plan.base.path is None and plan.held is None:
             fetch.insert(0, plan.base)
@@ -386,20 +391,22 @@ class ObjectStorageStrategy:
         ctx.drop_leftover()  # one no path here takes is freed before this load allocates its own pool
         if full_stream:
             try:
-                resident, streamed = self._stream(ctx, plan, pool, timings, needed, leftover=leftover)
+                resident, streamed, skipped = self._stream(ctx, plan, pool, timings, needed, leftover=leftover)
             except BaseException:
                 if leftover is not None:  # taken over, so the chain no longer frees it
                     leftover.release()
                 raise
-            store_full_behind(self._store, plan, streamed)
+            if not skipped:
+                store_full_behind(self._store, plan, streamed)
             if streamed.kept:
                 detail = (
                     f"{streamed.kept} of {len(resident.tensors)} tensors ({streamed.kept_bytes} bytes) kept from the "
                     f"failed load, {streamed.fetched} bytes downloaded"
                 )
                 log.info("%s: %s", ctx.version, detail)
-                return resident, streamed.fetched, None, True, detail
-            return resident, downloaded, None, True, ""
+                both = "; ".join(filter(None, (detail, skipped)))
+                return resident, streamed.fetched, None, not skipped, both, bool(skipped)
+            return resident, downloaded, None, not skipped, skipped, bool(skipped)
         on_cpu = torch.device(ctx.device).type == "cpu"
         streamed_full = not plan.deltas and fetch == [plan.base]
         if land and not activate and ctx.world_size > 1 and (streamed_full or (plan.deltas and on_cpu)):
@@ -407,15 +414,16 @@ class ObjectStorageStrategy:
             if plan.deltas and plan.base.path is None and plan.held is None:
                 self._fetch_base(ctx, plan, pool, timings)
                 needed -= plan.base.stored_bytes
-            resident, landed = self._land_ranks(ctx, plan, pool, timings, needed)
-            return resident, downloaded, landed, True, ""
+            resident, landed, skipped = self._land_ranks(ctx, plan, pool, timings, needed)
+            return resident, downloaded, landed, not skipped, skipped, bool(skipped)
         stored_or_held = plan.base.path is not None or plan.held is not None
         if alone and plan.deltas and stored_or_held and on_cpu:
             # A one-rank replay on a stored or held base into a CPU pool: the deltas stream, the store is written
             # behind.
-            resident, replayed = self._replay(ctx, plan, pool, timings, needed)
-            store_replay_behind(self._store, plan, replayed, every_version=False)
-            return resident, downloaded, None, True, ""
+            resident, replayed, skipped = self._replay(ctx, plan, pool, timings, needed)
+            if not skipped:
+                store_replay_behind(self._store, plan, replayed, every_version=False)
+            return resident, downloaded, None, not skipped, skipped, bool(skipped)
         with self._store.update(plan.model, ctx.version, plan.chain, protect=[plan.base.ref]) as update:
             try:
                 self._store.reserve(needed)
@@ -425,7 +433,7 @@ class ObjectStorageStrategy:
                 download(self._store, fetch, pool, timings, report=self._progress, range_bytes=self._range_bytes)
             resident = build(self._store, self._allocate, ctx, plan, pool, timings, on_checked=self._on_checked)
             update.commit(activate=activate)
-        return resident, downloaded, None, False, ""
+        return resident, downloaded, None, False, "", False
 
     def _replay(
         self,
@@ -436,11 +444,11 @@ class ObjectStorageStrategy:
         needed: int,
         *,
         into: Mapping[str, np.ndarray] | None = None,
-    ) -> tuple[ResidentWeights, Replayed]:
+    ) -> tuple[ResidentWeights, Replayed, str]:
         """A replay whose base the store or host memory holds: the deltas the store lacks stream from S3 and each
         tensor is built as its frames land (`replay`; tensors the new pool lacks into `into`); the caller writes
-        the store behind from what it returns."""
-        resident = self._allocate_for(ctx, plan, needed, timings)
+        the store behind from what it returns unless the store is skipped (the note, `_allocate_for`)."""
+        resident, skipped = self._allocate_for(ctx, plan, needed, timings)
         replayed = replay(
             plan,
             resident,
@@ -452,7 +460,7 @@ class ObjectStorageStrategy:
             on_checked=self._on_checked,
             into=into,
         )
-        return resident, replayed
+        return resident, replayed, skipped
 
     def _landing(self, ctx: LoadContext, plan: Plan) -> Landing:
         """Memfd chunks of each other rank's own for its share of the target (`ranks.landing`)."""
@@ -470,24 +478,25 @@ class ObjectStorageStrategy:
 
     def _land_ranks(
         self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float], needed: int
-    ) -> tuple[ResidentWeights, Landed]:
+    ) -> tuple[ResidentWeights, Landed, str]:
         """A multi-rank leader's load the store lacks, streamed once from S3: a full checkpoint (`_stream`) or a
         delta replay (`_replay`), this rank's share into its new pool and every other rank's into a sealed landing
         they map (`ranks.landing`); the store entry (the checkpoint, or the fetched deltas and
-        materialized/<target>) is written behind once every rank has loaded (`commit_landed`)."""
+        materialized/<target>) is written behind once every rank has loaded (`commit_landed`), unless the store
+        is skipped (the note, `_allocate_for`)."""
         landing = self._landing(ctx, plan)
         try:
             if plan.deltas:
-                resident, replayed = self._replay(ctx, plan, pool, timings, needed, into=landing.views)
+                resident, replayed, skipped = self._replay(ctx, plan, pool, timings, needed, into=landing.views)
                 behind = partial(store_replay_behind, self._store, plan, replayed, every_version=True)
             else:
-                resident, streamed = self._stream(ctx, plan, pool, timings, needed, into=landing.views)
+                resident, streamed, skipped = self._stream(ctx, plan, pool, timings, needed, into=landing.views)
                 behind = partial(store_full_behind, self._store, plan, streamed)
             landing.seal()
         except BaseException:
             landing.close()
             raise
-        return resident, Landed(landing, behind)
+        return resident, Landed(landing, _nothing if skipped else behind), skipped
 
     def _fetch_base(self, ctx: LoadContext, plan: Plan, pool: ThreadPoolExecutor, timings: dict[str, float]) -> None:
         """A multi-rank replay whose base the store lacks: the base is downloaded into the store first (on the
@@ -509,11 +518,11 @@ class ObjectStorageStrategy:
         *,
         into: Mapping[str, np.ndarray] | None = None,
         leftover: Leftover | None = None,
-    ) -> tuple[ResidentWeights, Streamed]:
+    ) -> tuple[ResidentWeights, Streamed, str]:
         """A full load the store lacks, streamed from S3 into the new pool (tensors it lacks into `into`), or into
         a failed load's `leftover`, fetching only what it did not check; the caller writes the store behind from
-        what it returns."""
-        resident = self._allocate_for(ctx, plan, needed, timings, leftover)
+        what it returns unless the store is skipped (the note, `_allocate_for`)."""
+        resident, skipped = self._allocate_for(ctx, plan, needed, timings, leftover)
         streamed = stream(
             plan,
             resident,
@@ -525,7 +534,7 @@ class ObjectStorageStrategy:
             on_checked=self._on_checked,
             kept=leftover.checked if leftover is not None else None,
         )
-        return resident, streamed
+        return resident, streamed, skipped
 
     @staticmethod
     def _leftover(ctx: LoadContext, plan: Plan) -> Leftover | None:
@@ -554,16 +563,19 @@ class ObjectStorageStrategy:
 
     def _allocate_for(
         self, ctx: LoadContext, plan: Plan, needed: int, timings: dict[str, float], leftover: Leftover | None = None
-    ) -> ResidentWeights:
-        """The new pool of a load whose store entries are written behind (the `leftover`'s weights, when given):
-        the store's room for them is checked first (refused up front, as when the store is written first),
-        evicting nothing the load reads."""
+    ) -> tuple[ResidentWeights, str]:
+        """The new pool of a load whose store entries are written behind (the `leftover`'s weights, when given),
+        and why the store is skipped ("" when it is not). The store's room is made first, evicting nothing the
+        load reads; a store that cannot fit the load is a cache that misses: the version is served from memory
+        all the same, and nothing is written behind."""
+        skipped = ""
         try:
             self._store.reserve(needed, protect=chain_refs(plan.model, plan.chain) | {plan.base.ref})
         except CheckpointCacheCapacityError as exc:
-            raise LoadError(str(exc)) from exc
+            skipped = f"served from memory, not stored: {exc}"
+            log.warning("%s: %s", ctx.version, skipped)
         if leftover is not None:
-            return leftover.resident
+            return leftover.resident, skipped
         t = time.monotonic()
         try:
             resident = self._allocate(plan.specs, ctx.device, unchanged_since(plan))
@@ -571,4 +583,8 @@ class ObjectStorageStrategy:
             nbytes = sum(s.nbytes for s in plan.specs)
             raise LoadError(f"cannot allocate {nbytes} bytes on {ctx.device}: {exc}") from exc
         timings["allocate"] = time.monotonic() - t
-        return resident
+        return resident, skipped
+
+
+def _nothing() -> None:
+    """A landed load's store write when the store was skipped."""
