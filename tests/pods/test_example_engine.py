@@ -4,7 +4,9 @@ needs a GPU. Only one node is an agent node (`ferry.dev/gpu=true`): the engine p
 while its node has nothing to serve (the startup probe sees /health 503); once the trainer publishes the version the
 chart's ModelLoad names, the weights follow the pod onto its node, the engine attaches and loads them, the pod
 becomes Ready, the ModelLoad shows it attached, the node carries the warm label the pod's affinity prefers, and a
-completion through the apiserver's pod proxy returns the tokens the trainer's own copy of the weights generates."""
+completion through the apiserver's pod proxy returns the tokens the trainer's own copy of the weights generates.
+Then both nodes are agent nodes and the ModelLoad keeps a warm pool of one: a replacement engine pod goes to the warm
+node (without the preferred affinity the scheduler picks the other one here). The tests run in order."""
 
 from __future__ import annotations
 
@@ -81,7 +83,12 @@ def agent_node(pod_stack, tmp_path_factory) -> str:
     return agent.name
 
 
-def engine_values(tmp: Path, tag: str) -> Path:
+@pytest.fixture(scope="module")
+def engine_chart(pod_stack, tmp_path_factory) -> Path:
+    return vendored_example(tmp_path_factory.mktemp("charts"), lambda *args: helm(pod_stack, *args))
+
+
+def engine_values(tmp: Path, tag: str, pool: int = 0) -> Path:
     values = localimages.dev_engine_values()
     values.update(
         image=f"ferry-agent:{tag}",
@@ -105,7 +112,7 @@ def engine_values(tmp: Path, tag: str) -> Path:
             "create": True,
             "modelName": MODEL,
             "desiredVersion": VERSION,
-            "replicas": 0,  # only where the engine runs: the weights follow its pod
+            "replicas": pool,  # 0: only where the engine runs, the weights follow its pod
             "nodeSelector": {AGENT_LABEL: "true"},
             "device": "cpu",
             "transfer": {"timeoutSeconds": 60},
@@ -124,10 +131,8 @@ def engine_pod(stack) -> dict | None:
 
 def probe_refused_503(stack, pod: str) -> bool:
     """The kubelet's Unhealthy event for the pod: its startup probe got 503 from the engine's /health."""
-    out = kubectl(
-        stack, "get", "events", "-n", TENANT, "--field-selector", f"involvedObject.name={pod},reason=Unhealthy",
-        "-o", "json",
-    )  # fmt: skip
+    selector = f"involvedObject.name={pod},reason=Unhealthy"
+    out = kubectl(stack, "get", "events", "-n", TENANT, "--field-selector", selector, "-o", "json")
     return any(
         "Startup probe failed" in e.get("message", "") and "503" in e["message"] for e in json.loads(out)["items"]
     )
@@ -137,10 +142,10 @@ def rfc3339(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
-def test_example_chart_serves_the_published_weights_on_an_agent_node(pod_stack, agent_node, tmp_path):
+def test_example_chart_serves_the_published_weights_on_an_agent_node(pod_stack, agent_node, engine_chart, tmp_path):
     stack = pod_stack
-    chart = vendored_example(tmp_path / "charts", lambda *args: helm(stack, *args))
-    helm(stack, "install", ENGINE, str(chart), "-n", TENANT, "-f", str(engine_values(tmp_path, stack.image_tag)))
+    values = engine_values(tmp_path, stack.image_tag)
+    helm(stack, "install", ENGINE, str(engine_chart), "-n", TENANT, "-f", str(values))
 
     # Nothing is published yet: the pod runs on the agent node, its engine serves HTTP, and /health refuses.
     def refused() -> dict | None:
@@ -202,3 +207,43 @@ def test_example_chart_serves_the_published_weights_on_an_agent_node(pod_stack, 
     reply = json.loads(kubectl(stack, "create", "--raw", path, "-f", str(body)))
     (choice,) = reply["choices"]
     assert (reply["model"], choice["token_ids"]) == (VERSION, expected), reply
+
+
+def test_a_new_engine_pod_prefers_the_warm_node(pod_stack, agent_node, engine_chart, tmp_path):
+    """Both nodes agent nodes now, the ModelLoad's warm pool (1) on the node that already serves it: a replacement
+    engine pod is scheduled onto that warm node, not the cold one."""
+    stack = pod_stack
+    (cold,) = [n.name for n in stack.nodes.nodes if n.name != agent_node]
+    kubectl(stack, "label", "node", cold, f"{AGENT_LABEL}=true")
+    agents = "app.kubernetes.io/component=agent"
+    wait_for(
+        lambda: {p["spec"]["nodeName"] for p in pods(stack, NS, agents) if ready(p)} == {cold, agent_node},
+        240,
+        "an agent Ready on both nodes",
+        lambda: explain(stack),
+    )
+    values = engine_values(tmp_path, stack.image_tag, pool=1)
+    helm(stack, "upgrade", ENGINE, str(engine_chart), "-n", TENANT, "-f", str(values))
+
+    def pooled() -> bool:
+        items = json.loads(kubectl(stack, "get", "weightreplicas", "-n", TENANT, "-o", "json"))["items"]
+        return [(r["spec"]["nodeName"], r["metadata"]["labels"].get("ferry.dev/placement")) for r in items] == [
+            (agent_node, "pool")
+        ]
+
+    wait_for(pooled, 120, f"the warm pool's one replica on {agent_node}", lambda: explain(stack))
+    key = json.loads(kubectl(stack, "get", "ml", MODEL_LOAD, "-n", TENANT, "-o", "json"))["status"]["warmNodeLabel"]
+    labels = {
+        n: json.loads(kubectl(stack, "get", "node", n, "-o", "json"))["metadata"]["labels"] for n in (cold, agent_node)
+    }
+    assert key not in labels[cold] and labels[agent_node].get(key) == VERSION, labels
+
+    old = engine_pod(stack)["metadata"]["name"]
+    kubectl(stack, "delete", "pod", "-n", TENANT, old, "--wait=true", "--timeout=120s")
+    pod = wait_for(
+        lambda: (p := engine_pod(stack)) and p["metadata"]["name"] != old and ready(p) and p,
+        300,
+        "the replacement engine Ready",
+        lambda: explain(stack),
+    )
+    assert pod["spec"]["nodeName"] == agent_node, (pod["spec"]["nodeName"], labels)
