@@ -28,14 +28,14 @@ def build_model(config: dict, seed: int | None = None) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**config)).eval()
 
 
-def generate(model: LlamaForCausalLM, steps: int = 8) -> list[int]:
-    """Greedy tokens after PROMPT: the same weights give the same tokens."""
-    ids = torch.tensor([PROMPT])
+def generate(model: LlamaForCausalLM, steps: int = 8, prompt: list[int] = PROMPT) -> list[int]:
+    """Greedy tokens after `prompt`: the same weights give the same tokens."""
+    ids = torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(steps):
             next_id = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
             ids = torch.cat([ids, next_id], dim=1)
-    return ids[0, len(PROMPT) :].tolist()
+    return ids[0, len(prompt) :].tolist()
 
 
 def main(name: str, config_path: str) -> None:

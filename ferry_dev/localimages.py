@@ -324,6 +324,21 @@ def dev_chart_values(site_packages: Path | None = None) -> dict:
     return {"image": {"pullPolicy": "Never"}, "operator": workload, "agent": dict(workload)}
 
 
+def dev_engine_values(site_packages: Path | None = None) -> dict:
+    """Values of examples/vllm-engine that run `python -m ferry_dev.example_engine` (a transformers engine in
+    place of vLLM, which needs a GPU) from the agent's dev image: the venv's site-packages as in the chart, and
+    this checkout's ferry_dev mounted read-only onto the image's sources (the product images do not ship it)."""
+    dev = dev_chart_values(site_packages)["agent"]
+    harness = {"name": "dev-ferry-dev", "hostPath": {"path": str(REPO_ROOT / "ferry_dev"), "type": "Directory"}}
+    mount = {"name": "dev-ferry-dev", "mountPath": f"{SRC_ROOT}/ferry_dev", "readOnly": True}
+    return {
+        "imagePullPolicy": "Never",
+        "command": ["python", "-m", "ferry_dev.example_engine"],
+        "extraVolumes": [*dev["extraVolumes"], harness],
+        "extraVolumeMounts": [*dev["extraVolumeMounts"], mount],
+    }
+
+
 def main() -> None:
     tag = sys.argv[1] if len(sys.argv) > 1 else "dev"
     for ref, path in dev_images(tag).items():

@@ -9,74 +9,41 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 from safetensors.numpy import save_file
 
 from ferry_dev import localimages
-from ferry_dev.localcluster import REPO_ROOT, binary
+from tests.support.pods import (
+    FERRY_CHART,
+    create_tenant,
+    describe,
+    ferry_publish,
+    ferry_values,
+    helm,
+    kubectl,
+    pods,
+    ready,
+    wait_for,
+)
 
 pytestmark = pytest.mark.pods
 
 NS = "ferry-system"
 TENANT = "team-a"
 RELEASE = "ferry"
-CHART = REPO_ROOT / "charts" / "ferry"
 BUCKET = "pods-models"
 AGENT = "app.kubernetes.io/component=agent"
 OPERATOR = "app.kubernetes.io/component=operator"
-
-
-def kubectl(stack, *args: str, check: bool = True, input: str | None = None) -> str:
-    return stack.cluster.kubectl(*args, check=check, input=input).stdout
-
-
-def helm(stack, *args: str) -> str:
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(stack.cluster.workdir), "KUBECONFIG": str(stack.cluster.kubeconfig)}
-    proc = subprocess.run([binary("helm"), *args], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, f"helm {' '.join(args)}:\n{proc.stderr}\n{proc.stdout}"
-    return proc.stdout
-
-
-def wait_for(predicate, timeout: float, what: str, describe=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{describe()}")
-
-
-def pods(stack, selector: str) -> list[dict]:
-    return json.loads(kubectl(stack, "get", "pods", "-n", NS, "-l", selector, "-o", "json"))["items"]
-
-
-def ready(pod: dict) -> bool:
-    conditions = {c["type"]: c["status"] for c in (pod.get("status") or {}).get("conditions") or []}
-    return pod["metadata"].get("deletionTimestamp") is None and conditions.get("Ready") == "True"
-
-
-def describe(stack) -> str:
-    out = kubectl(stack, "get", "pods", "-A", "-o", "wide", check=False)
-    events = kubectl(stack, "get", "events", "-n", NS, "--sort-by=.lastTimestamp", check=False)
-    logs = "\n".join(
-        kubectl(stack, "logs", "-n", NS, p["metadata"]["name"], "--all-containers", "--tail=20", check=False)
-        for p in pods(stack, "app.kubernetes.io/instance=" + RELEASE)
-    )
-    return f"{out}\n{events[-3000:]}\n{logs[-4000:]}"
+INSTANCE = f"app.kubernetes.io/instance={RELEASE}"
 
 
 def all_ready(stack) -> dict[str, list[dict]] | None:
     """The operator pod and one agent pod per node, all Ready (and no others left over)."""
-    agents, operators = pods(stack, AGENT), pods(stack, OPERATOR)
+    agents, operators = pods(stack, NS, AGENT), pods(stack, NS, OPERATOR)
     nodes = {p["spec"].get("nodeName") for p in agents if ready(p)}
     every_node = nodes == {n.name for n in stack.nodes.nodes}
     if len(agents) == 2 and every_node and len(operators) == 1 and ready(operators[0]):
@@ -84,57 +51,22 @@ def all_ready(stack) -> dict[str, list[dict]] | None:
     return None
 
 
-def values_file(stack, tmp: Path, **overrides) -> Path:
-    values = localimages.dev_chart_values()
-    values["tenantNamespaces"] = [{"name": TENANT, "secretNames": ["s3-credentials"]}]
-    # Small requests: two agents and the operator share this machine's two cores.
-    values["operator"]["resources"] = {
-        "requests": {"cpu": "50m", "memory": "128Mi", "ephemeral-storage": "16Mi"},
-        "limits": {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "256Mi"},
-    }
-    values["agent"]["resources"] = {
-        "requests": {"cpu": "100m", "memory": "256Mi", "ephemeral-storage": "16Mi"},
-        "limits": {"cpu": "2", "memory": "4Gi", "ephemeral-storage": "1Gi"},
-    }
-    for key, value in overrides.items():
-        target = values
-        *path, last = key.split("__")
-        for p in path:
-            target = target.setdefault(p, {})
-        target[last] = value
-    path = tmp / "values.yaml"
-    path.write_text(yaml.safe_dump(values))
-    return path
-
-
 @pytest.fixture(scope="module")
 def release(pod_stack, tmp_path_factory):
     stack = pod_stack
-    kubectl(stack, "create", "namespace", TENANT)
-    kubectl(stack, "create", "namespace", NS)
-    kubectl(
-        stack,
-        "create",
-        "secret",
-        "generic",
-        "s3-credentials",
-        "-n",
-        TENANT,
-        f"--from-literal=AWS_ACCESS_KEY_ID={stack.s3.access_key}",
-        f"--from-literal=AWS_SECRET_ACCESS_KEY={stack.s3.secret_key}",
-    )
+    create_tenant(stack, TENANT, NS)
     for node in stack.nodes.nodes:
         kubectl(stack, "label", "node", node.name, f"ferry.dev/pool={TENANT}")
-    values = values_file(stack, tmp_path_factory.mktemp("values"))
+    values = ferry_values(tmp_path_factory.mktemp("values"), TENANT)
     # The local cluster applies crds/ at start: the release adopts those CRDs (as an upgrade from a chart that
     # shipped crds/ does) and then owns them.
-    helm(stack, "install", RELEASE, str(CHART), "-n", NS, "-f", str(values), "--take-ownership")
+    helm(stack, "install", RELEASE, str(FERRY_CHART), "-n", NS, "-f", str(values), "--take-ownership")
     return values
 
 
 def test_install_operator_and_agents_ready_through_probes(pod_stack, release):
     stack = pod_stack
-    up = wait_for(lambda: all_ready(stack), 300, "operator and 2 agents Ready", lambda: describe(stack))
+    up = wait_for(lambda: all_ready(stack), 300, "operator and 2 agents Ready", lambda: describe(stack, NS, INSTANCE))
     (op,) = up["operator"]
     container = op["spec"]["containers"][0]
     assert container["readinessProbe"]["tcpSocket"] == {"port": "healthz"}
@@ -164,40 +96,15 @@ def publish(stack, tmp: Path, version: str, seed: int) -> dict[str, np.ndarray]:
     weights = make_weights(seed)
     source = tmp / f"{version}.safetensors"
     save_file(weights, str(source))
-    stack.s3.create_bucket(BUCKET)
-    env = {**stack.s3.env(), "AWS_ENDPOINT_URL": stack.s3_endpoint, "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ferry.cli",
-            "publish",
-            str(source),
-            "--version",
-            version,
-            "--uri-prefix",
-            f"s3://{BUCKET}/m",
-            "--model",
-            "m",
-            "--endpoint",
-            stack.s3_endpoint,
-            "--credentials-secret",
-            "s3-credentials",
-            "-n",
-            TENANT,
-            "--kubeconfig",
-            str(stack.cluster.kubeconfig),
-            "--wait",
-            "--timeout",
-            "180",
-            "-q",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+    ferry_publish(
+        stack,
+        source,
+        version=version,
+        model="m",
+        bucket=BUCKET,
+        tenant=TENANT,
+        describe=lambda: describe(stack, NS, INSTANCE),
     )
-    assert proc.returncode == 0, f"{proc.stderr}\n{describe(stack)}"
     return weights
 
 
@@ -243,10 +150,10 @@ def test_modelload_loads_onto_both_nodes_from_s3_then_from_the_peer(pod_stack, r
     stack = pod_stack
     publish(stack, tmp_path, "v1", seed=1)
     modelload(stack, "v1", 1)
-    (first,) = wait_for(lambda: loaded(stack, "v1", 1), 240, "v1 on one node", lambda: describe(stack))
+    (first,) = wait_for(lambda: loaded(stack, "v1", 1), 240, "v1 on one node", lambda: describe(stack, NS, INSTANCE))
     assert first["status"]["source"] == "s3", first["status"]
     modelload(stack, "v1", 2)
-    both = wait_for(lambda: loaded(stack, "v1", 2), 240, "v1 on both nodes", lambda: describe(stack))
+    both = wait_for(lambda: loaded(stack, "v1", 2), 240, "v1 on both nodes", lambda: describe(stack, NS, INSTANCE))
     second = next(r for r in both if r["metadata"]["name"] != first["metadata"]["name"])
     assert second["status"]["source"] == f"peer/{first['metadata']['name']}", second["status"]
     assert {r["spec"]["nodeName"] for r in both} == {n.name for n in stack.nodes.nodes}
@@ -340,7 +247,9 @@ def consumer_pod(image: str, node: str, other_uids: list[str]) -> dict:
 
 def test_consumer_pod_attaches_through_its_own_hostpath_socket(pod_stack, release):
     stack = pod_stack
-    (replica, *_) = wait_for(lambda: loaded(stack, "v1", 2), 240, "v1 on both nodes", lambda: describe(stack))
+    (replica, *_) = wait_for(
+        lambda: loaded(stack, "v1", 2), 240, "v1 on both nodes", lambda: describe(stack, NS, INSTANCE)
+    )
     node = stack.nodes.node(replica["spec"]["nodeName"])
     # The node's attach directory holds other pods' sockets (the agent serves every pod on its node): the
     # consumer must see none of them.
@@ -364,7 +273,9 @@ def test_consumer_pod_attaches_through_its_own_hostpath_socket(pod_stack, releas
         return kubectl(stack, "logs", "-n", TENANT, "consumer", check=False)
 
     try:
-        done = wait_for(finished, 240, "the consumer pod to finish", lambda: f"{describe(stack)}\n{logs()}")
+        done = wait_for(
+            finished, 240, "the consumer pod to finish", lambda: f"{describe(stack, NS, INSTANCE)}\n{logs()}"
+        )
         out = logs()
         assert done == "Succeeded", out
         (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
@@ -386,7 +297,7 @@ def lease_holders(stack, node: str) -> set[str]:
 def test_deleted_agent_pod_comes_back_and_its_replica_recovers(pod_stack, release):
     stack = pod_stack
     node = stack.nodes.nodes[1].name
-    (victim,) = [p for p in pods(stack, AGENT) if p["spec"]["nodeName"] == node]
+    (victim,) = [p for p in pods(stack, NS, AGENT) if p["spec"]["nodeName"] == node]
     old_holders = lease_holders(stack, node)  # the agent's name: <node>-<random>, new in each process
     assert old_holders
     deleted_at = datetime.now(UTC).replace(microsecond=0)
@@ -396,7 +307,7 @@ def test_deleted_agent_pod_comes_back_and_its_replica_recovers(pod_stack, releas
         up = all_ready(stack)
         return up and all(p["metadata"]["uid"] != victim["metadata"]["uid"] for p in up["agent"])
 
-    wait_for(back, 240, "a new agent pod on the node Ready", lambda: describe(stack))
+    wait_for(back, 240, "a new agent pod on the node Ready", lambda: describe(stack, NS, INSTANCE))
 
     def recovered():
         (replica,) = [r for r in replicas(stack) if r["spec"]["nodeName"] == node]
@@ -411,32 +322,37 @@ def test_deleted_agent_pod_comes_back_and_its_replica_recovers(pod_stack, releas
             and not holders & old_holders
         )
 
-    wait_for(recovered, 240, f"the replica on {node} Ready under the new agent", lambda: describe(stack))
+    wait_for(recovered, 240, f"the replica on {node} Ready under the new agent", lambda: describe(stack, NS, INSTANCE))
 
 
 def test_upgrade_with_changed_values_rolls_the_pods(pod_stack, release, tmp_path):
     stack = pod_stack
-    before = {p["metadata"]["uid"] for p in pods(stack, f"app.kubernetes.io/instance={RELEASE}")}
-    values = values_file(stack, tmp_path, agent__leaseSeconds=20, operator__logFormat="plain")
+    before = {p["metadata"]["uid"] for p in pods(stack, NS, INSTANCE)}
+    values = ferry_values(tmp_path, TENANT, agent__leaseSeconds=20, operator__logFormat="plain")
     upgraded_at = datetime.now(UTC).replace(microsecond=0)
-    helm(stack, "upgrade", RELEASE, str(CHART), "-n", NS, "-f", str(values))
+    helm(stack, "upgrade", RELEASE, str(FERRY_CHART), "-n", NS, "-f", str(values))
 
     def rolled():
         up = all_ready(stack)
         pods_now = (up or {}).get("agent", []) + (up or {}).get("operator", [])
         return up if pods_now and not before & {p["metadata"]["uid"] for p in pods_now} else None
 
-    up = wait_for(rolled, 300, "every pod replaced and Ready", lambda: describe(stack))
+    up = wait_for(rolled, 300, "every pod replaced and Ready", lambda: describe(stack, NS, INSTANCE))
     assert all("--lease-seconds=20" in p["spec"]["containers"][0]["command"] for p in up["agent"])
     assert "--log-format=plain" in up["operator"][0]["spec"]["containers"][0]["command"]
     # The new agents load v1 again (from their node's store or the peer) and serve it.
-    wait_for(lambda: loaded(stack, "v1", 2, upgraded_at), 240, "both replicas reloaded", lambda: describe(stack))
+    wait_for(
+        lambda: loaded(stack, "v1", 2, upgraded_at),
+        240,
+        "both replicas reloaded",
+        lambda: describe(stack, NS, INSTANCE),
+    )
 
 
 def test_uninstall_keeps_crds_and_custom_resources(pod_stack, release):
     stack = pod_stack
     helm(stack, "uninstall", RELEASE, "-n", NS, "--wait", "--timeout", "180s")
-    wait_for(lambda: not pods(stack, f"app.kubernetes.io/instance={RELEASE}"), 180, "the release's pods gone")
+    wait_for(lambda: not pods(stack, NS, INSTANCE), 180, "the release's pods gone")
     for crd in ("weightversions.ferry.dev", "modelloads.ferry.dev", "weightreplicas.ferry.dev"):
         kubectl(stack, "get", "crd", crd)
     kubectl(stack, "get", "weightversion", "v1", "-n", TENANT)

@@ -133,14 +133,14 @@ def condition(obj: dict | None, type_: str) -> dict:
     return {}
 
 
-def wait_for(predicate, timeout: float, what: str, describe=lambda: ""):
+def wait_for(predicate, timeout: float, what: str, describe=lambda: "", interval: float = 0.25):
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
         last = predicate()
         if last:
             return last
-        time.sleep(0.25)
+        time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{describe()}")
 
 

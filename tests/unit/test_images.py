@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ferry_dev import localimages
 
@@ -164,3 +165,13 @@ def test_the_debian_mirror_is_the_hosts_own(tmp_path, monkeypatch):
     assert localimages.debian_mirror(tmp_path) == "http://mirror.invalid/deb822"
     monkeypatch.setenv("FERRY_DEBIAN_MIRROR", "http://mirror.invalid/env")
     assert localimages.debian_mirror(tmp_path) == "http://mirror.invalid/env"
+
+
+def test_engine_vllm_image_keeps_vllms_entrypoint_and_adds_ferrys_client():
+    """examples/vllm-engine's args start with the model because its image's entrypoint is vLLM's `vllm serve`."""
+    stage = _target("engine-vllm")
+    assert re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v\S+$", DOCKERFILE, re.M)
+    assert not re.search(r"^(ENTRYPOINT|CMD|USER) ", stage, re.M)
+    assert "pip install --no-cache-dir --no-deps /tmp/ferry" in stage  # the distribution: its vLLM entry point
+    values = yaml.safe_load((REPO / "examples" / "vllm-engine" / "values.yaml").read_text())
+    assert f"-t {values['image']} ." in DOCKERFILE
