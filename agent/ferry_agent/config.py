@@ -14,7 +14,7 @@ from ferry import ambient
 from ferry_agent.attach.memstore import parse_bytes
 from ferry_agent.kube.registry import DEFAULT_LEASE_SECONDS
 from ferry_agent.logs import LogFormat
-from ferry_agent.ranks.supervisor import DEFAULT_MAX_RANK_PROCESSES
+from ferry_agent.ranks import DEFAULT_MAX_RANK_PROCESSES
 from ferry_agent.strategies.local_file import SeedKey, seed_argument
 from ferry_agent.transport import worker_auth
 

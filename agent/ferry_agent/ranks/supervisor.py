@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ferry_agent.strategies.local_file import SeedKey
 
 from ferry.errors import LoadFailed
+from ferry_agent.ranks import DEFAULT_MAX_RANK_PROCESSES
 from ferry_agent.ranks.worker import Job
 from ferry_agent.transport.loading_source import Publish
 from ferry_agent.transport.worker_auth import PodIdentity
@@ -42,9 +43,6 @@ log = logging.getLogger(__name__)
 
 FAILED_RANKS_GRACE_S = 30.0  # after one rank fails, how long the others get to report the agreed failure
 START_BACKOFF_MAX_S = 300.0  # longest wait before idle processes are started again after ones that could not start
-# Most rank processes an agent runs, lent and idle together (`--max-rank-processes`): twice an 8-GPU node's GPUs, so
-# that a replica on every GPU loads its next version beside the one it serves (make-before-break).
-DEFAULT_MAX_RANK_PROCESSES = 16
 Event = dict[str, Any]
 
 
