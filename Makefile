@@ -7,9 +7,11 @@ PYTEST_ARGS ?=
 # Test files run on this many workers, each with its own local cluster; most of a test's time is waiting.
 PYTEST_WORKERS ?= 2
 export FERRY_CACHE
+# uv (make dist, tests/e2e/test_dists.py): one cache, so that venvs hardlink their packages from it.
+export UV_CACHE_DIR ?= $(FERRY_CACHE)/uv
 export UCX_NET_DEVICES := lo
 
-.PHONY: help sysdeps deps venv bins images crds proto lint fmt test test-unit e2e-pods demo bench clean
+.PHONY: help sysdeps deps venv bins images crds proto lint fmt test test-unit e2e-pods demo bench dist dist-cache clean
 
 help:
 	@echo "make demo   - start a local cluster + S3 + operator and walk through the weight lifecycle"
@@ -18,6 +20,7 @@ help:
 	@echo "make bench  - run the benchmarks under bench/ (JSON + markdown into bench/results/)"
 	@echo "make crds   - regenerate crds/*.yaml from the pydantic models"
 	@echo "make lint   - ruff check + format check"
+	@echo "make dist   - build the wheels (ferry-weights, ferry-client) into $$FERRY_CACHE/dist"
 
 # Debian packages (containerd, runc, CNI plugins, debootstrap, ...): installed when run as root, else the one command.
 sysdeps:
@@ -52,7 +55,7 @@ fmt: venv
 
 # The suite runs in a loopback-only network namespace: NIXL/UCX and every server we start see only `lo`. The dev
 # images' Debian rootfs needs the network, so it is built (or found cached) before.
-test: deps images
+test: deps images dist-cache
 	$(VENV)/bin/pip install -q --no-deps -e .
 	$(MAKE) --no-print-directory lint
 	bash hack/netns.sh $(VENV)/bin/pytest -m "unit or cluster or e2e or pods" -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
@@ -76,6 +79,26 @@ demo: deps
 bench: deps
 	$(VENV)/bin/pip install -q -e ".[bench]"
 	bash hack/netns.sh $(PY) -m bench.run_all
+
+# The server's distribution (ferry-weights, the repo root) and the engine's (ferry-client, dist/client).
+DIST ?= $(FERRY_CACHE)/dist
+dist: venv
+	rm -rf "$(DIST)"
+	$(VENV)/bin/uv build --quiet --wheel --out-dir "$(DIST)" dist/client
+	$(VENV)/bin/uv build --quiet --wheel --out-dir "$(DIST)" .
+
+# What tests/e2e/test_dists.py installs offline (it runs in the loopback-only namespace): the build backends and
+# ferry-client's dependencies for each supported Python, into uv's cache (seconds once cached).
+DIST_PYTHONS ?= 3.11 3.12 3.13
+dist-cache: dist
+	for v in $(DIST_PYTHONS); do \
+	  py=$$(python$$v -c 'import sys; print(sys.executable)' 2>/dev/null || ls "$(HOME)"/.pyenv/versions/$$v.*/bin/python$$v | tail -1); \
+	  [ -n "$$py" ] || { echo "Python $$v is not on this machine" >&2; exit 1; }; \
+	  rm -rf "$(FERRY_CACHE)/dist-venv" && UV_PYTHON_DOWNLOADS=never $(VENV)/bin/uv venv -q --python "$$py" "$(FERRY_CACHE)/dist-venv" && \
+	  $(VENV)/bin/uv pip install -q --python "$(FERRY_CACHE)/dist-venv/bin/python" "$(DIST)"/ferry_client-*.whl \
+	  || exit 1; \
+	done
+	rm -rf "$(FERRY_CACHE)/dist-venv"
 
 clean:
 	rm -rf bench/results .pytest_cache .ruff_cache

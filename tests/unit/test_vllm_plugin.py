@@ -19,12 +19,15 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+# What an engine installs: ferry-client (ferry.client, ferry_vllm, the plugin's entry point, the vllm extra).
+CLIENT = tomllib.loads((ROOT / "dist" / "client" / "pyproject.toml").read_text())
 # Where vLLM may be imported: the modules register() loads, and register() itself (lazily, in the function).
 IMPORTS_VLLM = {"ferry_vllm/loader.py", "ferry_vllm/transfer.py", "ferry_vllm/__init__.py"}
 
 
 def test_the_entry_point_is_declared_and_resolves_to_register():
-    plugins = PYPROJECT["project"]["entry-points"]["vllm.general_plugins"]
+    plugins = CLIENT["project"]["entry-points"]["vllm.general_plugins"]
+    assert "entry-points" not in PYPROJECT["project"]  # one distribution declares it
     assert plugins == {"ferry": "ferry_vllm:register"}
     module, _, attr = plugins["ferry"].partition(":")
     target = getattr(importlib.import_module(module), attr)
@@ -32,12 +35,17 @@ def test_the_entry_point_is_declared_and_resolves_to_register():
 
 
 def test_vllm_is_an_extra_ci_does_not_install():
-    extras = PYPROJECT["project"]["optional-dependencies"]
+    extras = CLIENT["project"]["optional-dependencies"]
     assert [d for d in extras["vllm"] if d.startswith("vllm")] == extras["vllm"]
-    assert not any(d.startswith("vllm") for d in PYPROJECT["project"]["dependencies"] + extras["test"])
+    assert CLIENT["project"]["dependencies"] == ["torch>=2.4"]
+    server = PYPROJECT["project"]
+    assert not any(d.startswith("vllm") for d in server["dependencies"] + server["optional-dependencies"]["test"])
 
 
 def test_the_package_ships():
+    shipped = CLIENT["tool"]["hatch"]["build"]["targets"]["wheel"]["force-include"]
+    assert {"ferry/client", "ferry_vllm", "ferry/__init__.py"} <= set(shipped.values())
+    assert all((ROOT / "dist" / "client" / src).exists() for src in shipped)
     find = PYPROJECT["tool"]["setuptools"]["packages"]["find"]
     packages = set()
     for where in find["where"]:
