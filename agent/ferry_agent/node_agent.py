@@ -333,6 +333,7 @@ class NodeAgent:
             start = {
                 "phase": ReplicaPhase.LOADING,
                 "version": version,
+                "servingVersion": None,
                 "loadingVersion": None,
                 "ranks": None,
                 "versionUid": None,
@@ -413,6 +414,7 @@ class NodeAgent:
         status = {
             "phase": ReplicaPhase.SERVING,
             "version": version,
+            "servingVersion": version,
             "loadingVersion": None,
             "source": loaded.source,
             "bytesDone": loaded.bytes_moved,
@@ -671,6 +673,7 @@ class NodeAgent:
             {
                 "phase": ReplicaPhase.FAILED,
                 "version": version,
+                "servingVersion": None,
                 "loadingVersion": None,
                 "loadingRanks": None,
                 "loadingVersionUid": None,

@@ -949,6 +949,9 @@ class WeightReplicaStatus(_Model):
     Lease's to say (the `Live` condition), not a phase's."""
     version: str | None = None
     """The version this replica serves (phase Serving), or loads or failed to load when it serves none."""
+    servingVersion: str | None = None
+    """The version peers and attached pods are served from right now, and nothing else: empty while a first load
+    runs or after it failed, kept while a make-before-break load of `loadingVersion` runs (the Serves column)."""
     loadingVersion: str | None = None
     """A version change in flight (make-before-break): the version the agent loads while it keeps serving
     `version` to peers and attached pods; once resident it becomes `version` and this clears. While set, bytesDone,
@@ -1026,7 +1029,7 @@ class WeightReplica(_Resource):
         PrinterColumn(name="Node", type="string", jsonPath=".spec.nodeName"),
         PrinterColumn(name="Version", type="string", jsonPath=".spec.version"),
         PrinterColumn(name="Phase", type="string", jsonPath=".status.phase"),
-        PrinterColumn(name="Serves", type="string", jsonPath=".status.version"),
+        PrinterColumn(name="Serves", type="string", jsonPath=".status.servingVersion"),
         PrinterColumn(name="Loading", type="string", jsonPath=".status.loadingVersion"),
         PrinterColumn(name="Source", type="string", jsonPath=".status.source"),
         condition_column("Live", ReplicaConditionType.LIVE),

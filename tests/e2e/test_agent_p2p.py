@@ -32,6 +32,15 @@ _PLAIN_PROBLEM = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \S+ (WARNING
 _NODE_ADVICE = "host memory chunks get 4 KiB pages"  # the one warning a node's own setting earns (shmem_enabled)
 
 
+def printed(cluster, namespace: str, name: str) -> dict[str, str]:
+    """`kubectl get wr NAME -o wide` as a person reads it: each column's cell, cut where its header starts (kubectl
+    aligns the cells under it, so a cell with a space, such as the progress, stays whole)."""
+    header, row = cluster.kubectl("get", "wr", name, "-n", namespace, "-o", "wide").stdout.splitlines()
+    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    cells = [row[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+    return dict(zip(header.split(), cells, strict=True))
+
+
 def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
     gen = torch.Generator().manual_seed(3)
     weights = {f"layers.{i}.weight": torch.randn((128, 256), generator=gen) for i in range(6)}
@@ -68,8 +77,9 @@ def test_agent_b_loads_from_agent_a(cluster, namespace, operator, tmp_path):
 
         # `kubectl get wr -o wide` shows the load as a person reads it, through the CRD's printer column.
         assert re.fullmatch(r"100% \S+/s", status["progress"]), status["progress"]
-        header, row = cluster.kubectl("get", "wr", "wr-b", "-n", namespace, "-o", "wide").stdout.splitlines()
-        assert "PROGRESS" in header.split() and status["progress"] in row, (header, row)
+        columns = printed(cluster, namespace, "wr-b")
+        assert columns["PROGRESS"] == status["progress"], columns
+        assert columns["SERVES"] == "v1" and columns["PHASE"] == "Serving", columns
 
         # A third reader pulls from B (not the seed) and checks every byte.
         assert read_back(status["ranks"][0], "wr-b") == expected
@@ -112,6 +122,10 @@ def test_no_source_and_no_seed_fails_clearly(cluster, namespace, tmp_path):
         assert "No load strategy succeeded" in failed["status"]["message"]
         outcomes = {(x["source"], x["outcome"]) for x in failed["status"]["attempts"]}
         assert ("Peer", "Failed") in outcomes and ("LocalFile", "Skipped") in outcomes
+        # The version it failed to load is the VERSION column's; SERVES is empty: it serves nothing.
+        assert failed["status"]["version"] == "v9" and failed["status"].get("servingVersion") is None
+        columns = printed(cluster, namespace, "wr-c")
+        assert (columns["PHASE"], columns["VERSION"], columns["SERVES"]) == ("Failed", "v9", ""), columns
     finally:
         agent.stop()
 
