@@ -43,6 +43,11 @@ SAFE_SHARD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")  # use wit
 METADATA_KEY = "__metadata__"
 CHECKSUM_FORMAT = "adler32"
 DELTA_ENCODING = "xor"
+# A delta whose tensors are XOR frames or sparse patches (`SparsePatch`), chosen per tensor: format version 2. An
+# index of it says so in `delta_encoding` and `format_version`, so a reader of version 1 (and ModelExpress) refuses
+# it by name instead of misreading a patch as an XOR frame.
+SPARSE_DELTA_ENCODING = "xor+sparse"
+FORMAT_VERSION = 2  # the newest delta format this code reads and writes (1: XOR frames only, no format_version)
 COMPRESSION_FORMATS = frozenset({"zstd"})
 ZSTD_LEVEL = 1
 HEADER_PREFIX_BYTES = 8  # little-endian u64 header length
@@ -50,7 +55,15 @@ XOR_CHUNK_BYTES = 1 << 20  # streamed delta decoding works in blocks of this siz
 _CHECKSUM = re.compile(r"^[0-9a-f]{8}$")
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 DELTA_METADATA_KEYS = frozenset(
-    {"version", "base_version", "delta_encoding", "compression_format", "checksum_format", "total_size"}
+    {
+        "version",
+        "base_version",
+        "delta_encoding",
+        "compression_format",
+        "checksum_format",
+        "total_size",
+        "format_version",
+    }
 )
 
 # Byte width per element of every dtype Ferry loads: fixed-width ones, each with a torch dtype (`TORCH_DTYPES`). A
@@ -451,8 +464,18 @@ def _check_delta_metadata_shape(metadata: Mapping[str, Any]) -> None:
     for key in ("version", "base_version"):
         if not isinstance(metadata.get(key), str) or not metadata[key]:
             raise InvalidIndex(f"delta metadata.{key} is missing or empty")
-    if metadata["delta_encoding"] != DELTA_ENCODING:
-        raise InvalidIndex(f"delta metadata.delta_encoding {metadata['delta_encoding']!r} is not {DELTA_ENCODING!r}")
+    encoding, version = metadata["delta_encoding"], metadata.get("format_version", 1)
+    if not _is_int(version) or version < 1:
+        raise InvalidIndex(f"delta metadata.format_version {version!r} is not a positive integer")
+    if version > FORMAT_VERSION:
+        raise InvalidIndex(
+            f"delta metadata.format_version {version} is newer than this reader's {FORMAT_VERSION}; upgrade Ferry"
+        )
+    want = DELTA_ENCODING if version == 1 else SPARSE_DELTA_ENCODING
+    if encoding != want:
+        raise InvalidIndex(
+            f"delta metadata.delta_encoding {encoding!r} is not {want!r} (the encoding of format_version {version})"
+        )
     if metadata.get("compression_format") not in COMPRESSION_FORMATS:
         raise InvalidIndex(
             f"delta metadata.compression_format {metadata.get('compression_format')!r} "
@@ -539,10 +562,17 @@ def build_full_checkpoint(tensors: dict[str, np.ndarray], shard_bytes: int) -> d
 
 
 def build_xor_delta(
-    base: dict[str, np.ndarray], new: dict[str, np.ndarray], version: str, base_version: str
+    base: dict[str, np.ndarray],
+    new: dict[str, np.ndarray],
+    version: str,
+    base_version: str,
+    *,
+    sparse: bool = False,
 ) -> dict[str, bytes]:
-    """{file name: bytes} for the XOR delta turning `base` into `new`: one shard with the changed tensors
-    (none if nothing changed) plus the index. Both need the same tensors with the same dtype and shape."""
+    """{file name: bytes} for the delta turning `base` into `new`: one shard with the changed tensors (none if
+    nothing changed) plus the index. Both need the same tensors with the same dtype and shape. Each changed tensor
+    is an XOR frame, or with `sparse` a sparse patch where that is smaller (format version 2, `SparsePatch`); a
+    delta without a patch stays format version 1, which ModelExpress reads."""
     if not version or not base_version or version == base_version:
         raise ValueError(f"version {version!r} and base_version {base_version!r} must be distinct and non-empty")
     _check_names(new)
@@ -554,6 +584,7 @@ def build_xor_delta(
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)  # writes the content size, which readers check
     frames: dict[str, np.ndarray] = {}
     checksums: dict[str, str] = {}
+    patched = False
     for name, new_array in new.items():
         old_array = base[name]
         if old_array.dtype != new_array.dtype or old_array.shape != new_array.shape:
@@ -564,7 +595,10 @@ def build_xor_delta(
         old_raw, new_raw = _raw(old_array), _raw(new_array)
         if np.array_equal(old_raw, new_raw):
             continue
+        patch = encode_sparse_patch(old_raw, new_raw, new_array.dtype.itemsize) if sparse else None
         frame = compressor.compress(np.bitwise_xor(old_raw, new_raw))
+        if patch is not None and len(patch) < len(frame):
+            frame, patched = patch, True
         frames[name] = np.frombuffer(frame, dtype=np.uint8)
         checksums[name] = adler32_hex(new_raw)
     files: dict[str, bytes] = {}
@@ -573,16 +607,141 @@ def build_xor_delta(
         shard = delta_shard_name(0, 1)
         files[shard] = canonical_shard(save(frames, metadata=checksums))
         weight_map = dict.fromkeys(frames, shard)
-    metadata = {
+    metadata: dict[str, Any] = {
         "version": version,
         "base_version": base_version,
-        "delta_encoding": DELTA_ENCODING,
+        "delta_encoding": SPARSE_DELTA_ENCODING if patched else DELTA_ENCODING,
         "compression_format": "zstd",
         "checksum_format": CHECKSUM_FORMAT,
         "total_size": sum(f.nbytes for f in frames.values()),
     }
+    if patched:
+        metadata["format_version"] = FORMAT_VERSION
     files[INDEX_NAME] = _index_bytes(metadata, weight_map)
     return files
+
+
+# ---------------------------------------------------------------- sparse patches (format version 2)
+
+# A sparse patch is a zstd skippable frame (magic 0x184D2A5F) of `SPARSE_HEADER`, then one zstd frame (level 1,
+# content size in its header) of the changed elements' positions and new values, each byte-shuffled
+# (docs/checkpoint-format.md). A zstd frame starts with 0xFD2FB528, so the first 4 bytes tell the two apart.
+SPARSE_MAGIC = struct.pack("<I", 0x184D2A5F)
+SPARSE_HEADER = struct.Struct("<4sI4sBBBBQ")  # magic, 16, b"FSPR", version 1, index width, value width, 0, count
+SPARSE_TAG = b"FSPR"
+_SPARSE_VERSION = 1
+
+
+def is_sparse_patch(frame: bytes | memoryview | np.ndarray) -> bool:
+    return bytes(memoryview(frame)[:4]) == SPARSE_MAGIC
+
+
+def _shuffle(array: np.ndarray, width: int) -> np.ndarray:
+    """Byte planes: every element's first byte, then every second byte, ...: gaps and values compress far better."""
+    return np.ascontiguousarray(array.view(np.uint8).reshape(-1, width).T).reshape(-1)
+
+
+def _unshuffle(planes: np.ndarray, width: int, dtype: np.dtype) -> np.ndarray:
+    return np.ascontiguousarray(planes.reshape(width, -1).T).reshape(-1).view(dtype)
+
+
+def encode_sparse_patch(old_raw: np.ndarray, new_raw: np.ndarray, width: int) -> bytes | None:
+    """The sparse patch turning `old_raw` into `new_raw` (flat uint8, equal size) element by element (`width`
+    bytes each), or None when its uncompressed payload would not be smaller than the tensor."""
+    if width not in (1, 2, 4, 8) or old_raw.size % width:
+        width = 1
+    element = np.dtype(f"<u{width}")
+    old, new = old_raw.view(element), new_raw.view(element)
+    changed = np.flatnonzero(old != new)
+    index_width = 4 if old.size <= 1 << 32 else 8
+    if changed.size * (index_width + width) >= old_raw.size:
+        return None
+    gaps = np.diff(changed, prepend=0).astype(f"<u{index_width}")  # the first is the first index itself
+    payload = np.concatenate([_shuffle(gaps, index_width), _shuffle(new[changed], width)])
+    header = SPARSE_HEADER.pack(SPARSE_MAGIC, 16, SPARSE_TAG, _SPARSE_VERSION, index_width, width, 0, changed.size)
+    return header + zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(payload)
+
+
+@dataclass(frozen=True)
+class SparsePatch:
+    """A decoded, checked sparse patch: `indices` (int64, ascending, distinct, in range) of `width`-byte elements
+    and their new `values` (unsigned integers of that width)."""
+
+    indices: np.ndarray
+    values: np.ndarray
+    width: int
+
+
+def decode_sparse_patch(frame: bytes | memoryview | np.ndarray, nbytes: int) -> SparsePatch:
+    """The patch of a tensor of `nbytes` bytes; ValueError saying why unless every rule of the format holds."""
+    view = memoryview(frame).cast("B")
+    if len(view) < SPARSE_HEADER.size:
+        raise ValueError(f"sparse patch of {len(view)} bytes is shorter than its {SPARSE_HEADER.size}-byte header")
+    magic, size, tag, version, index_width, width, reserved, count = SPARSE_HEADER.unpack(view[: SPARSE_HEADER.size])
+    if magic != SPARSE_MAGIC or size != 16 or tag != SPARSE_TAG or reserved != 0:
+        raise ValueError("sparse patch header is malformed")
+    if version != _SPARSE_VERSION:
+        raise ValueError(f"sparse patch version {version} is not {_SPARSE_VERSION}")
+    if index_width not in (4, 8) or width not in (1, 2, 4, 8) or nbytes % width:
+        raise ValueError(f"sparse patch of {index_width}-byte indices and {width}-byte values for {nbytes} bytes")
+    numel = nbytes // width
+    if count > numel:
+        raise ValueError(f"sparse patch changes {count} elements of a tensor of {numel}")
+    body = view[SPARSE_HEADER.size :]
+    expected = count * (index_width + width)
+    try:
+        declared = zstandard.frame_content_size(body)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"sparse patch has no readable zstd frame: {exc}") from exc
+    if declared != expected:
+        raise ValueError(f"sparse patch declares {declared} bytes of payload, {count} elements need {expected}")
+    decoder = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        payload = decoder.decompress(body)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"sparse patch does not decode: {exc}") from exc
+    if len(payload) != expected or decoder.unused_data:
+        raise ValueError(
+            f"sparse patch decodes to {len(payload)} bytes (+{len(decoder.unused_data)} trailing), want {expected}"
+        )
+    planes = np.frombuffer(payload, dtype=np.uint8)
+    gaps = _unshuffle(planes[: count * index_width], index_width, np.dtype(f"<u{index_width}"))
+    if count > 1 and not gaps[1:].all():
+        raise ValueError("sparse patch names an element twice (its positions must ascend)")
+    indices = np.cumsum(gaps, dtype=np.uint64)
+    if count and indices[-1] >= numel:  # the gaps ascend, so no sum wrapped past the last one
+        raise ValueError(f"sparse patch changes element {int(indices[-1])} of a tensor of {numel}")
+    values = _unshuffle(planes[count * index_width :], width, np.dtype(f"<u{width}"))
+    return SparsePatch(indices.astype(np.int64), values, width)
+
+
+def apply_delta(base: np.ndarray, frame: bytes | memoryview | np.ndarray, checksum: str) -> np.ndarray:
+    """Reference decoder of either kind of delta frame (an XOR frame, a sparse patch): the new tensor from its
+    base; checks exact size and adler32."""
+    if not is_sparse_patch(frame):
+        return apply_xor_delta(base, frame, checksum)
+    result = _raw(base).copy()
+    got = apply_delta_into(result, frame)
+    if got != checksum:
+        raise ValueError(f"adler32 after applying the delta is {got}, expected {checksum}")
+    return result.view(base.dtype).reshape(base.shape)
+
+
+def apply_delta_into(target: np.ndarray, frame: bytes | memoryview | np.ndarray, base: np.ndarray | None = None) -> str:
+    """`apply_xor_delta_into` for either kind of delta frame: a sparse patch copies `base` (when given) into
+    `target`, then writes the changed elements. Returns the adler32 of the result; on error `target` may be
+    partly changed."""
+    if not is_sparse_patch(frame):
+        return apply_xor_delta_into(target, frame, base)
+    if target.dtype != np.uint8 or target.ndim != 1 or not target.flags.writeable:
+        raise ValueError("the target must be a writable 1-D uint8 array")
+    patch = decode_sparse_patch(frame, target.nbytes)
+    if base is not None:
+        if base.dtype != np.uint8 or base.shape != target.shape:
+            raise ValueError(f"the base must be {target.nbytes} bytes of uint8, like the target")
+        np.copyto(target, base)
+    target.view(patch.values.dtype)[patch.indices] = patch.values
+    return adler32_hex(target)
 
 
 def apply_xor_delta(base: np.ndarray, frame: bytes | memoryview | np.ndarray, checksum: str) -> np.ndarray:

@@ -95,7 +95,7 @@ def replay_base(client: Any, version: str, locate: Callable[[str], str]) -> Weig
                 if name not in weights.arrays:
                     raise InvalidPublish(f"{uri} changes tensor {name!r}, which its base does not have")
                 try:
-                    weights.arrays[name] = ckpt.apply_xor_delta(weights.arrays[name], frame, checksums.get(name, ""))
+                    weights.arrays[name] = ckpt.apply_delta(weights.arrays[name], frame, checksums.get(name, ""))
                 except ValueError as exc:
                     raise InvalidPublish(f"{uri}: tensor {name!r}: {exc}") from exc
     return weights

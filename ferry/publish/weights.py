@@ -137,6 +137,8 @@ def build_files(
     else:
         base_version, base_weights = base
         check_same_layout(base_weights, weights, base_version)
-        files = ckpt.build_xor_delta(base_weights.arrays, weights.arrays, version=version, base_version=base_version)
+        files = ckpt.build_xor_delta(
+            base_weights.arrays, weights.arrays, version=version, base_version=base_version, sparse=True
+        )
         dtypes = None  # delta shards hold uint8 frames; the layout check above compared the real dtypes
     return {n: d if n == ckpt.INDEX_NAME else ckpt.canonical_shard(d, dtypes) for n, d in files.items()}

@@ -57,12 +57,29 @@ def evolve(base: Weights, seed: int, names: list[str], *, scramble: bool = False
     return new
 
 
+def sprinkle(base: Weights, seed: int, fraction: float) -> Weights:
+    """A new version as an RL step makes it: `fraction` of every tensor's elements, scattered, get new values."""
+    rng = np.random.default_rng(seed)
+    new = {name: array.copy() for name, array in base.items()}
+    for array in new.values():
+        flat = array.reshape(-1)
+        if flat.size == 0:
+            continue
+        at = rng.choice(flat.size, max(1, int(flat.size * fraction)), replace=False)
+        elements = flat.view(np.uint8).reshape(flat.size, -1)
+        if array.dtype == np.bool_:
+            elements[at] ^= np.uint8(1)
+        else:  # every byte of the element differs, by a random amount
+            elements[at] ^= rng.integers(1, 256, elements[at].shape, dtype=np.uint8)
+    return new
+
+
 def full(tensors: Weights) -> dict[str, bytes]:
     return ckpt.build_full_checkpoint(tensors, SHARD_BYTES)
 
 
-def delta(base: Weights, new: Weights, version: str, base_version: str) -> dict[str, bytes]:
-    return ckpt.build_xor_delta(base, new, version=version, base_version=base_version)
+def delta(base: Weights, new: Weights, version: str, base_version: str, *, sparse: bool = False) -> dict[str, bytes]:
+    return ckpt.build_xor_delta(base, new, version=version, base_version=base_version, sparse=sparse)
 
 
 def wv(

@@ -487,3 +487,136 @@ def test_a_refusal_reads_as_one_sentence_about_its_shard() -> None:
     shard = shard_of({"a": entry(0, 8)})
     short = refusal(shard, {"a"}, size=len(shard) - 1)
     assert short.describe("x.safetensors").startswith(f"shard x.safetensors is {len(shard) - 1} bytes but its header")
+
+
+# ---------------------------------------------------------------- sparse patches (format version 2)
+
+
+def sprinkled(base: dict[str, np.ndarray], fraction: float, seed: int = 5) -> dict[str, np.ndarray]:
+    from tests.support.s3 import sprinkle
+
+    return sprinkle(base, seed, fraction)
+
+
+def big_tensors() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {
+        "w.bf16": rng.integers(0, 1 << 16, 50_000, dtype=np.uint16).reshape(250, 200),  # a BF16 carrier
+        "w.f32": rng.standard_normal((100, 300)).astype(np.float32),
+        "w.i8": rng.integers(-128, 128, 40_000, dtype=np.int8),
+    }
+
+
+def test_sparse_delta_round_trip_is_chosen_per_tensor_and_declares_format_version_2() -> None:
+    base = big_tensors()
+    new = sprinkled(base, 0.02)
+    new["w.f32"] = (base["w.f32"] + 1).astype(np.float32)  # every element: the XOR frame is the smaller one
+    files = ckpt.build_xor_delta(base, new, "v2", "v1", sparse=True)
+    index, frames, sums = load_all(files)
+    assert index["metadata"]["delta_encoding"] == "xor+sparse" and index["metadata"]["format_version"] == 2
+    kinds = {name: ckpt.is_sparse_patch(frame) for name, frame in frames.items()}
+    assert kinds == {"w.bf16": True, "w.f32": False, "w.i8": True}
+    for name, frame in frames.items():
+        np.testing.assert_array_equal(ckpt.apply_delta(base[name], frame, sums[name]), new[name])
+        # each stored frame is the smaller of the two encodings
+        xor = zstandard.ZstdCompressor(level=1).compress(
+            np.bitwise_xor(base[name].view(np.uint8), new[name].view(np.uint8)).tobytes()
+        )
+        patch = ckpt.encode_sparse_patch(
+            base[name].view(np.uint8).reshape(-1), new[name].view(np.uint8).reshape(-1), base[name].itemsize
+        )
+        assert frame.nbytes == min(len(xor), len(patch) if patch is not None else len(xor) + 1)
+    ckpt.parse_index(files[ckpt.INDEX_NAME])
+    # the streamed form, from a base into a separate target and in place
+    for name, frame in frames.items():
+        flat = base[name].reshape(-1).view(np.uint8)
+        target = np.zeros_like(flat)
+        assert ckpt.apply_delta_into(target, frame, flat) == sums[name]
+        assert target.tobytes() == new[name].tobytes()
+        inplace = flat.copy()
+        assert ckpt.apply_delta_into(inplace, frame) == sums[name] and inplace.tobytes() == new[name].tobytes()
+
+
+def test_a_sparse_patch_is_much_smaller_than_the_changed_elements_raw_and_xor_only_stays_version_1() -> None:
+    base = big_tensors()
+    new = sprinkled(base, 0.02)
+    patch = ckpt.encode_sparse_patch(
+        base["w.bf16"].view(np.uint8).reshape(-1), new["w.bf16"].view(np.uint8).reshape(-1), 2
+    )
+    assert patch is not None and ckpt.decode_sparse_patch(patch, base["w.bf16"].nbytes).indices.size == 1000
+    assert len(patch) < 1000 * (4 + 2) * 1.2  # at most 1.2x the minimal index + value bytes
+    xor_only = json.loads(ckpt.build_xor_delta(base, new, "v2", "v1")[ckpt.INDEX_NAME])
+    assert xor_only["metadata"]["delta_encoding"] == "xor" and "format_version" not in xor_only["metadata"]
+    # nothing sparse to gain: version 1 even when allowed
+    dense = {n: (a + 1).astype(a.dtype) for n, a in base.items()}
+    assert (
+        "format_version"
+        not in json.loads(ckpt.build_xor_delta(base, dense, "v2", "v1", sparse=True)[ckpt.INDEX_NAME])["metadata"]
+    )
+
+
+def test_readers_refuse_a_format_version_they_do_not_know_or_a_mislabelled_encoding() -> None:
+    ckpt.parse_index(json.dumps(delta_index(delta_encoding="xor+sparse", format_version=2)))
+    ckpt.parse_index(json.dumps(delta_index(format_version=1)))
+    with pytest.raises(ckpt.InvalidIndex, match="format_version 3 is newer than this reader's 2"):
+        ckpt.parse_index(json.dumps(delta_index(delta_encoding="xor+sparse", format_version=3)))
+    with pytest.raises(ckpt.InvalidIndex, match="'xor\\+sparse' is not 'xor'"):
+        ckpt.parse_index(json.dumps(delta_index(delta_encoding="xor+sparse")))  # a version-1 index cannot hold patches
+    with pytest.raises(ckpt.InvalidIndex, match="'xor' is not 'xor\\+sparse'"):
+        ckpt.parse_index(json.dumps(delta_index(format_version=2)))
+    with pytest.raises(ckpt.InvalidIndex, match="format_version"):
+        ckpt.parse_index(json.dumps(delta_index(delta_encoding="xor+sparse", format_version="2")))
+
+
+def _patch() -> tuple[np.ndarray, bytes, str]:
+    base = big_tensors()["w.bf16"]
+    new = sprinkled({"t": base}, 0.02)["t"]
+    patch = ckpt.encode_sparse_patch(base.view(np.uint8).reshape(-1), new.view(np.uint8).reshape(-1), 2)
+    assert patch is not None
+    return base, patch, ckpt.adler32_hex(new.tobytes())
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "match"),
+    [
+        (lambda b: b[:10], "shorter than its"),
+        (lambda b: b[:8] + b"XXXX" + b[12:], "header is malformed"),
+        (lambda b: b[:12] + b"\x02" + b[13:], "patch version 2"),
+        (lambda b: b[:14] + b"\x03" + b[15:], "3-byte values"),
+        (lambda b: b[:16] + struct.pack("<Q", 10**9) + b[24:], "changes 1000000000 elements"),
+        (lambda b: b[:16] + struct.pack("<Q", 999) + b[24:], "declares 6000 bytes of payload, 999 elements need 5994"),
+        (lambda b: b[:-3], "does not decode|decodes to"),
+        (lambda b: b + b"\x00", "trailing|does not decode"),
+    ],
+)
+def test_a_corrupt_sparse_patch_is_refused(corrupt, match: str) -> None:
+    base, patch, checksum = _patch()
+    with pytest.raises(ValueError, match=match):
+        ckpt.apply_delta(base, corrupt(patch), checksum)
+
+
+def test_a_sparse_patch_with_a_flipped_value_fails_the_checksum_of_the_result() -> None:
+    base, patch, checksum = _patch()
+    body = ckpt.decode_sparse_patch(patch, base.nbytes)
+    values = body.values.copy()
+    values[7] ^= 1
+    forged = ckpt.SPARSE_HEADER.pack(
+        ckpt.SPARSE_MAGIC, 16, ckpt.SPARSE_TAG, 1, 4, 2, 0, values.size
+    ) + zstandard.ZstdCompressor().compress(
+        np.concatenate(
+            [ckpt._shuffle(np.diff(body.indices, prepend=0).astype("<u4"), 4), ckpt._shuffle(values, 2)]
+        ).tobytes()
+    )
+    with pytest.raises(ValueError, match="adler32 after applying the delta"):
+        ckpt.apply_delta(base, forged, checksum)
+    repeated = body.indices.copy()
+    repeated[5] = repeated[4]
+    forged = ckpt.SPARSE_HEADER.pack(
+        ckpt.SPARSE_MAGIC, 16, ckpt.SPARSE_TAG, 1, 4, 2, 0, values.size
+    ) + zstandard.ZstdCompressor().compress(
+        np.concatenate(
+            [ckpt._shuffle(np.diff(repeated, prepend=0).astype("<u4"), 4), ckpt._shuffle(body.values, 2)]
+        ).tobytes()
+    )
+    with pytest.raises(ValueError, match="names an element twice"):
+        ckpt.apply_delta(base, forged, checksum)

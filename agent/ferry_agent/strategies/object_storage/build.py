@@ -57,7 +57,7 @@ def mismatch(got: str, expected: str, *, after_delta: bool = False) -> str | Non
 def _apply_step(host: np.ndarray, step: _Step) -> str | None:
     frame = np.frombuffer(step.source, dtype=np.uint8, count=step.end - step.begin, offset=step.begin)
     try:
-        got = ckpt.apply_xor_delta_into(host, frame)
+        got = ckpt.apply_delta_into(host, frame)
     except ValueError as exc:
         return str(exc)
     return mismatch(got, step.checksum, after_delta=True)

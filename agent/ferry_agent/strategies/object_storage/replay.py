@@ -1,8 +1,8 @@
 """A delta replay, streamed: the deltas the store lacks are fetched with parallel ranged GETs into memory, and each
 tensor is built as soon as the last of its frames lands, in the thread that fetched it: its base bytes (from the
 base version's sealed host memory when the replica still holds that very version, else from the store), XOR each
-decoded frame, straight into the new version's memory, its adler32 checked after every delta
-(`ckpt.apply_xor_delta_into` checksums each block as it writes it). A one-rank replica builds every tensor into its
+decoded frame (or write a sparse patch's elements), straight into the new version's memory, its adler32 checked
+after every delta (`ckpt.apply_delta_into`). A one-rank replica builds every tensor into its
 new pool; a multi-rank leader builds its own share there and every other rank's into that rank's landing
 (`ranks.landing`), which the other ranks map. The store entries (the fetched deltas, and materialized/<target>: a
 one-rank replay writes it only every few versions over a stored base) are written behind the load
@@ -114,7 +114,7 @@ def _build(
             failure = Failure(name, error, -1)
     for i, step in enumerate(steps):
         try:
-            got = ckpt.apply_xor_delta_into(target, step.frame(), base.arrays[name] if i == 0 else None)
+            got = ckpt.apply_delta_into(target, step.frame(), base.arrays[name] if i == 0 else None)
             error = mismatch(got, step.checksum, after_delta=True)
         except ValueError as exc:
             error = str(exc)
