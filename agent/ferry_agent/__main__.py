@@ -46,7 +46,14 @@ def main(argv: list[str] | None = None) -> None:
     store.recover()  # a crash mid-load leaves tmp files and an UPDATING state: repair before serving anything
     host = HostStore(config.host_memory_budget)
     attach = (
-        AttachService(api, config.node, Path(config.socket_dir), agent_name=config.node, store=host)
+        AttachService(
+            api,
+            config.node,
+            Path(config.socket_dir),
+            agent_name=config.node,
+            store=host,
+            max_connections_per_pod=config.attach_connections_per_pod,
+        )
         if config.socket_dir
         else None
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ferry import ambient
 from ferry_agent.attach.memstore import parse_bytes
+from ferry_agent.attach.server import DEFAULT_ATTACH_CONNECTIONS_PER_POD
 from ferry_agent.kube.registry import DEFAULT_LEASE_SECONDS
 from ferry_agent.logs import LogFormat
 from ferry_agent.ranks import DEFAULT_MAX_RANK_PROCESSES
@@ -37,6 +38,7 @@ class AgentConfig:
     warm_ranks: int  # rank processes kept started and idle even when no replica of this node has several ranks
     max_rank_processes: int  # most rank processes running at once, lent and idle; a replica beyond it is refused
     socket_dir: str  # attach sockets under DIR/pods/<pod-uid>/; "" = no attach
+    attach_connections_per_pod: int  # open attach connections one pod may hold at once
     host_memory_budget: int | None  # bytes the resident versions may take; None = unlimited
     log_format: LogFormat
     # Who this agent is as a reader (its worker tokens are bound to this Pod) and whom its worker services admit.
@@ -71,6 +73,7 @@ class AgentConfig:
             warm_ranks=args.warm_ranks,
             max_rank_processes=args.max_rank_processes,
             socket_dir=args.socket_dir,
+            attach_connections_per_pod=args.attach_connections_per_pod,
             host_memory_budget=args.host_memory_budget,
             log_format=LogFormat(args.log_format),
             pod_namespace=args.pod_namespace,
@@ -181,6 +184,14 @@ def argument_parser() -> argparse.ArgumentParser:
         default=os.environ.get("FERRY_AGENT_SOCKET_DIR", "/run/ferry"),
         help="serve attach sockets at DIR/pods/<pod-uid>/ferry.sock to this node's pods "
         "(env FERRY_AGENT_SOCKET_DIR; empty = off)",
+    )
+    parser.add_argument(
+        "--attach-connections-per-pod",
+        type=_positive,
+        default=os.environ.get("FERRY_AGENT_ATTACH_CONNECTIONS_PER_POD", str(DEFAULT_ATTACH_CONNECTIONS_PER_POD)),
+        help="most attach connections one pod may hold open at once (env FERRY_AGENT_ATTACH_CONNECTIONS_PER_POD); "
+        "an engine holds one per worker process plus its refit and sidecar connections (TP 8 + refit + sidecar: 10 "
+        "to 17), a connection beyond the cap is refused",
     )
     parser.add_argument(
         "--host-memory-budget",

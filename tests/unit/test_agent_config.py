@@ -89,3 +89,14 @@ def test_a_library_handler_is_routed_through_ours():
         logging.basicConfig(force=True)
     assert own.getvalue() == ""
     assert json.loads(out.getvalue())["message"] == "instantiated"
+
+
+def test_the_attach_connection_cap_comes_from_the_flag_or_the_environment(monkeypatch, capsys):
+    monkeypatch.delenv("FERRY_AGENT_ATTACH_CONNECTIONS_PER_POD", raising=False)
+    assert AgentConfig.from_args(["--node", "n"]).attach_connections_per_pod == 64
+    monkeypatch.setenv("FERRY_AGENT_ATTACH_CONNECTIONS_PER_POD", "24")
+    assert AgentConfig.from_args(["--node", "n"]).attach_connections_per_pod == 24
+    assert AgentConfig.from_args(["--node", "n", "--attach-connections-per-pod", "9"]).attach_connections_per_pod == 9
+    with pytest.raises(SystemExit):
+        AgentConfig.from_args(["--node", "n", "--attach-connections-per-pod", "0"])
+    assert "'0' is not a positive integer" in capsys.readouterr().err

@@ -416,3 +416,20 @@ def test_an_announcement_is_of_the_pods_own_namespace_and_bounded(server):
     assert [e["version"] for e in server.attachments()[("ns", "ml-node")]] == ["v0", "v1"]
     sock.close()
     eventually(lambda: server.attachments() == {})
+
+
+def test_the_default_cap_fits_a_tensor_parallel_engine_with_refit_and_sidecar():
+    """TP 8 (a connection per worker), their 8 refit connections and the sidecar's: 17 at once, on the defaults."""
+    root = Path(tempfile.mkdtemp(prefix="ferry-t-", dir="/tmp"))
+    srv = AttachServer(root)
+    srv.start()
+    try:
+        pod = add_pod(srv)
+        offer(srv)
+        held = [attach("ml", socket_dir=pod, timeout=5) for _ in range(17)]
+        assert attached(srv) == 17
+        for w in held:
+            w.close()
+    finally:
+        srv.stop()
+        shutil.rmtree(root, ignore_errors=True)

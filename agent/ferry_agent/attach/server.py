@@ -51,6 +51,10 @@ _POD_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f
 # sun_path holds 108 bytes including the terminator.
 _MAX_SOCKET_PATH = 107
 
+# An engine pod holds one connection per worker process (TP 8: 8), its refit's and its sidecar's, and a few more
+# while a worker restarts: 64 leaves room and still bounds what one pod can make the agent hold open.
+DEFAULT_ATTACH_CONNECTIONS_PER_POD = 64
+
 _DIR_MODE = 0o2775  # setgid, group rwx: see AttachServer.start
 
 
@@ -119,7 +123,7 @@ class AttachServer:
         socket_dir: Path,
         *,
         agent_name: str = "",
-        max_connections_per_pod: int = 16,
+        max_connections_per_pod: int = DEFAULT_ATTACH_CONNECTIONS_PER_POD,
         max_leases_per_connection: int = 64,
     ) -> None:
         self.socket_dir = socket_dir
