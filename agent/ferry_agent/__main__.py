@@ -12,6 +12,7 @@ from ferry.api.models import worker_audience
 from ferry.kube import kube_client
 from ferry_agent import logs, metrics
 from ferry_agent.attach.memstore import HostStore
+from ferry_agent.attach.publish import TrainerPublishing
 from ferry_agent.attach.service import AttachService
 from ferry_agent.config import AgentConfig
 from ferry_agent.kube.apiretry import bound_requests
@@ -46,7 +47,14 @@ def main(argv: list[str] | None = None) -> None:
     store.recover()  # a crash mid-load leaves tmp files and an UPDATING state: repair before serving anything
     host = HostStore(config.host_memory_budget)
     attach = (
-        AttachService(api, config.node, Path(config.socket_dir), agent_name=config.node, store=host)
+        AttachService(
+            api,
+            config.node,
+            Path(config.socket_dir),
+            agent_name=config.node,
+            store=host,
+            publishing=TrainerPublishing(api, host, ambient=config.ambient, s3_endpoint=config.s3_endpoint),
+        )
         if config.socket_dir
         else None
     )
