@@ -12,6 +12,7 @@ from ferry.api.models import worker_audience
 from ferry.kube import kube_client
 from ferry_agent import logs, metrics
 from ferry_agent.attach.memstore import HostStore
+from ferry_agent.attach.publish import TrainerPublishing
 from ferry_agent.attach.service import AttachService
 from ferry_agent.config import AgentConfig
 from ferry_agent.kube.apiretry import bound_requests
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
             agent_name=config.node,
             store=host,
             max_connections_per_pod=config.attach_connections_per_pod,
+            publishing=TrainerPublishing(api, host, ambient=config.ambient, s3_endpoint=config.s3_endpoint),
         )
         if config.socket_dir
         else None

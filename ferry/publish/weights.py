@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -77,11 +78,19 @@ def _read_torch(path: Path, into: Weights) -> None:
     for name, tensor in state.items():
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise InvalidPublish(f"{path}: entry {name!r} is not a tensor")
+    add_tensors(state, str(path), into)
+
+
+def add_tensors(tensors: Mapping[str, Any], where: str, into: Weights) -> None:
+    """Add CPU torch tensors (views where they are contiguous: a trainer's sealed chunks are not copied)."""
+    import torch
+
+    for name, tensor in tensors.items():
         dtype = _FROM_TORCH.get(str(tensor.dtype).removeprefix("torch."))
         if dtype is None:
-            raise InvalidPublish(f"{path}: tensor {name!r} has unsupported dtype {tensor.dtype}")
+            raise InvalidPublish(f"{where}: tensor {name!r} has unsupported dtype {tensor.dtype}")
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        into.add(name, dtype, raw.view(_numpy_dtype(dtype, name)).reshape(tuple(tensor.shape)), str(path))
+        into.add(name, dtype, raw.view(_numpy_dtype(dtype, name)).reshape(tuple(tensor.shape)), where)
 
 
 def load_weights(path: Path) -> Weights:

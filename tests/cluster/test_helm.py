@@ -800,12 +800,14 @@ AGENT_ALLOWED = [
     ("watch", "weightversions.ferry.dev"),
     ("get", "secrets/s3-creds"),
     ("create", "tokenreviews.authentication.k8s.io"),
+    ("create", "subjectaccessreviews.authorization.k8s.io"),  # a trainer pod's right to publish
+    ("create", "weightversions.ferry.dev"),  # a trainer pod's publish, after that review (tenant namespaces only)
     ("list", "pods"),
     ("watch", "pods"),  # attach sockets for the node's pods
     *[(verb, "leases.coordination.k8s.io") for verb in ("create", "get", "list", "watch", "update", "patch", "delete")],
 ]
 AGENT_DENIED = [
-    *[(verb, "weightversions.ferry.dev") for verb in ("create", "update", "patch", "delete", "deletecollection")],
+    *[(verb, "weightversions.ferry.dev") for verb in ("update", "patch", "delete", "deletecollection")],
     ("patch", "weightversions.ferry.dev/status"),
     *[(verb, "weightreplicas.ferry.dev") for verb in ("create", "update", "patch", "delete")],
     *[(verb, "modelloads.ferry.dev") for verb in ("get", "list", "create", "update", "patch", "delete")],
@@ -856,6 +858,7 @@ def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
             ("get", "secrets/s3-creds"),
             ("create", "leases.coordination.k8s.io"),
             ("delete", "leases.coordination.k8s.io"),
+            ("create", "weightversions.ferry.dev"),
         ]:
             assert not can_i(cluster, "kube-system", agent_sa, verb, resource), f"agent may {verb} {resource}"
         # The operator's role is broader than the agent's; it too reads Secrets only in tenant namespaces (only the
@@ -937,8 +940,8 @@ def test_agent_rbac_is_least_privilege(cluster, namespace, helm_env, tmp_path):
             "metadata": {"name": "m"},
             "spec": {"modelName": "m", "desiredVersion": "v1", "replicas": 1},
         }
+        # Creating a WeightVersion in a tenant namespace is allowed: a trainer pod's publish (after its own review).
         forbidden = [
-            ("create", "WeightVersion", as_agent("create", "-f", "-", input=json.dumps(wv))),
             ("create", "WeightReplica", as_agent("create", "-f", "-", input=json.dumps(wr))),
             ("create", "ModelLoad", as_agent("create", "-f", "-", input=json.dumps(ml))),
         ]

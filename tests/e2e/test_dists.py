@@ -36,6 +36,7 @@ import hashlib, importlib.util, json, sys
 import torch
 import ferry
 from ferry.client import attach
+import ferry.trainer  # the trainer's publish API ships in the same wheel, torch only
 with attach("serve", timeout=60) as a:
     tensors = a.tensors()
     h = hashlib.sha256()
@@ -103,7 +104,7 @@ def test_the_client_wheel_needs_only_torch_and_ships_the_one_version(wheels):
     packages = {n.split("/")[0] for n in names if not n.startswith("ferry_client-")}
     assert packages == {"ferry", "ferry_vllm"}
     assert {n for n in names if n.startswith("ferry/")} == {"ferry/__init__.py"} | {
-        str(p.relative_to(ROOT)) for p in (ROOT / "ferry" / "client").glob("*.py")
+        str(p.relative_to(ROOT)) for package in ("client", "trainer") for p in (ROOT / "ferry" / package).glob("*.py")
     }
     requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     assert requires == ["torch>=2.4", "vllm>=0.33; extra == 'vllm'"]

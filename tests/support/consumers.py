@@ -16,8 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CONSUMER = ROOT / "tests" / "e2e" / "attach_consumer.py"
 
 
-def engine_pod(cluster, namespace: str, node_name: str, name: str = "engine") -> str:
-    """A Pod object bound to `node_name`; its uid."""
+def engine_pod(
+    cluster, namespace: str, node_name: str, name: str = "engine", service_account: str | None = None
+) -> str:
+    """A Pod object bound to `node_name` (running as `service_account`, default the namespace's default); its uid."""
     body = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -25,6 +27,7 @@ def engine_pod(cluster, namespace: str, node_name: str, name: str = "engine") ->
         "spec": {
             "nodeName": node_name,
             "automountServiceAccountToken": False,
+            **({"serviceAccountName": service_account} if service_account else {}),
             "containers": [{"name": "engine", "image": "engine:test"}],
         },
     }

@@ -21,7 +21,8 @@ def _pod(obj: Any) -> Pod | None:
     """The socket a Pod object calls for, or None when it has finished."""
     if (obj.status and obj.status.phase) in _FINISHED:
         return None
-    return Pod(obj.metadata.uid, obj.metadata.namespace, obj.metadata.name)
+    account = (obj.spec.service_account_name if obj.spec else None) or ""
+    return Pod(obj.metadata.uid, obj.metadata.namespace, obj.metadata.name, account)
 
 
 class PodWatcher:

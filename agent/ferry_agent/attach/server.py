@@ -40,6 +40,8 @@ from prometheus_client import Gauge
 from ferry.api.conditions import now_rfc3339
 from ferry.client import protocol as p
 from ferry_agent.attach.memstore import SealedVersion
+from ferry_agent.attach.publish import OPS as PUBLISH_OPS
+from ferry_agent.attach.publish import TrainerPublishing
 
 log = logging.getLogger("ferry.agent.attach")
 
@@ -63,6 +65,7 @@ class Pod:
     uid: str
     namespace: str
     name: str
+    service_account: str = ""  # spec.serviceAccountName: whom a publish is authorized for (attach/publish.py)
 
 
 @dataclass
@@ -125,8 +128,10 @@ class AttachServer:
         agent_name: str = "",
         max_connections_per_pod: int = DEFAULT_ATTACH_CONNECTIONS_PER_POD,
         max_leases_per_connection: int = 64,
+        publishing: TrainerPublishing | None = None,
     ) -> None:
         self.socket_dir = socket_dir
+        self._publishing = publishing  # the publish ops (None: refused as unknown)
         self.pods_dir = socket_dir / "pods"
         self._agent_name = agent_name
         self._max_connections = max_connections_per_pod
@@ -378,6 +383,7 @@ class AttachServer:
         pod = listener.pod
         leases: dict[str, _Lease] = {}
         announced: dict[str, _Announced] = {}
+        publishes: dict[str, Any] = {}  # this connection's publishes not yet committed
         try:
             while True:
                 try:
@@ -394,6 +400,8 @@ class AttachServer:
                 try:
                     if request.get("op") == "announce":
                         reply, fds = self._announce(pod, request, leases, announced), []
+                    elif request.get("op") in PUBLISH_OPS and self._publishing is not None:
+                        reply, fds = self._publishing.handle(pod, request, publishes)
                     else:
                         reply, fds = self._handle(pod, request, leases)
                 except Exception as exc:  # a bug here must cost this request, not the agent
@@ -403,6 +411,8 @@ class AttachServer:
         except OSError as exc:  # the consumer went away mid-reply
             log.info("pod %s/%s disconnected: %s", pod.namespace, pod.name, exc)
         finally:
+            if self._publishing is not None:
+                self._publishing.disconnected(publishes)
             for lease in leases.values():
                 lease.sealed.unlease()
             if leases:

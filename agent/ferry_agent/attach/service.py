@@ -18,6 +18,7 @@ from kubernetes import client
 
 from ferry_agent.attach.memstore import CHUNK_BYTES, HostStore, SealedVersion, combined, seal_tensors, sealed_of
 from ferry_agent.attach.pods import PodWatcher
+from ferry_agent.attach.publish import TrainerPublishing
 from ferry_agent.attach.server import DEFAULT_ATTACH_CONNECTIONS_PER_POD, AttachServer, Offer
 from ferry_agent.store.resident import ResidentWeights
 
@@ -35,8 +36,11 @@ class AttachService:
         chunk_bytes: int = CHUNK_BYTES,
         store: HostStore | None = None,
         max_connections_per_pod: int = DEFAULT_ATTACH_CONNECTIONS_PER_POD,
+        publishing: TrainerPublishing | None = None,
     ) -> None:
-        self.server = AttachServer(socket_dir, agent_name=agent_name, max_connections_per_pod=max_connections_per_pod)
+        self.server = AttachServer(
+            socket_dir, agent_name=agent_name, max_connections_per_pod=max_connections_per_pod, publishing=publishing
+        )
         self._pods = PodWatcher(api, node, self.server)
         self._chunk_bytes = chunk_bytes
         self._store = store or HostStore()  # the agent's: what a multi-rank offer's combined version is counted in

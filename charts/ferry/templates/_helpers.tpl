@@ -108,6 +108,10 @@ only for the agent's own node).
 - apiGroups: [coordination.k8s.io]
   resources: [leases]
   verbs: [create, get, list, watch, update, patch, delete]
+# A trainer pod's publish, only after a SubjectAccessReview said its own ServiceAccount may create it here.
+- apiGroups: [ferry.dev]
+  resources: [weightversions]
+  verbs: [create]
 {{- end }}
 
 {{/*
