@@ -13,7 +13,7 @@ import time
 import warnings
 import weakref
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -32,6 +32,11 @@ _ANNOUNCE_TIMEOUT_S = 5.0  # the most an announcement waits on the agent's reply
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 # module -> the version uid `load_into` last loaded into it, whole: what `only_changed` may build on.
 _LOADED: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+# A refit writes a tensor whole, not element by element, where more than this share of its elements changed: past
+# about half, the positions (8 bytes each) plus the values cost more than the whole tensor.
+_SPARSE_MAX_SHARE = 0.5
+# Element widths with an integer dtype: the diff compares bit patterns (NaN payloads, -0.0) in these units.
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class AttachError(Exception):
@@ -71,6 +76,117 @@ class LoadResult:
     skipped: list[str] = field(default_factory=list)  # unchanged, with only_changed
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    sparse: list[str] = field(default_factory=list)  # of `loaded`: written element by element (a staged refit)
+    elements_changed: int = 0  # a staged refit: elements written (all of a tensor written whole)
+    bytes_applied: int = 0  # a staged refit: bytes written into the module
+    pause_s: float = 0.0  # a staged refit: how long `apply` took, the engine's pause
+
+
+@dataclass
+class _Step:
+    """One tensor of a staged refit: `values` at the flat positions `index` of `target`, or, `index` None, the
+    whole of `target`. Shape, dtype and address as staged: `apply` writes only into that very tensor."""
+
+    name: str
+    target: torch.Tensor
+    index: torch.Tensor | None
+    values: torch.Tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    data_ptr: int
+
+
+class StagedRefit:
+    """A refit prepared by `Attachment.stage_refit`: what changes, computed while the engine still serves.
+    `apply()` writes it, all or nothing. Keep the attachment open until then; apply at most once."""
+
+    def __init__(
+        self, module: torch.nn.Module, steps: list[_Step], result: LoadResult, held: str | None, uid: str | None
+    ) -> None:
+        self._module = module
+        self._steps = steps
+        self._result = result
+        self._held = held  # the version `_LOADED` said the module held when staged
+        self._uid = uid
+        self._applied = False
+        self.elements = sum(_numel(s.shape) if s.index is None else s.index.numel() for s in steps)
+
+    @property
+    def names(self) -> list[str]:
+        """The tensors `apply` writes."""
+        return [s.name for s in self._steps]
+
+    def apply(self, *, before_tensor: Callable[[str], None] | None = None) -> LoadResult:
+        """The pause: per tensor, keep the old values at the staged positions (the old tensor, for one written
+        whole), then write the new ones in place. When anything fails, every tensor already written is restored,
+        the module still holds the version it held, and `AttachError("RefitFailed")` names the tensor and why.
+        `before_tensor(name)` is called before each tensor is written (a test's way to make one fail)."""
+        if self._applied:
+            raise AttachError("RefitFailed", "this staged refit was applied already")
+        if _LOADED.get(self._module) != self._held:
+            raise AttachError("RefitStale", "the module was loaded again since this refit was staged")
+        self._applied = True
+        targets = dict(self._module.named_parameters(remove_duplicate=False))
+        targets.update(self._module.named_buffers(remove_duplicate=False))
+        done: list[tuple[_Step, torch.Tensor]] = []
+        result = self._result
+        start = time.monotonic()
+        with torch.no_grad():
+            for step in self._steps:
+                try:
+                    if before_tensor is not None:
+                        before_tensor(step.name)
+                    current = targets.get(step.name)
+                    if (
+                        current is not step.target
+                        or tuple(current.shape) != step.shape
+                        or current.dtype != step.dtype
+                        or current.data_ptr() != step.data_ptr
+                    ):
+                        shape = None if current is None else tuple(current.shape)
+                        raise AttachError("Changed", f"not the tensor staged ({step.shape}): now {shape}")
+                    if step.index is None:
+                        old = step.target.clone()
+                        step.target.copy_(step.values)
+                    else:
+                        flat = step.target.view(-1)
+                        old = flat[step.index]  # indexing copies
+                        flat.index_put_((step.index,), step.values)
+                    done.append((step, old))
+                except Exception as exc:
+                    self._restore(done, step.name, exc)
+            _synchronize(s.target for s in self._steps)
+        result.pause_s = time.monotonic() - start
+        for step in self._steps:
+            result.loaded.append(step.name)
+            if step.index is not None:
+                result.sparse.append(step.name)
+        result.loaded.sort()
+        result.sparse.sort()
+        result.elements_changed = self.elements
+        result.bytes_applied = sum(
+            (s.target.numel() if s.index is None else s.index.numel()) * s.dtype.itemsize for s in self._steps
+        )
+        if not result.missing and self._uid is not None:
+            _LOADED[self._module] = self._uid
+        return result
+
+    def _restore(self, done: list[tuple[_Step, torch.Tensor]], name: str, exc: Exception) -> None:
+        try:
+            for step, old in reversed(done):
+                if step.index is None:
+                    step.target.copy_(old)
+                else:
+                    step.target.view(-1).index_put_((step.index,), old)
+            _synchronize(s.target for s, _ in done)
+        except Exception as again:  # nothing left to trust: the module holds no whole version
+            _LOADED.pop(self._module, None)
+            raise AttachError(
+                "RefitFailed", f"tensor {name!r}: {exc}; restoring the tensors written before failed: {again}"
+            ) from exc
+        raise AttachError(
+            "RefitFailed", f"tensor {name!r}: {exc}; the {len(done)} tensors written before it were restored"
+        ) from exc
 
 
 class Attachment:
@@ -158,7 +274,54 @@ class Attachment:
         version and every tensor of the version must be a parameter or buffer of `module`, with equal shapes.
 
         `only_changed` (refit): when `module` holds, from an earlier `load_into`, exactly the version this one was
-        compared with (`base_uid`), copy only the tensors whose bytes differ from it; otherwise copy all."""
+        compared with (`base_uid`), write only the elements whose bits differ from it (`stage_refit` then `apply`:
+        all or nothing); otherwise copy all."""
+        if only_changed and self._holds_base(module):
+            return self.stage_refit(module, strict=strict).apply()
+        targets, source, result = self._check(module, strict)
+        _LOADED.pop(module, None)  # until this load is complete, the module holds no whole version
+        with torch.no_grad():
+            for name in sorted(set(source) & set(targets)):
+                self._populate(self.entries[name])
+                targets[name].copy_(source[name])
+                result.loaded.append(name)
+        if not result.missing and self.version_uid is not None:
+            _LOADED[module] = self.version_uid
+        return result
+
+    def stage_refit(self, module: torch.nn.Module, strict: bool = True) -> StagedRefit:
+        """Prepare a refit of `module` to this version while the engine still serves; `apply()` it in the pause.
+        Checks names and shapes as `load_into` does and casts to the module's dtypes now. When `module` holds the
+        base version (`base_uid`, per its last complete `load_into`), each changed tensor is compared with the
+        module's, bit for bit, and only the differing elements' positions and new values are kept (the whole
+        tensor where more than half differ); otherwise every tensor is staged whole. For a CUDA tensor the new
+        version goes through pinned host memory onto its device and is compared there. Changes nothing in
+        `module`."""
+        targets, source, result = self._check(module, strict)
+        held = _LOADED.get(module)
+        refit = self._holds_base(module)
+        steps: list[_Step] = []
+        with torch.no_grad():
+            for name in sorted(set(source) & set(targets)):
+                if refit and self.entries[name].changed is False:
+                    result.skipped.append(name)
+                    continue
+                self._populate(self.entries[name])
+                try:
+                    steps.append(_stage(name, targets[name], source[name], diff=refit))
+                except (RuntimeError, TypeError) as exc:
+                    cast = f"{source[name].dtype} into {targets[name].dtype}"
+                    raise AttachError("DtypeMismatch", f"tensor {name!r}: {cast}: {exc}") from exc
+        return StagedRefit(module, steps, result, held, self.version_uid)
+
+    def _holds_base(self, module: torch.nn.Module) -> bool:
+        return self.base_uid is not None and _LOADED.get(module) == self.base_uid
+
+    def _check(
+        self, module: torch.nn.Module, strict: bool
+    ) -> tuple[dict[str, torch.Tensor], Mapping[str, torch.Tensor], LoadResult]:
+        """The module's tensors, the version's, and a result naming what is missing and unexpected; raises when
+        shapes differ or, `strict`, when names do."""
         targets = dict(module.named_parameters(remove_duplicate=False))
         targets.update(module.named_buffers(remove_duplicate=False))
         source = self.tensors()
@@ -178,19 +341,7 @@ class Attachment:
             raise AttachError(
                 "Mismatch", f"missing from the version: {result.missing}; not in the module: {result.unexpected}"
             )
-        refit = only_changed and self.base_uid is not None and _LOADED.get(module) == self.base_uid
-        _LOADED.pop(module, None)  # until this load is complete, the module holds no whole version
-        with torch.no_grad():
-            for name in sorted(set(source) & set(targets)):
-                if refit and self.entries[name].changed is False:
-                    result.skipped.append(name)
-                    continue
-                self._populate(self.entries[name])
-                targets[name].copy_(source[name])
-                result.loaded.append(name)
-        if not result.missing and self.version_uid is not None:
-            _LOADED[module] = self.version_uid
-        return result
+        return targets, source, result
 
     def _populate(self, e: TensorEntry) -> None:
         if e.nbytes == 0:
@@ -292,6 +443,60 @@ class _Keeper:
         except (OSError, p.ProtocolError, AttachError):  # not back yet, or not serving this pod yet
             sock.close()
             return None
+
+
+def _stage(name: str, target: torch.Tensor, source: torch.Tensor, diff: bool) -> _Step:
+    """`source` (a CPU view of the mapping) staged for `target`: on `target`'s device, in its dtype; with `diff`,
+    as the flat positions where its bits differ from `target`'s and the values there, when at most about half do."""
+    if target.is_cuda:
+        # Through pinned memory: the host-to-device copy runs at full speed, on a stream beside the engine's.
+        pinned = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        pinned.copy_(source)
+        engine = torch.cuda.current_stream(target.device)
+        stream = torch.cuda.Stream(device=target.device)
+        stream.wait_stream(engine)  # the diff reads `target` after the engine's queued writes into it
+        with torch.cuda.stream(stream):
+            new = pinned.to(target.device, non_blocking=True).to(target.dtype)
+            step = _diff(name, target, new, diff)
+        stream.synchronize()  # before `pinned` goes, and so that `apply` (on the engine's stream) sees the result
+        for staged in (step.index, step.values):
+            if staged is not None:
+                staged.record_stream(engine)  # made on `stream`, used and freed on the engine's
+        return step
+    new = source if source.dtype == target.dtype else source.to(target.dtype)
+    return _diff(name, target, new, diff)
+
+
+def _diff(name: str, target: torch.Tensor, new: torch.Tensor, diff: bool) -> _Step:
+    step = _Step(name, target, None, new, tuple(target.shape), target.dtype, target.data_ptr())
+    itemsize = target.dtype.itemsize
+    width = itemsize if itemsize in _INT_OF_WIDTH else 8 if itemsize % 8 == 0 else 0
+    if not diff or target.numel() == 0 or not target.is_contiguous() or not width:
+        return step
+    try:
+        old_bits = target.view(-1).view(_INT_OF_WIDTH[width]).view(target.numel(), itemsize // width)
+        new_bits = new.contiguous().view(-1).view(_INT_OF_WIDTH[width]).view(target.numel(), itemsize // width)
+    except RuntimeError:  # a dtype without a plain bit view (quantized): written whole
+        return step
+    index = (old_bits != new_bits).any(dim=1).nonzero().view(-1)
+    if index.numel() > _SPARSE_MAX_SHARE * target.numel():
+        return step
+    step.index = index
+    step.values = new.contiguous().view(-1)[index]
+    return step
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _synchronize(tensors: Iterable[torch.Tensor]) -> None:
+    """Wait for the writes into these tensors: a CUDA write is queued, and it is only done when it ran."""
+    for device in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.synchronize(device)
 
 
 def _entries(reply: dict[str, Any], nfds: int) -> dict[str, TensorEntry]:
