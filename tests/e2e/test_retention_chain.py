@@ -91,7 +91,7 @@ def test_retention_keeps_the_newest_their_bases_and_what_a_reader_holds(cluster,
         # keepLast 2 keeps v5 and v6; v6 replays from v4 → v5, v2 is held and replays from v1: only v3 can go.
         policy = {"keepLast": 2, "deleteStorage": True}
         apply(cluster, namespace, ml_body(namespace, "v6", 0, retention=policy))
-        wait_for(lambda: "v3" not in versions(cluster, namespace), 30, "v3 retired and released")
+        wait_for(lambda: "v3" not in versions(cluster, namespace), 90, "v3 retired and released")
         left = versions(cluster, namespace)
         assert sorted(left) == ["v1", "v2", "v4", "v5", "v6"]
         assert not any(wv["metadata"].get("deletionTimestamp") for wv in left.values())
@@ -102,10 +102,10 @@ def test_retention_keeps_the_newest_their_bases_and_what_a_reader_holds(cluster,
 
         # The reader lets go: v2, and then nothing needs v1 either.
         cluster.kubectl("delete", "wr", "reader", "-n", namespace)
-        wait_for(lambda: sorted(versions(cluster, namespace)) == ["v4", "v5", "v6"], 30, "v1 and v2 retired")
+        wait_for(lambda: sorted(versions(cluster, namespace)) == ["v4", "v5", "v6"], 90, "v1 and v2 retired")
         retired = events(cluster, namespace, "serve", "VersionRetired")
         assert [m.split(":")[0] for m in retired] == [f"deleted WeightVersion {v}" for v in ("v1", "v2", "v3")]
-        wait_for(lambda: sorted(stored(s3, namespace)) == ["v4", "v5", "v6"], 30, "v1 and v2 objects deleted")
+        wait_for(lambda: sorted(stored(s3, namespace)) == ["v4", "v5", "v6"], 90, "v1 and v2 objects deleted")
         assert stored(s3, namespace) == {k: published[k] for k in ("v4", "v5", "v6")}
         for name in ("v4", "v5", "v6"):
             assert get(cluster, namespace, "wv", name)["status"]["phase"] == "Ready"
@@ -129,7 +129,7 @@ def test_objects_stay_without_the_namespaces_own_credentials(cluster, s3, namesp
         cluster.kubectl(
             "patch", "ml", "serve", "-n", namespace, "--type=merge", "-p", '{"spec":{"retention":{"keepLast":1}}}'
         )
-        wait_for(lambda: sorted(versions(cluster, namespace)) == ["v3"], 30, "v1 and v2 retired")
+        wait_for(lambda: sorted(versions(cluster, namespace)) == ["v3"], 90, "v1 and v2 retired")
         for name in ("v1", "v2"):
             why = wait_for(lambda n=name: events(cluster, namespace, n, "StorageNotDeleted"), 10, f"{name} warned")
             assert "credentialsSecret" in why[0], why
