@@ -32,6 +32,13 @@ HTTP_ENDPOINT = r"^https?://[^\s/]+(:[0-9]+)?/?$"
 CONDITION_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 
 ObjectName = Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
+
+
+def is_object_name(name: Any) -> bool:
+    """Whether `name` is what `ObjectName` admits (a lowercase DNS subdomain of at most 253 characters)."""
+    return isinstance(name, str) and len(name) <= 253 and re.fullmatch(DNS_SUBDOMAIN, name) is not None
+
+
 # Label keys and values as Kubernetes validates them: [prefix/]name, prefix a DNS subdomain of at most 253
 # characters, name and value at most 63 alphanumerics with -_. inside (a value may be empty).
 LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"

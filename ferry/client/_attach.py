@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import mmap
 import os
 import select
@@ -109,7 +110,7 @@ class StagedRefit:
         self._held = held  # the version `_LOADED` said the module held when staged
         self._uid = uid
         self._applied = False
-        self.elements = sum(_numel(s.shape) if s.index is None else s.index.numel() for s in steps)
+        self.elements = sum(math.prod(s.shape) if s.index is None else s.index.numel() for s in steps)
 
     @property
     def names(self) -> list[str]:
@@ -484,13 +485,6 @@ def _diff(name: str, target: torch.Tensor, new: torch.Tensor, diff: bool) -> _St
     step.index = index
     step.values = new.contiguous().view(-1)[index]
     return step
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _synchronize(tensors: Iterable[torch.Tensor]) -> None:

@@ -14,7 +14,6 @@ WeightVersion (docs/checkpoint-format.md; docs/publish.md).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from ferry import checkpoint_format as ckpt
 from ferry import s3
-from ferry.api.models import DNS_SUBDOMAIN, WeightFormat
+from ferry.api.models import WeightFormat, is_object_name
 from ferry.kube import kube_client
 from ferry.publish.base import replay_base
 from ferry.publish.errors import (
@@ -103,7 +102,7 @@ class PublishResult:
 
 def _validate(opts: PublishOptions) -> None:
     for what, name in (("--version", opts.version), ("--base", opts.base)):
-        if name is not None and (len(name) > 253 or not re.fullmatch(DNS_SUBDOMAIN, name)):
+        if name is not None and not is_object_name(name):
             raise InvalidPublish(f"{what} {name!r} is not a valid object name (lowercase DNS subdomain)")
     if opts.base == opts.version:
         raise InvalidPublish(f"a version cannot be its own base ({opts.version!r})")

@@ -20,7 +20,7 @@ A publish the trainer never commits is dropped with its connection, and its memo
 from __future__ import annotations
 
 import logging
-import re
+import math
 import threading
 import uuid
 from collections.abc import Mapping
@@ -35,7 +35,7 @@ from kubernetes.client.exceptions import ApiException
 from ferry import checkpoint_format as ckpt
 from ferry import s3
 from ferry.ambient import AmbientPolicy
-from ferry.api.models import DNS_SUBDOMAIN, GROUP
+from ferry.api.models import GROUP, is_object_name
 from ferry.client import protocol as p
 from ferry.errors import InvalidInput
 from ferry.publish import index_uri
@@ -143,7 +143,7 @@ class TrainerPublishing:
             raise _Refused(p.FORBIDDEN, f"pod {pod.namespace}/{pod.name} may publish only into {pod.namespace}")
         version, model, base = request.get("version"), request.get("model"), request.get("base")
         for what, name in (("version", version), ("base", base)):
-            if name is not None and not _object_name(name):
+            if name is not None and not is_object_name(name):
                 raise _Refused(p.BAD_REQUEST, f"{what} {name!r} is not a valid object name (lowercase DNS subdomain)")
         if not isinstance(version, str) or not isinstance(model, str) or not model:
             raise _Refused(p.BAD_REQUEST, "publish needs a string 'version' and 'model'")
@@ -362,10 +362,6 @@ class TrainerPublishing:
             log.info("%s/%s %s let go from host memory (durable)", namespace, model, publish.version)
 
 
-def _object_name(name: Any) -> bool:
-    return isinstance(name, str) and len(name) <= 253 and re.fullmatch(DNS_SUBDOMAIN, name) is not None
-
-
 def _specs(tensors: Any) -> list[TensorSpec]:
     if not isinstance(tensors, list) or not tensors or len(tensors) > MAX_TENSORS:
         raise _Refused(p.BAD_REQUEST, f"'tensors' must list 1 to {MAX_TENSORS} tensors")
@@ -380,10 +376,8 @@ def _specs(tensors: Any) -> list[TensorSpec]:
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
         ):
             raise _Refused(p.BAD_REQUEST, f"tensor {name!r}: shape must be a list of non-negative integers")
-        numel = 1
-        for d in shape:
-            numel *= d
-        specs[name] = TensorSpec(name, f"torch.{dtype}", tuple(shape), numel * getattr(torch, dtype).itemsize)
+        nbytes = math.prod(shape) * getattr(torch, dtype).itemsize
+        specs[name] = TensorSpec(name, f"torch.{dtype}", tuple(shape), nbytes)
     return sorted(specs.values(), key=lambda s: s.name)
 
 
