@@ -351,12 +351,14 @@ def test_socket_binds_in_a_pod_directory_the_kubelet_made_first():
 
 
 def _die(srv: AttachServer) -> None:
-    """What the kernel does to an agent process that exits: every consumer connection closed."""
-    for listener in list(srv._listeners.values()):
+    """What the kernel does to an agent process that exits: no more accepts, then every consumer connection closed.
+    In that order, so a consumer that reconnects at once cannot reach the dying agent's still-open listener."""
+    listeners = list(srv._listeners.values())
+    srv.stop()
+    for listener in listeners:
         for conn in list(listener.connections):
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-    srv.stop()
 
 
 def test_a_mapping_outlives_an_agent_restart_and_the_next_agent_lists_it_again():
