@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
             agent_name=config.node,
             store=host,
             max_connections_per_pod=config.attach_connections_per_pod,
-            publishing=TrainerPublishing(api, host, ambient=config.ambient, s3_endpoint=config.s3_endpoint),
+            publishing=TrainerPublishing(api, host, ambient=config.ambient_credentials, s3_endpoint=config.s3_endpoint),
         )
         if config.socket_dir
         else None

@@ -166,7 +166,7 @@ class NodeAgent:
         self._store = store
         self._s3_endpoint = config.s3_endpoint
         self._s3_workers = config.s3_download_workers
-        self._ambient = config.ambient
+        self._ambient = config.ambient_credentials
         # Bound on each collective of a multi-rank replica. Followers wait in one while their leader downloads and
         # replays the whole chain, so it is long; a rank that dies is noticed at once by its exit, not by this.
         self._rank_timeout_s = config.rank_timeout_seconds
@@ -179,18 +179,13 @@ class NodeAgent:
         # Rank processes for multi-rank replicas, started ahead of their loads and kept between them.
         self._rank_pool = RankPool(
             WorkerSettings(
-                agent_name=self.agent_name,
-                bind_address=self._bind_address,
-                checkpoint_dir=store.root if store else None,
-                checkpoint_quota_gib=store.quota_bytes / 2**30 if store else 500.0,
-                s3_endpoint=self._s3_endpoint,
-                s3_download_workers=self._s3_workers,
-                ambient_credentials=config.ambient.text,
-                seeds=self._seeds,
-                node=self.node,
-                reader=worker_tokens.identity if worker_tokens else None,
-                worker_allowed_identities=tuple(sorted(worker_auth.allowed_identities)) if worker_auth else (),
-                log_format=self._log_format,
+                self.agent_name,
+                config.model_copy(
+                    update={
+                        "checkpoint_dir": store.root if store else None,
+                        "checkpoint_quota_gib": store.quota_bytes / 2**30 if store else config.checkpoint_quota_gib,
+                    }
+                ),
             ),
             warm=config.warm_ranks,
             wake=lambda: self._wake.set(),

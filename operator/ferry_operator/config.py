@@ -1,101 +1,110 @@
-"""Operator settings, read once from the environment (Helm sets them on the Deployment).
-
-`SETTINGS` documents every variable the operator reads, with its default; `python -m ferry_operator --help` lists
-them, and takes each as a flag too.
-"""
+"""Operator settings, declared once (`ferry.settings`): each is a FERRY_* environment variable (the chart sets them
+on the Deployment) or the flag of `python -m ferry_operator` beside it, which wins. `python -m ferry_operator --help`
+lists them with their defaults; the kopf process reads them once from its environment (`CONFIG`)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field, PlainSerializer
 
 from ferry import ambient
-from ferry.api.models import MAX_CHAIN_LENGTH
+from ferry.settings import Settings, setting
+
+Positive = Annotated[float, Field(gt=0)]
+PositiveInt = Annotated[int, Field(gt=0)]
 
 
-@dataclass(frozen=True)
-class Setting:
-    env: str
-    default: str  # as the variable would spell it; "" = unset
-    help: str
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.env.removeprefix("FERRY_").lower().replace("_", "-")
+def _ambient(value: Any) -> ambient.AmbientPolicy:
+    return value if isinstance(value, ambient.AmbientPolicy) else ambient.AmbientPolicy.parse(value)
 
 
-SETTINGS = (
-    Setting(
-        "FERRY_VERIFY_CONCURRENCY", "16", "storage verifications at once (threads; as many again read shard headers)"
-    ),
-    Setting("FERRY_VERIFY_BACKOFF_SECONDS", "2", "first retry delay after a failed storage verification"),
-    Setting("FERRY_VERIFY_BACKOFF_MAX_SECONDS", "300", "cap of the doubling verification retry delay"),
-    Setting(
-        "FERRY_RELEASE_RETRY_SECONDS",
-        "300",
-        "safety net: a blocked release (deletion) is looked at again after this long without any change (a change of"
-        " what blocks it wakes it at once)",
-    ),
-    Setting("FERRY_WATCH_TIMEOUT_SECONDS", "300", "server-side timeout of each watch request"),
-    Setting("FERRY_METRICS_ADDRESS", "0.0.0.0", "address of the Prometheus /metrics endpoint"),
-    Setting("FERRY_METRICS_PORT", "8080", "port of the /metrics endpoint; 0 = any free port, -1 = off"),
-    Setting("FERRY_S3_ENDPOINT", "", "S3 endpoint for WeightVersions that name none (else AWS_ENDPOINT_URL)"),
-    Setting(
-        ambient.ENV,
+def _flag(value: Any) -> bool:
+    return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+Ambient = Annotated[
+    ambient.AmbientPolicy, BeforeValidator(_ambient), PlainSerializer(lambda p: p.text, return_type=str)
+]
+Flag = Annotated[bool, BeforeValidator(_flag)]
+
+
+def _env(name: str) -> str:
+    return f"FERRY_{name.upper()}"
+
+
+class OperatorConfig(Settings):
+    """The operator's settings: field `x_y` is flag `--x-y` and variable `FERRY_X_Y`."""
+
+    PROG = "python -m ferry_operator"
+    DESCRIPTION = (
+        "Ferry's operator. Each setting is a FERRY_* environment variable (as the Helm chart sets them) or the flag "
+        "beside it, which wins."
+    )
+    EPILOG = (
+        "Other options go to `kopf run` (see `python -m kopf run --help`), e.g. --log-format=json, "
+        "--liveness=http://0.0.0.0:8081/healthz, --verbose."
+    )
+
+    verify_concurrency: PositiveInt = setting(
+        16, "storage verifications at once (threads; as many again read shard headers)", env=_env("verify_concurrency")
+    )
+    verify_backoff_seconds: Positive = setting(
+        2.0, "first retry delay after a failed storage verification", env=_env("verify_backoff_seconds")
+    )
+    verify_backoff_max_seconds: Positive = setting(
+        300.0, "cap of the doubling verification retry delay", env=_env("verify_backoff_max_seconds")
+    )
+    release_retry_seconds: Positive = setting(
+        300.0,
+        "safety net: a blocked release (deletion) is looked at again after this long without any change (a change "
+        "of what blocks it wakes it at once)",
+        env=_env("release_retry_seconds"),
+    )
+    watch_timeout_seconds: PositiveInt = setting(
+        300, "server-side timeout of each watch request", env=_env("watch_timeout_seconds")
+    )
+    metrics_address: str = setting(
+        "0.0.0.0", "address of the Prometheus /metrics endpoint", env=_env("metrics_address")
+    )
+    metrics_port: int = setting(
+        8080, "port of the /metrics endpoint; 0 = any free port, -1 = off", env=_env("metrics_port")
+    )
+    s3_endpoint: str | None = setting(
+        None, "S3 endpoint for WeightVersions that name none", env=(_env("s3_endpoint"), "AWS_ENDPOINT_URL")
+    )
+    ambient_credentials: Ambient = setting(
         "",
         "JSON rules that let WeightVersions without a credentialsSecret use the operator's own S3 credentials, per "
         "namespace, bucket/prefix and endpoint (ferry/ambient.py); unset: none may",
-    ),
-    Setting("FERRY_LEADER_ELECTION", "", "true: run as one of several replicas, one active (Lease election)"),
-    Setting("FERRY_LEADER_ELECTION_NAMESPACE", "default", "namespace of the leader-election Lease"),
-    Setting("FERRY_LEADER_ELECTION_LEASE", "ferry-operator", "name of the leader-election Lease"),
-    Setting("FERRY_LEADER_ELECTION_IDENTITY", "", "this replica's identity in the Lease (default: the hostname)"),
-    Setting("FERRY_LEADER_ELECTION_LEASE_SECONDS", "10", "how long a leader's Lease holds without renewal"),
-    Setting("FERRY_LEADER_ELECTION_RENEW_DEADLINE_SECONDS", "7", "a leader that cannot renew this long steps down"),
-    Setting("FERRY_LEADER_ELECTION_RETRY_SECONDS", "2", "how often the Lease is renewed, or tried by a standby"),
-    Setting("FERRY_STANDBY_HEALTHZ", "", "URL a standby serves the liveness probe on (kopf's --liveness)"),
-)
-DEFAULTS = {s.env: s.default for s in SETTINGS}
+        env=ambient.ENV,
+        metavar="JSON",
+    )
+    leader_election: Flag = setting(
+        False, "true: run as one of several replicas, one active (Lease election)", env=_env("leader_election")
+    )
+    leader_election_namespace: str = setting(
+        "default", "namespace of the leader-election Lease", env=_env("leader_election_namespace")
+    )
+    leader_election_lease: str = setting(
+        "ferry-operator", "name of the leader-election Lease", env=_env("leader_election_lease")
+    )
+    leader_election_identity: str | None = setting(
+        None, "this replica's identity in the Lease (default: the hostname)", env=_env("leader_election_identity")
+    )
+    leader_election_lease_seconds: PositiveInt = setting(
+        10, "how long a leader's Lease holds without renewal", env=_env("leader_election_lease_seconds")
+    )
+    leader_election_renew_deadline_seconds: Positive = setting(
+        7.0, "a leader that cannot renew this long steps down", env=_env("leader_election_renew_deadline_seconds")
+    )
+    leader_election_retry_seconds: Positive = setting(
+        2.0, "how often the Lease is renewed, or tried by a standby", env=_env("leader_election_retry_seconds")
+    )
+    standby_healthz: str | None = setting(
+        None, "URL a standby serves the liveness probe on (kopf's --liveness)", env=_env("standby_healthz")
+    )
 
 
-def _float(name: str) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        raw = DEFAULTS[name]
-    value = float(raw)
-    if not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {raw!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class OperatorConfig:
-    verify_concurrency: int  # storage verifications at once (threads; as many again read shard headers)
-    verify_backoff_initial: float
-    verify_backoff_max: float
-    release_retry_seconds: float
-    watch_server_timeout: int
-    max_chain_length: int
-    metrics_address: str
-    metrics_port: int  # 0 = any free port, -1 = off
-    s3_endpoint: str | None
-    ambient: ambient.AmbientPolicy  # where the operator's own S3 credentials may be used
-
-    @classmethod
-    def from_env(cls) -> OperatorConfig:
-        return cls(
-            verify_concurrency=int(_float("FERRY_VERIFY_CONCURRENCY")),
-            verify_backoff_initial=_float("FERRY_VERIFY_BACKOFF_SECONDS"),
-            verify_backoff_max=_float("FERRY_VERIFY_BACKOFF_MAX_SECONDS"),
-            release_retry_seconds=_float("FERRY_RELEASE_RETRY_SECONDS"),
-            watch_server_timeout=int(_float("FERRY_WATCH_TIMEOUT_SECONDS")),
-            max_chain_length=MAX_CHAIN_LENGTH,
-            metrics_address=os.environ.get("FERRY_METRICS_ADDRESS", DEFAULTS["FERRY_METRICS_ADDRESS"]),
-            metrics_port=int(os.environ.get("FERRY_METRICS_PORT", DEFAULTS["FERRY_METRICS_PORT"])),
-            # Default endpoint for WeightVersions that name none (e.g. an in-cluster S3 gateway).
-            s3_endpoint=os.environ.get("FERRY_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL") or None,
-            ambient=ambient.AmbientPolicy.from_env(),
-        )
-
-
-CONFIG = OperatorConfig.from_env()
+CONFIG = OperatorConfig.from_values({}, os.environ)

@@ -35,15 +35,11 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client import Gauge
 
 from ferry.kube import kube_client
-from ferry_operator.config import DEFAULTS
+from ferry_operator.config import CONFIG, OperatorConfig
 
 log = logging.getLogger("ferry.operator.leadership")
 
 LEADER = Gauge("ferry_operator_leader", "1 while this operator process holds the leader-election Lease, else 0")
-
-
-def _true(raw: str | None) -> bool:
-    return (raw or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
@@ -65,26 +61,21 @@ class ElectionConfig:
             )
 
     @classmethod
-    def from_env(cls) -> ElectionConfig | None:
-        """None when FERRY_LEADER_ELECTION is off (the operator then assumes it is the only one)."""
-        if not _true(os.environ.get("FERRY_LEADER_ELECTION")):
+    def of(cls, config: OperatorConfig) -> ElectionConfig | None:
+        """None when leader election is off (the operator then assumes it is the only one)."""
+        if not config.leader_election:
             return None
         # A restarted container keeps its Pod name: the suffix tells its Lease records from its predecessor's.
-        base = os.environ.get("FERRY_LEADER_ELECTION_IDENTITY") or socket.gethostname()
+        base = config.leader_election_identity or socket.gethostname()
         return cls(
-            namespace=_setting("FERRY_LEADER_ELECTION_NAMESPACE"),
-            name=_setting("FERRY_LEADER_ELECTION_LEASE"),
+            namespace=config.leader_election_namespace,
+            name=config.leader_election_lease,
             identity=f"{base}_{uuid.uuid4().hex[:8]}",
-            lease_duration=int(_setting("FERRY_LEADER_ELECTION_LEASE_SECONDS")),
-            renew_deadline=float(_setting("FERRY_LEADER_ELECTION_RENEW_DEADLINE_SECONDS")),
-            retry_period=float(_setting("FERRY_LEADER_ELECTION_RETRY_SECONDS")),
-            standby_healthz=_setting("FERRY_STANDBY_HEALTHZ"),
+            lease_duration=config.leader_election_lease_seconds,
+            renew_deadline=config.leader_election_renew_deadline_seconds,
+            retry_period=config.leader_election_retry_seconds,
+            standby_healthz=config.standby_healthz or "",
         )
-
-
-def _setting(name: str) -> str:
-    """The variable, or its documented default (`config.SETTINGS`) when unset or empty."""
-    return os.environ.get(name) or DEFAULTS[name]
 
 
 def _micro(now: dt.datetime) -> str:
@@ -285,7 +276,7 @@ class Leadership:
 
 
 def from_env() -> Leadership | None:
-    config = ElectionConfig.from_env()
+    config = ElectionConfig.of(CONFIG)
     if config is None:
         return None
     # A client of its own: the renewals never queue behind the handlers' requests.

@@ -66,8 +66,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
     global _leadership, _versions
     settings.persistence.finalizer = KOPF_FINALIZER
     settings.persistence.diffbase_storage = NoDiffBase()
-    settings.watching.server_timeout = CONFIG.watch_server_timeout
-    settings.watching.client_timeout = CONFIG.watch_server_timeout + 10
+    settings.watching.server_timeout = CONFIG.watch_timeout_seconds
+    settings.watching.client_timeout = CONFIG.watch_timeout_seconds + 10
     settings.posting.enabled = False  # every Event is the operator's own (events.EVENTS), with its action
     settings.execution.max_workers = 8
     logfilter.install()

@@ -79,7 +79,7 @@ async def verify_storage(namespace: str, name: str, spec: WeightVersionSpec) -> 
     if credentials is None:
         # The operator's own credentials: not one request, not even to the endpoint, unless the admin allows it.
         try:
-            CONFIG.ambient.check(namespace, storage.uri, storage.endpoint, CONFIG.s3_endpoint)
+            CONFIG.ambient_credentials.check(namespace, storage.uri, storage.endpoint, CONFIG.s3_endpoint)
         except AmbientCredentialsDenied as exc:
             return StorageReport(ok=False, reason=StorageReason.AmbientCredentialsDenied, message=f"{exc}.")
     endpoint = storage.endpoint or CONFIG.s3_endpoint
@@ -123,7 +123,7 @@ async def storage_report(
         # The objects may appear later (uploaded after the apply), the endpoint may come back: the backoff running
         # out is the next event.
         memo["verify_backoff"], delay = backoff.after_failure(
-            time.monotonic(), CONFIG.verify_backoff_initial, CONFIG.verify_backoff_max
+            time.monotonic(), CONFIG.verify_backoff_seconds, CONFIG.verify_backoff_max_seconds
         )
         DEADLINES.after(("verify", uid), delay, retry)
     metrics.VERIFICATIONS.labels(result=str(report.reason)).inc()

@@ -157,7 +157,7 @@ class VersionWatch:
         return resource_version
 
     async def _watch(self, resource_version: str) -> None:
-        timeout = CONFIG.watch_server_timeout  # as kopf's watches
+        timeout = CONFIG.watch_timeout_seconds  # as kopf's watches
         failures = 0
         relist = False
         while True:

@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ferry_agent.ranks.worker import Job
+from ferry_agent.config import AgentConfig
+from ferry_agent.ranks.worker import RANK_CONFIG_ENV, Job
 from tests.support.agents import (
     bare_calls,
     lent_ranks,
@@ -146,7 +147,8 @@ def test_rank_processes_configured_with_different_versions_both_fail(cluster, na
     replica(cluster, namespace, "wr-mixed", f"{namespace}-n", "v1", ranks=2)
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=30))
     env = {**os.environ, **cluster.env(), "UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo"}
-    identity = cluster.agent_identity_args(f"{namespace}-n")
+    config = AgentConfig.from_args(["--node", f"{namespace}-n", *cluster.agent_identity_args(f"{namespace}-n")])
+    env[RANK_CONFIG_ENV] = config.to_env()  # what the agent hands its rank processes
     procs = [
         subprocess.Popen(
             [
@@ -155,9 +157,6 @@ def test_rank_processes_configured_with_different_versions_both_fail(cluster, na
                 "ferry_agent.ranks.worker",
                 "--agent-name",
                 f"mixed-{rank}",
-                "--node",
-                f"{namespace}-n",
-                *identity,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

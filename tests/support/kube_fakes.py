@@ -3,7 +3,6 @@ status patches) and Leases, each of which can be "down" (connection refused, as 
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -70,7 +69,7 @@ class FakeLeases:
 
 def agent_config(node: str = "n1", **overrides: Any) -> AgentConfig:
     """The agent's settings as `python -m ferry_agent --node NODE` parses them, with `overrides`."""
-    return dataclasses.replace(AgentConfig.from_args(["--node", node, "--socket-dir", ""]), **overrides)
+    return AgentConfig.from_args(["--node", node, "--socket-dir", ""]).model_copy(update=overrides)
 
 
 def fake_agent(objects: FakeObjects, leases: FakeLeases, *, peer: Any = None, **overrides: Any) -> NodeAgent:

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from ferry_agent.config import AgentConfig, argument_parser
+from ferry_agent.config import AgentConfig
 from ferry_agent.logs import LogFormat, adopt, configure
 
 pytestmark = pytest.mark.unit
 
 
 def test_every_flag_has_help():
-    undocumented = [a.option_strings for a in argument_parser()._actions if not a.help]
+    undocumented = [a.option_strings for a in AgentConfig.parser()._actions if not a.help]
     assert undocumented == []
 
 

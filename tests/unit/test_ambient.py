@@ -12,6 +12,7 @@ import pytest
 from ferry.ambient import ENV, AmbientCredentialsDenied, AmbientPolicy
 from ferry_agent.config import AgentConfig
 from ferry_agent.ranks.supervisor import WorkerSettings
+from ferry_agent.ranks.worker import RANK_CONFIG_ENV
 
 pytestmark = pytest.mark.unit
 
@@ -117,10 +118,11 @@ def test_the_agent_reads_the_env_and_hands_the_same_rules_to_its_rank_processes(
     text = json.dumps([{"namespaces": ["a"], "prefixes": ["s3://models/a"]}])
     monkeypatch.setenv(ENV, text)
     config = AgentConfig.from_args(["--node", "n1"])
-    assert config.ambient == AmbientPolicy.parse(text)
-    argv = WorkerSettings(agent_name="n1-x", ambient_credentials=config.ambient.text).argv("n1-x")
-    assert argv[argv.index("--ambient-credentials") + 1] == text
+    assert config.ambient_credentials == AmbientPolicy.parse(text)
+    handed = WorkerSettings("n1-x", config).env()[RANK_CONFIG_ENV]
+    assert AgentConfig.from_env(handed).ambient_credentials == AmbientPolicy.parse(text)
+    assert AgentConfig.from_env(handed).ambient_credentials.text == text
     monkeypatch.delenv(ENV)
-    assert AgentConfig.from_args(["--node", "n1"]).ambient == AmbientPolicy()
+    assert AgentConfig.from_args(["--node", "n1"]).ambient_credentials == AmbientPolicy()
     with pytest.raises(SystemExit):
         AgentConfig.from_args(["--node", "n1", "--ambient-credentials", "[1]"])

@@ -13,21 +13,14 @@ import pytest
 
 import ferry_operator
 from ferry_operator import __main__ as cli
+from ferry_operator.config import OperatorConfig
 
 pytestmark = pytest.mark.unit
 
 PACKAGE = Path(ferry_operator.__file__).parent
 
 
-def variables_read() -> set[str]:
-    found = set()
-    for path in PACKAGE.rglob("*.py"):
-        found.update(re.findall(r"environ\.get\(\s*\"(FERRY_[A-Z_]+)\"", path.read_text()))
-        found.update(re.findall(r"(?:_float|_setting)\(\"(FERRY_[A-Z_]+)\"", path.read_text()))
-    return found
-
-
-def test_help_lists_every_setting_with_its_default():
+def test_help_lists_every_setting_with_its_variable_and_default():
     out = subprocess.run(
         [sys.executable, "-m", "ferry_operator", "--help"],
         capture_output=True,
@@ -35,12 +28,25 @@ def test_help_lists_every_setting_with_its_default():
         check=True,
         env={**os.environ, "COLUMNS": "400"},
     ).stdout
-    names = variables_read()
-    assert {"FERRY_VERIFY_CONCURRENCY", "FERRY_LEADER_ELECTION", "FERRY_LEADER_ELECTION_LEASE"} <= names  # scanned
-    for name in names:
-        assert name in out, name
-    assert "[FERRY_VERIFY_CONCURRENCY; default: 16]" in out
+    for name in OperatorConfig.model_fields:
+        assert OperatorConfig.flag(name) in out, name
+        for variable in OperatorConfig.envs(name):
+            assert variable in out, variable
+    assert "[env FERRY_VERIFY_CONCURRENCY; default: 16]" in out
     assert "--verify-backoff-seconds" in out
+
+
+def test_no_setting_is_read_beside_the_declaration():
+    """Every FERRY_* variable goes through `OperatorConfig`: none is read from the environment anywhere else."""
+    for path in PACKAGE.rglob("*.py"):
+        assert not re.findall(r"environ(?:\.get\(|\[)\s*\"FERRY_", path.read_text()), path
+
+
+def test_a_bad_setting_exits_before_kopf_starts(monkeypatch, capsys):
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: pytest.fail("kopf started"))
+    with pytest.raises(SystemExit):
+        cli.main(["--verify-concurrency", "0"])
+    assert "--verify-concurrency (env FERRY_VERIFY_CONCURRENCY)" in capsys.readouterr().err
 
 
 def test_a_run_is_kopf_run_with_the_flags_as_variables(monkeypatch):

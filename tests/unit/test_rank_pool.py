@@ -24,6 +24,7 @@ from ferry_agent.ranks.supervisor import (
     RankWorker,
     WorkerSettings,
 )
+from tests.support.kube_fakes import agent_config
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -78,7 +79,7 @@ def load(pool: RankPool, version: str = "v1", n: int = 2) -> RankProcesses:
 
 
 def test_idle_processes_are_lent_first_given_back_after_and_lent_again() -> None:
-    pool = RankPool(StandIn(agent_name="n-1"), warm=2)
+    pool = RankPool(StandIn("n-1", agent_config()), warm=2)
     try:
         pool.maintain(0)
         warm = [w.pid for w in pool.idle()]
@@ -108,7 +109,7 @@ def test_idle_processes_are_lent_first_given_back_after_and_lent_again() -> None
 
 
 def test_the_processes_of_a_failed_load_are_killed_not_lent_again() -> None:
-    pool = RankPool(StandIn(agent_name="n-1"), warm=2)
+    pool = RankPool(StandIn("n-1", agent_config()), warm=2)
     try:
         pool.maintain(0)
         lent = [w.pid for w in pool.idle()]
@@ -126,7 +127,7 @@ def test_the_processes_of_a_failed_load_are_killed_not_lent_again() -> None:
 
 def test_a_dead_idle_process_is_replaced_and_the_agent_woken() -> None:
     woken = threading.Event()
-    pool = RankPool(StandIn(agent_name="n-1"), warm=1, wake=woken.set)
+    pool = RankPool(StandIn("n-1", agent_config()), warm=1, wake=woken.set)
     try:
         pool.maintain(0)
         (first,) = pool.idle()
@@ -144,7 +145,7 @@ def test_a_process_killed_on_purpose_is_not_taken_for_an_idle_one_that_died() ->
     """The processes of a failed load are killed after they are unlent: their exit must not count as an idle
     process dying (which wakes the agent and, for one not ready yet, backs the pool's next start off)."""
     died: list[RankWorker] = []
-    worker = RankWorker(StandIn(agent_name="n-1"), "n-1-w1", on_idle_exit=died.append)
+    worker = RankWorker(StandIn("n-1", agent_config()), "n-1-w1", on_idle_exit=died.append)
     wait(worker.ready.is_set)
     worker.kill()
     for reader in [t for t in threading.enumerate() if t.name == "ferry-n-1-w1"]:
@@ -154,7 +155,7 @@ def test_a_process_killed_on_purpose_is_not_taken_for_an_idle_one_that_died() ->
 
 def test_a_process_that_failed_before_it_was_lent_says_why_to_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STAND_IN_BROKEN", "1")
-    worker = RankWorker(StandIn(agent_name="n-1"), "n-1-w1", on_idle_exit=lambda _worker: None)
+    worker = RankWorker(StandIn("n-1", agent_config()), "n-1-w1", on_idle_exit=lambda _worker: None)
     wait(worker.stopped.is_set)  # exited, with nobody listening
     got: list[dict] = []
     worker.lend(got.append)
@@ -163,7 +164,7 @@ def test_a_process_that_failed_before_it_was_lent_says_why_to_the_load(monkeypat
 
 def test_a_process_keeps_its_rank_from_one_load_to_the_next() -> None:
     """On a GPU node rank r uses `cuda:r`: a process lent as another rank would hold a CUDA context on each GPU."""
-    pool = RankPool(StandIn(agent_name="n-1"))
+    pool = RankPool(StandIn("n-1", agent_config()))
     try:
         (a, b), warm = pool.take(2)
         assert warm == 0 and (a.rank, b.rank) == (0, 1)
@@ -183,7 +184,7 @@ def test_idle_processes_that_cannot_start_are_started_again_only_after_a_backoff
 ) -> None:
     monkeypatch.setenv("STAND_IN_BROKEN", "1")
     woken = threading.Semaphore(0)
-    pool = RankPool(StandIn(agent_name="n-1"), warm=1, wake=woken.release)
+    pool = RankPool(StandIn("n-1", agent_config()), warm=1, wake=woken.release)
     try:
         pool.maintain(0)
         assert len(pool.idle()) == 1
@@ -200,7 +201,7 @@ def test_idle_processes_that_cannot_start_are_started_again_only_after_a_backoff
 
 
 def test_a_replica_of_more_ranks_than_the_cap_is_refused_before_any_process_starts() -> None:
-    pool = RankPool(StandIn(agent_name="n-1"), cap=3)
+    pool = RankPool(StandIn("n-1", agent_config()), cap=3)
     before = children()
     try:
         with pytest.raises(RanksExceedNode, match=r"ranksPerReplica 1024 > this node's cap 3 \(--max-rank-processes\)"):
@@ -213,7 +214,7 @@ def test_a_replica_of_more_ranks_than_the_cap_is_refused_before_any_process_star
 
 
 def test_the_pool_never_runs_more_processes_than_its_cap_lent_and_idle_together() -> None:
-    pool = RankPool(StandIn(agent_name="n-1"), warm=2, cap=3)
+    pool = RankPool(StandIn("n-1", agent_config()), warm=2, cap=3)
     before = children()
     try:
         pool.maintain(2)
@@ -239,4 +240,4 @@ def test_the_pool_never_runs_more_processes_than_its_cap_lent_and_idle_together(
 
 def test_warm_processes_beyond_the_cap_are_a_configuration_error() -> None:
     with pytest.raises(ValueError, match="between 0 and the cap"):
-        RankPool(StandIn(agent_name="n-1"), warm=4, cap=3)
+        RankPool(StandIn("n-1", agent_config()), warm=4, cap=3)

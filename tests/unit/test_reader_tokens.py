@@ -4,13 +4,13 @@ still sent while renewing fails but it has not expired."""
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 from typing import Any
 
 import pytest
 from kubernetes import client
 
+from ferry_agent.config import AgentConfig
 from ferry_agent.transport import worker_auth
 from ferry_agent.transport.worker_auth import EXPIRY_MARGIN_S, PodIdentity, ReaderTokens, TokenUnavailable
 
@@ -107,13 +107,13 @@ def test_a_source_without_a_node_gets_no_token(setup) -> None:
 
 
 def test_arguments_name_the_missing_identity(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("POD_UID", raising=False)
-    parser = argparse.ArgumentParser()
-    worker_auth.add_arguments(parser)
-    args = parser.parse_args(["--pod-namespace", "ns", "--service-account", "sa", "--pod-name", "p"])
+    for name in ("POD_UID", "POD_NAMESPACE", "SERVICE_ACCOUNT", "POD_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    flags = ["--node", "node-a", "--pod-namespace", "ns", "--service-account", "sa", "--pod-name", "p"]
+    args = AgentConfig.from_args(flags)
     with pytest.raises(ValueError, match="--pod-uid missing"):
         worker_auth.from_arguments(args, client.ApiClient(), "node-a")
-    args.pod_uid = "u"
+    args = AgentConfig.from_args([*flags, "--pod-uid", "u"])
     tokens, auth = worker_auth.from_arguments(args, client.ApiClient(), "node-a")
     assert tokens.identity == PodIdentity("ns", "sa", "p", "u")
     assert auth.allowed_identities == {"system:serviceaccount:ns:sa"}

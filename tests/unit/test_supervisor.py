@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 
 from ferry.errors import LoadFailed
+from ferry_agent.config import AgentConfig
 from ferry_agent.ranks import supervisor
 from ferry_agent.ranks.supervisor import RankLaunch, RankPool, RankProcesses, WorkerSettings
+from tests.support.kube_fakes import agent_config
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -19,7 +21,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 def ranks(world_size: int = 2, **kwargs: Any) -> RankProcesses:
     return RankProcesses(
         RankLaunch(namespace="ns", replica="wr", world_size=world_size, version="v1"),
-        RankPool(WorkerSettings(agent_name="n1-abc")),
+        RankPool(WorkerSettings("n1-abc", agent_config())),
         **kwargs,
     )
 
@@ -107,6 +109,8 @@ def test_rank_processes_parse_the_agents_s3_settings() -> None:
     """The leader of a multi-rank S3 load runs as many ranged GETs at once as the agent was told to, not a default."""
     from ferry_agent.ranks import worker
 
-    settings = WorkerSettings(agent_name="n1-abc", s3_endpoint="http://127.0.0.1:1", s3_download_workers=1)
+    settings = WorkerSettings("n1-abc", agent_config(s3_endpoint="http://127.0.0.1:1", s3_download_workers=1))
     args = worker._parser().parse_args(settings.argv("n1-abc-w1")[3:])
-    assert (args.agent_name, args.s3_endpoint, args.s3_download_workers) == ("n1-abc-w1", "http://127.0.0.1:1", 1)
+    config = AgentConfig.from_env(settings.env()[worker.RANK_CONFIG_ENV])
+    assert (args.agent_name, config.s3_endpoint, config.s3_download_workers) == ("n1-abc-w1", "http://127.0.0.1:1", 1)
+    assert config == settings.config  # the agent's settings, whole: the rank process parses none of its own

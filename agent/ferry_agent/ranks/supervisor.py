@@ -27,17 +27,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ferry_agent.strategies.local_file import SeedKey
+from typing import Any
 
 from ferry.errors import LoadFailed
+from ferry_agent.config import AgentConfig
 from ferry_agent.ranks import DEFAULT_MAX_RANK_PROCESSES
-from ferry_agent.ranks.worker import Job
+from ferry_agent.ranks.worker import RANK_CONFIG_ENV, Job
 from ferry_agent.transport.loading_source import Publish
-from ferry_agent.transport.worker_auth import PodIdentity
 
 log = logging.getLogger(__name__)
 
@@ -52,62 +48,24 @@ class RanksExceedNode(RuntimeError):
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """What every rank process of this agent is started with: the agent's settings, nothing of a replica."""
+    """What every rank process of this agent is started with: the agent's own settings, nothing of a replica."""
 
     agent_name: str
-    bind_address: str = "127.0.0.1"
-    checkpoint_dir: Path | None = None
-    checkpoint_quota_gib: float = 500.0
-    s3_endpoint: str | None = None
-    s3_download_workers: int = 8
-    ambient_credentials: str = ""  # the agent's --ambient-credentials (JSON)
-    seeds: Mapping[SeedKey, Path] | None = None
-    node: str = ""  # the agent's node: the ranks' worker services accept tokens for its audience
-    reader: PodIdentity | None = None  # whom the ranks mint their worker tokens as; None: their env's
-    worker_allowed_identities: tuple[str, ...] = ()
-    log_format: str = "plain"  # `logs.LogFormat`: the agent's
+    config: AgentConfig  # handed whole to each rank process (`RANK_CONFIG_ENV`), which parses no settings itself
 
     def argv(self, name: str) -> list[str]:
-        args = [
+        return [
             sys.executable,
             "-m",
             "ferry_agent.ranks.worker",
             "--agent-name",
             name,
-            "--bind-address",
-            self.bind_address,
-            "--checkpoint-quota-gib",
-            str(self.checkpoint_quota_gib),
             "--parent-pid",
             str(os.getpid()),
-            "--log-format",
-            str(self.log_format),
         ]
-        if self.checkpoint_dir is not None:
-            args += ["--checkpoint-dir", str(self.checkpoint_dir)]
-        if self.s3_endpoint:
-            args += ["--s3-endpoint", self.s3_endpoint]
-        args += ["--s3-download-workers", str(self.s3_download_workers)]
-        args += ["--ambient-credentials", self.ambient_credentials]
-        for key, path in (self.seeds or {}).items():
-            args += ["--seed", f"{key}={path}"]
-        if self.node:
-            args += ["--node", self.node]
-        if self.reader is not None:
-            me = self.reader
-            args += [
-                "--pod-namespace",
-                me.namespace,
-                "--service-account",
-                me.service_account,
-                "--pod-name",
-                me.pod_name,
-                "--pod-uid",
-                me.pod_uid,
-            ]
-        for identity in self.worker_allowed_identities:
-            args += ["--worker-allowed-identity", identity]
-        return args
+
+    def env(self) -> dict[str, str]:
+        return {RANK_CONFIG_ENV: self.config.to_env()}
 
 
 @dataclass(frozen=True)
@@ -131,7 +89,7 @@ class RankWorker:
         self.name = name  # its NIXL agent's
         self.rank: int | None = None  # in the last load it was lent to
         self._on_idle_exit = on_idle_exit
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), **settings.env()}
         self.proc = subprocess.Popen(
             settings.argv(name), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )

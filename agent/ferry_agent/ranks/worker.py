@@ -37,7 +37,6 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,20 +46,19 @@ from ferry import s3
 from ferry.kube import kube_client
 from ferry_agent import logs
 from ferry_agent.attach.memstore import HostStore
-from ferry_agent.config import add_ambient_argument
+from ferry_agent.config import AgentConfig
 from ferry_agent.kube.apiretry import bound_requests
 from ferry_agent.kube.sources import ApiSources
-from ferry_agent.logs import LogFormat
 from ferry_agent.ranks.agreement import TorchRankGroup
 from ferry_agent.replica_load import load_rank, loading_source, rank_context, read_guard, serve_rank
 from ferry_agent.store.checkpoints import CheckpointStore
 from ferry_agent.strategies.chain import StrategyRecoveryError
-from ferry_agent.strategies.local_file import seed_argument
 from ferry_agent.transport import worker_auth
 from ferry_agent.transport.nixl import NixlPeer
 
 log = logging.getLogger("ferry.rank")
 LEASE_POLL_S = 1.0
+RANK_CONFIG_ENV = "FERRY_RANK_AGENT_CONFIG"  # the agent's settings (`AgentConfig`, JSON), set by the agent
 
 
 class Reporter:
@@ -101,31 +99,10 @@ class Job:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """Only what differs between the rank processes of one agent: every setting is the agent's (`RANK_CONFIG_ENV`)."""
     p = argparse.ArgumentParser(prog="ferry-rank", description=__doc__.splitlines()[0])
     p.add_argument("--agent-name", required=True, help="this process's NIXL agent name (unique on the node)")
-    p.add_argument("--bind-address", default="127.0.0.1", help="address peers reach this rank's worker service on")
-    p.add_argument("--checkpoint-dir", type=Path, help="the node's checkpoint store (shared by its ranks)")
-    p.add_argument("--checkpoint-quota-gib", type=float, default=500.0, help="most the checkpoint store may hold")
-    p.add_argument("--s3-endpoint", help="S3 endpoint for versions that name none")
-    p.add_argument("--s3-download-workers", type=int, default=8, help="ranged GETs an object-storage load runs at once")
-    p.add_argument(
-        "--seed",
-        type=seed_argument,
-        action="append",
-        default=[],
-        metavar="NAMESPACE/MODEL/VERSION=PATH",
-        help="a local safetensors file that holds that WeightVersion; repeatable",
-    )
-    p.add_argument(
-        "--log-format",
-        choices=[str(f) for f in LogFormat],
-        default=LogFormat.PLAIN,
-        help="plain text, or one JSON object a line (the agent passes its own)",
-    )
     p.add_argument("--parent-pid", type=int, help="the node agent's pid: this rank ends when the agent does")
-    p.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this rank's node (env NODE_NAME)")
-    add_ambient_argument(p)
-    worker_auth.add_arguments(p)
     return p
 
 
@@ -161,30 +138,31 @@ class RankProcess:
     """What a rank process keeps from one load to the next: the API client and worker credentials, the node's
     checkpoint store, its NIXL agent and its host memory."""
 
-    def __init__(self, args: argparse.Namespace, report: Reporter) -> None:
-        if not args.node:
-            raise SystemExit("--node (or NODE_NAME) is required")
+    def __init__(self, agent_name: str, config: AgentConfig, report: Reporter) -> None:
         # The S3 model parsed while the process starts (NIXL, the API), not when a cold start needs S3.
         threading.Thread(target=s3.prewarm, name="ferry-s3-prewarm", daemon=True).start()
-        self.args = args
+        self.agent_name = agent_name
+        self.config = config
         self.report = report
         self.api = bound_requests(kube_client())
         try:
-            self.tokens, self.auth = worker_auth.from_arguments(args, self.api, args.node)
+            self.tokens, self.auth = worker_auth.from_arguments(config, self.api, config.node)
         except ValueError as exc:
             raise SystemExit(f"ferry-rank: {exc}") from exc
         self.store = None
-        if args.checkpoint_dir:
-            self.store = CheckpointStore(args.checkpoint_dir, int(args.checkpoint_quota_gib * 2**30))
-        self.peer = NixlPeer(args.agent_name)
+        if config.checkpoint_dir:
+            self.store = CheckpointStore(config.checkpoint_dir, int(config.checkpoint_quota_gib * 2**30))
+        self.peer = NixlPeer(agent_name)
         self.host = HostStore()  # the shares this process serves, on `cpu`: sealed memfd chunks the agent adopts
 
     def serve(self, job: Job, stdin: Any) -> bool | None:
         """Load `job`'s rank and serve it until told to stop. None: the load failed (reported); else whether the
         process goes on (False: stdin ended)."""
-        args, report = self.args, self.report
-        _log_as(args, job)
-        sources = ApiSources(self.api, job.namespace, ambient=args.ambient_credentials, s3_endpoint=args.s3_endpoint)
+        config, report = self.config, self.report
+        _log_as(self.agent_name, config, job)
+        sources = ApiSources(
+            self.api, job.namespace, ambient=config.ambient_credentials, s3_endpoint=config.s3_endpoint
+        )
         spec = sources.replica(job.replica)["spec"]
         host, _, port = job.store.rpartition(":")
         timeout = dt.timedelta(seconds=job.timeout_s)
@@ -206,7 +184,7 @@ class RankProcess:
             version=job.version,
             spec=spec,
             sources=sources,
-            host=args.bind_address,
+            host=config.bind_address,
             publish=lambda fields: report("loading", fields=fields),
         )
         try:
@@ -218,9 +196,9 @@ class RankProcess:
                 configured=job.version or None,
                 peer=self.peer,
                 store=self.store,
-                s3_endpoint=args.s3_endpoint,
-                download_workers=args.s3_download_workers,
-                seeds=dict(args.seed),
+                s3_endpoint=config.s3_endpoint,
+                download_workers=config.s3_download_workers,
+                seeds=config.seeds,
                 progress=progress,
                 note=lambda text: report("note", message=text),
                 credentials=self.tokens,
@@ -251,7 +229,7 @@ class RankProcess:
             result.resident,
             self.peer,
             rank=job.rank,
-            host=args.bind_address,
+            host=config.bind_address,
             spec=spec,
             guard=read_guard(self.auth, job.namespace, ctx),
         )
@@ -277,8 +255,8 @@ class RankProcess:
                 sealed.unref()
 
 
-def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
-    me = RankProcess(args, report)
+def run(agent_name: str, config: AgentConfig, report: Reporter, stdin: Any) -> int:
+    me = RankProcess(agent_name, config, report)
     report("ready", agent=me.peer.name)
     try:
         for line in stdin:
@@ -296,7 +274,7 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
                 gc.collect()  # what the load held (its share's mappings, the worker service) goes now, not later
                 if torch.cuda.is_initialized():
                     torch.cuda.empty_cache()  # a GPU share's memory goes back to the device, not to a cache of ours
-                _log_as(args)
+                _log_as(agent_name, config)
                 report("stopped", rank=job.rank)
                 if not going_on:
                     break
@@ -309,13 +287,13 @@ def run(args: argparse.Namespace, report: Reporter, stdin: Any) -> int:
     return 0
 
 
-def _log_as(args: argparse.Namespace, job: Job | None = None) -> None:
+def _log_as(agent_name: str, config: AgentConfig, job: Job | None = None) -> None:
     """Log lines say which load they belong to, if any."""
     if job is None:
-        logs.configure(LogFormat(args.log_format), stream=sys.stderr, prefix=f"{args.agent_name} ")
+        logs.configure(config.log_format, stream=sys.stderr, prefix=f"{agent_name} ")
         return
     logs.configure(
-        LogFormat(args.log_format),
+        config.log_format,
         stream=sys.stderr,
         prefix=f"rank{job.rank}/{job.world_size} ",
         replica=f"{job.namespace}/{job.replica}",
@@ -338,7 +316,8 @@ def _die_with(parent_pid: int | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     _die_with(args.parent_pid)
-    _log_as(args)
+    config = AgentConfig.from_env(os.environ[RANK_CONFIG_ENV])
+    _log_as(args.agent_name, config)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of a replica share one node
     # Events keep the original stdout to themselves; anything else printed there (NIXL logs to stdout, C++
     # libraries write to fd 1) goes to stderr with the logs.
@@ -346,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     os.dup2(2, 1)
     report = Reporter(events)
     try:
-        code = run(args, report, sys.stdin)
+        code = run(args.agent_name, config, report, sys.stdin)
     except Exception as exc:  # while the process starts (API, credentials, store): say why, not just "exit 1"
         log.exception("rank process %s failed", args.agent_name)
         report("failed", message=f"{type(exc).__name__}: {exc}", fatal=False, attempts=[])

@@ -3,7 +3,6 @@ model and version."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -40,17 +39,6 @@ def parse_seed(text: str) -> tuple[SeedKey, Path]:
     if not sep or not path or not namespace or not model or not version:
         raise ValueError(f"expected NAMESPACE/MODEL/VERSION=PATH, got {text!r}")
     return SeedKey(namespace, model, version), Path(path)
-
-
-def seed_argument(text: str) -> tuple[SeedKey, Path]:
-    """`parse_seed` for argparse: the file must exist."""
-    try:
-        key, path = parse_seed(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"seed checkpoint {path} does not exist")
-    return key, path
 
 
 @dataclass

@@ -23,14 +23,12 @@ during an apiserver outage: a token accepted and a view in sync within the last 
 
 from __future__ import annotations
 
-import argparse
 import base64
 import binascii
 import hashlib
 import json
 import logging
 import math
-import os
 import re
 import threading
 import time
@@ -606,28 +604,8 @@ class ReadGuard:
 # ---------------------------------------------------------------------------------------------- processes
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The worker-auth flags of the agent and of its rank processes: who the reader is (the chart sets the env from
-    the downward API) and whom the server admits."""
-    for flag, env, what in (
-        ("--pod-namespace", "POD_NAMESPACE", "the namespace of this agent's Pod and ServiceAccount"),
-        ("--service-account", "SERVICE_ACCOUNT", "this agent's ServiceAccount"),
-        ("--pod-name", "POD_NAME", "this agent's Pod, which its worker tokens are bound to"),
-        ("--pod-uid", "POD_UID", "that Pod's uid"),
-    ):
-        parser.add_argument(flag, default=os.environ.get(env) or None, help=f"{what} (env {env})")
-    parser.add_argument(
-        "--worker-allowed-identity",
-        action="append",
-        default=[],
-        metavar="USERNAME",
-        help="a user (as TokenReview reports it) whose pod-bound tokens may read from this agent; repeatable "
-        "(default: this agent's own ServiceAccount)",
-    )
-
-
 class ReaderArguments(Protocol):
-    """The settings `add_arguments` adds: parsed arguments, or an `AgentConfig`."""
+    """Who the reader is and whom the server admits: an `AgentConfig` (the agent's, also in its rank processes)."""
 
     @property
     def pod_namespace(self) -> str | None: ...

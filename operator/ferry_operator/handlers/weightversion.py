@@ -23,6 +23,7 @@ import kopf
 from ferry.api.conditions import condition_dicts, find_condition, now_rfc3339
 from ferry.api.models import (
     GROUP,
+    MAX_CHAIN_LENGTH,
     EventAction,
     InvalidObject,
     WeightVersion,
@@ -114,7 +115,7 @@ async def reconcile(
         if version is None:
             return
         started = time.perf_counter()
-        chain = resolve_chain(name, indexes.version_lookup(namespace), CONFIG.max_chain_length)
+        chain = resolve_chain(name, indexes.version_lookup(namespace), MAX_CHAIN_LENGTH)
         storage = await verification.storage_report(
             version.metadata.uid,
             namespace,
